@@ -1,0 +1,232 @@
+"""The number formats of DeepSeek-V4.1: rounding, packing and unpacking.
+
+Owns the one implementation of each format MODEL_FACTS.md section 7 names, used by
+the model's fake quantisation, the cache's packed planes and the checkpoint
+loader/writer alike:
+
+- FP8 E4M3 in blocks of 32 channels with a power-of-two (E8M0) scale: window KV,
+  and (in 32x32 blocks) the FP8 weights.
+- E2M1 (FP4) codes, two per byte, low nibble = even element.
+- MXFP4: E2M1 in blocks of 32 with a power-of-two (E8M0) scale: index query/keys,
+  and the FP4 routed experts (blocks along the input dim).
+- NVFP4: E2M1 in blocks of 16 with an E4M3 scale: compressed KV.
+
+``round_*`` functions return the dequantised values (the published model computes
+with those); ``quantize_*`` return the packed bytes and ``dequantize_*`` read them
+back, bit for bit the same values.
+
+Must not import: anything of this project (this module is the one ``cache/`` may
+import from ``model/``), ray, triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# Floors that keep an all-zero block's scale finite. FP8's is the published one;
+# MXFP4 uses the same floor (?): the model facts give none, so it lives here alone.
+FP8_AMAX_FLOOR = 1e-4
+MXFP4_AMAX_FLOOR = 1e-4
+NVFP4_AMAX_FLOOR = 6.0 * 2.0**-9
+FP8_BLOCK = 32
+MXFP4_BLOCK = 32
+NVFP4_BLOCK = 16
+WEIGHT_BLOCK = 32
+E8M0_BIAS = 127
+
+# The signed grid is indexed by code & 7, bit 3 is the sign.
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring grid values; at a midpoint the even code wins.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+# Midpoints whose upper neighbour has the even code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0).
+_E2M1_TIES_UP = (0.75, 1.75, 3.5)
+
+
+class FormatError(ValueError):
+    """A tensor whose shape or dtype does not fit the format asked for."""
+
+
+def _blocks(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
+    if x.shape[-1] % block:
+        raise FormatError(f"{what}: last dim {x.shape[-1]} is not a multiple of the block size {block}")
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def pow2_scale(amax: torch.Tensor, grid_max: float, floor: float) -> torch.Tensor:
+    """2^ceil(log2(max(amax, floor) / grid_max)): the E8M0 scale of a block."""
+    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(floor) / grid_max)))
+
+
+# -- E8M0 ---------------------------------------------------------------------------
+
+
+def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
+    """A power-of-two float scale as its biased exponent byte."""
+    exponent = torch.log2(scale.float())
+    if not torch.equal(exponent, torch.round(exponent)):
+        raise FormatError("e8m0_encode: scale is not a power of two")
+    biased = exponent + E8M0_BIAS
+    if biased.numel() and (biased.min() < 0 or biased.max() > 254):
+        raise FormatError("e8m0_encode: scale outside E8M0's range 2^-127..2^127")
+    return biased.to(torch.uint8)
+
+
+def e8m0_decode(code: torch.Tensor) -> torch.Tensor:
+    """Biased exponent bytes (uint8, or torch.float8_e8m0fnu) as float32 scales."""
+    if code.dtype == getattr(torch, "float8_e8m0fnu", None):
+        code = code.view(torch.uint8)
+    if code.dtype != torch.uint8:
+        raise FormatError(f"e8m0_decode: expected uint8 exponent bytes, got {code.dtype}")
+    return torch.exp2(code.float() - E8M0_BIAS)
+
+
+# -- FP8 E4M3 -----------------------------------------------------------------------
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 bytes [..., D] (uint8) and E8M0 scale bytes [..., D / block]."""
+    xb = _blocks(x, block, "quantize_fp8")
+    scale = pow2_scale(xb.abs().amax(-1, keepdim=True), FP8_E4M3_MAX, FP8_AMAX_FLOOR)
+    values = _to_e4m3(xb / scale).view(torch.uint8).reshape(x.shape)
+    return values, e8m0_encode(scale.squeeze(-1))
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    v = values.view(torch.float8_e4m3fn).float()
+    vb = v.reshape(*v.shape[:-1], v.shape[-1] // block, block)
+    return (vb * e8m0_decode(scales).unsqueeze(-1)).reshape(v.shape)
+
+
+def round_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """FP8 E4M3 fake quantisation in blocks of ``block`` channels (window KV)."""
+    return dequantize_fp8(*quantize_fp8(x, block), block=block).to(x.dtype)
+
+
+# -- E2M1 (FP4) codes ---------------------------------------------------------------
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 code (ties to even, saturating at 6) of each value, uint8 in 0..15."""
+    a = x.float().abs()
+    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
+    code = torch.bucketize(a, mids, right=False)
+    ties_up = torch.tensor(_E2M1_TIES_UP, dtype=torch.float32, device=x.device)
+    code = code + torch.isin(a, ties_up).to(code.dtype)
+    sign = (x.float() < 0) & (code > 0)
+    return (code | (sign.to(code.dtype) << 3)).to(torch.uint8)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=code.device)
+    c = code.to(torch.int64)
+    magnitude = grid[c & 7]
+    return torch.where((c & 8) != 0, -magnitude, magnitude)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last dim, the even element in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise FormatError(f"pack_nibbles: last dim {codes.shape[-1]} is odd")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    p = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
+    low, high = p & 0x0F, p >> 4
+    return torch.stack((low, high), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+# -- MXFP4 --------------------------------------------------------------------------
+
+
+def quantize_mxfp4(x: torch.Tensor, block: int = MXFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed E2M1 bytes [..., D / 2] and E8M0 scale bytes [..., D / block]."""
+    xb = _blocks(x, block, "quantize_mxfp4")
+    scale = pow2_scale(xb.abs().amax(-1, keepdim=True), E2M1_MAX, MXFP4_AMAX_FLOOR)
+    codes = e2m1_encode(xb / scale).reshape(x.shape)
+    return pack_nibbles(codes), e8m0_encode(scale.squeeze(-1))
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, block: int = MXFP4_BLOCK) -> torch.Tensor:
+    v = e2m1_decode(unpack_nibbles(packed))
+    vb = v.reshape(*v.shape[:-1], v.shape[-1] // block, block)
+    return (vb * e8m0_decode(scales).unsqueeze(-1)).reshape(v.shape)
+
+
+def round_mxfp4(x: torch.Tensor, block: int = MXFP4_BLOCK) -> torch.Tensor:
+    """MXFP4 fake quantisation (index query and keys)."""
+    return dequantize_mxfp4(*quantize_mxfp4(x, block), block=block).to(x.dtype)
+
+
+# -- NVFP4 --------------------------------------------------------------------------
+
+
+def quantize_nvfp4(x: torch.Tensor, block: int = NVFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed E2M1 bytes [..., D / 2] and E4M3 scale bytes [..., D / block]."""
+    xb = _blocks(x, block, "quantize_nvfp4")
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(NVFP4_AMAX_FLOOR)
+    scale = _to_e4m3(amax / E2M1_MAX)
+    codes = e2m1_encode(xb / scale.float()).reshape(x.shape)
+    return pack_nibbles(codes), scale.squeeze(-1).view(torch.uint8)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
+    v = e2m1_decode(unpack_nibbles(packed))
+    vb = v.reshape(*v.shape[:-1], v.shape[-1] // block, block)
+    return (vb * scales.view(torch.float8_e4m3fn).float().unsqueeze(-1)).reshape(v.shape)
+
+
+def round_nvfp4(x: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
+    """NVFP4 fake quantisation (compressed KV)."""
+    return dequantize_nvfp4(*quantize_nvfp4(x, block), block=block).to(x.dtype)
+
+
+# -- weights on disk ----------------------------------------------------------------
+
+
+def _pad_to_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
+    rows, cols = w.shape
+    pr, pc = (-rows) % block, (-cols) % block
+    return torch.nn.functional.pad(w.float(), (0, pc, 0, pr)) if pr or pc else w.float()
+
+
+def quantize_fp8_weight(w: torch.Tensor, block: int = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 weight [out, in] with one E8M0 scale per block x block tile
+    ([ceil(out / block), ceil(in / block)])."""
+    rows, cols = w.shape
+    padded = _pad_to_blocks(w, block)
+    tiles = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    scale = pow2_scale(tiles.abs().amax(dim=(1, 3), keepdim=True), FP8_E4M3_MAX, FP8_AMAX_FLOOR)
+    values = _to_e4m3(tiles / scale).reshape(padded.shape)[:rows, :cols]
+    return values, e8m0_encode(scale.reshape(scale.shape[0], scale.shape[2]))
+
+
+def dequantize_fp8_weight(values: torch.Tensor, scales: torch.Tensor, block: int = WEIGHT_BLOCK) -> torch.Tensor:
+    rows, cols = values.shape
+    expected = (-(-rows // block), -(-cols // block))
+    if tuple(scales.shape) != expected:
+        raise FormatError(f"dequantize_fp8_weight: scale shape {tuple(scales.shape)}, expected {expected}")
+    s = e8m0_decode(scales).repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return values.view(torch.float8_e4m3fn).float() * s
+
+
+def quantize_fp4_weight(w: torch.Tensor, block: int = MXFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 weight [out, in] packed into int8 [out, in / 2] with one E8M0 scale per
+    ``block`` input columns ([out, in / block]): MXFP4 along the input dim."""
+    packed, scales = quantize_mxfp4(w, block)
+    return packed.view(torch.int8), scales
+
+
+def dequantize_fp4_weight(packed: torch.Tensor, scales: torch.Tensor, block: int = MXFP4_BLOCK) -> torch.Tensor:
+    rows, half = packed.shape
+    expected = (rows, half * 2 // block)
+    if tuple(scales.shape) != expected:
+        raise FormatError(f"dequantize_fp4_weight: scale shape {tuple(scales.shape)}, expected {expected}")
+    return dequantize_mxfp4(packed, scales, block)
