@@ -1,0 +1,245 @@
+"""Per-row addresses of one step's flat token batch in the PAGE/STATE pools.
+
+Owns the translation of a step's segments (one per request: its STATE slot, page
+table, the positions it computes) into index tensors the paged runtime reads and
+writes through: window keys (this step's rows or the slot's ring), ring writes after
+attention, compression plans (which ratio-2 pairs or ratio-1 rows complete an entry in
+this step, where a pair's first member is a STATE tail, which PAGE row each entry
+lands in, which entries are already cached and not rewritten), tail writes, and the
+tiles of entry rows each request's index scorer reads. Everything is plain integers:
+no model arithmetic and no pool access.
+
+Must not import: model (other than model.formats), cluster, actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+NO_ROW = -1  # an address slot that holds nothing (padding, or a key outside the window)
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """One request's rows in a step.
+
+    The step computes positions [start, start + length) of the request. ``page_table``
+    covers every position up to start + length. Compressed entries whose group ends at
+    or below ``write_from`` are already in the prefix cache and are read, not written.
+    ``window_start`` is the first position any window may read (a replay's first row:
+    a fresh slot's ring holds nothing below it)."""
+
+    slot: int
+    page_table: tuple[int, ...]
+    start: int
+    length: int
+    write_from: int = 0
+    window_start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.length < 0:
+            raise ValueError(f"SegmentSpec.length: {self.length} (allowed: >= 0)")
+        if self.start < 0 or self.window_start < 0 or self.write_from < 0:
+            raise ValueError("SegmentSpec.start/window_start/write_from: must be >= 0")
+        if self.window_start > self.start:
+            raise ValueError(
+                f"SegmentSpec.window_start: {self.window_start} is past start {self.start} "
+                "(a window cannot begin after the rows the step computes)"
+            )
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """The few geometry numbers addressing needs."""
+
+    block_size: int
+    window: int
+    ring_rows: int  # window + speculative slack
+    ratios: tuple[int, ...]  # the distinct ratios of the Full owners
+
+    def __post_init__(self) -> None:
+        if self.ring_rows < self.window:
+            raise ValueError(f"PoolShape.ring_rows: {self.ring_rows} < window {self.window}")
+        for r in self.ratios:
+            if r not in (1, 2) or self.block_size % r:
+                raise ValueError(f"PoolShape.ratios: {r} (allowed: 1 or 2, dividing block_size {self.block_size})")
+
+    def entries_per_page(self, ratio: int) -> int:
+        return self.block_size // ratio
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """Window keys of every row: W sources each, oldest first, and the ring writes."""
+
+    chunk_rows: torch.Tensor  # [R, W] this step's row holding the key, or NO_ROW
+    ring_rows: torch.Tensor  # [R, W] flat ring row (slot * ring_rows + pos % ring_rows), or NO_ROW
+    valid: torch.Tensor  # [R, W] bool
+    write_rows: torch.Tensor  # [N] this step's rows whose KV goes into the ring after attention
+    write_dst: torch.Tensor  # [N] flat ring rows they land in
+
+
+@dataclass(frozen=True)
+class CompressionPlan:
+    """The compressed entries one ratio completes in this step (shared by every owner
+    of that ratio, each writing its own planes)."""
+
+    ratio: int
+    first_rows: torch.Tensor  # [G] this step's row of a group's first token, or NO_ROW (it is a tail)
+    first_tail_slots: torch.Tensor  # [G] STATE slot whose tail holds the first token, or NO_ROW
+    second_rows: torch.Tensor  # [G] this step's row of the group's last token (ratio 1: the only one)
+    entry_positions: torch.Tensor  # [G] RoPE position of the entry (the group's first token)
+    dst: torch.Tensor  # [G] flat entry row in the owner's planes (page * entries_per_page + row)
+    tail_write_rows: torch.Tensor  # [N] rows whose (v, g) stay pending in the STATE tail
+    tail_write_slots: torch.Tensor  # [N]
+
+
+@dataclass(frozen=True)
+class EntryTile:
+    """The entry rows each segment's index scorer and attention gather from."""
+
+    ratio: int
+    entry_rows: torch.Tensor  # [S, C] flat entry row of entry j of segment s, or NO_ROW
+    visible: torch.Tensor  # [R] how many entries each row sees: (pos + 1) // ratio
+
+
+@dataclass(frozen=True)
+class StepAddresses:
+    positions: torch.Tensor  # [R]
+    row_segments: torch.Tensor  # [R] segment index of each row
+    segment_slots: torch.Tensor  # [S]
+    window: WindowPlan
+    compression: dict[int, CompressionPlan]
+    tiles: dict[int, EntryTile]
+    last_rows: torch.Tensor  # [S] each segment's last row (NO_ROW for an empty segment)
+
+
+def _long(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+def build_step_addresses(segments: Sequence[SegmentSpec], shape: PoolShape) -> StepAddresses:
+    """Addresses of a step; rows are laid out segment after segment."""
+    W, ring_rows, B = shape.window, shape.ring_rows, shape.block_size
+    positions: list[int] = []
+    row_segments: list[int] = []
+    last_rows: list[int] = []
+    write_rows: list[int] = []
+    write_dst: list[int] = []
+    base = 0
+    for s, seg in enumerate(segments):
+        need_pages = -(-seg.end // B)
+        if len(seg.page_table) < need_pages:
+            raise ValueError(
+                f"segment {s}: page_table has {len(seg.page_table)} pages, positions up to {seg.end} need {need_pages}"
+            )
+        positions.extend(range(seg.start, seg.end))
+        row_segments.extend([s] * seg.length)
+        last_rows.append(base + seg.length - 1 if seg.length else NO_ROW)
+        for pos in range(max(seg.start, seg.end - ring_rows), seg.end):
+            write_rows.append(base + pos - seg.start)
+            write_dst.append(seg.slot * ring_rows + pos % ring_rows)
+        base += seg.length
+
+    pos_t = _long(positions)
+    seg_t = _long(row_segments)
+    starts = _long([seg.start for seg in segments])
+    bases = torch.cumsum(_long([0] + [seg.length for seg in segments]), 0)[:-1]
+    window_starts = _long([seg.window_start for seg in segments])
+    slots = _long([seg.slot for seg in segments])
+
+    key_pos = pos_t.unsqueeze(1) - W + 1 + torch.arange(W)  # [R, W]
+    row_start = starts[seg_t].unsqueeze(1)
+    valid = (key_pos >= window_starts[seg_t].unsqueeze(1)) & (key_pos >= 0)
+    in_chunk = key_pos >= row_start
+    chunk_rows = torch.where(valid & in_chunk, bases[seg_t].unsqueeze(1) + key_pos - row_start, NO_ROW)
+    ring_flat = slots[seg_t].unsqueeze(1) * ring_rows + key_pos.remainder(ring_rows)
+    ring_rows_t = torch.where(valid & ~in_chunk, ring_flat, NO_ROW)
+
+    window = WindowPlan(
+        chunk_rows=chunk_rows,
+        ring_rows=ring_rows_t,
+        valid=valid,
+        write_rows=_long(write_rows),
+        write_dst=_long(write_dst),
+    )
+    compression = {r: _compression_plan(segments, shape, r) for r in shape.ratios}
+    tiles = {r: _entry_tile(segments, shape, r, pos_t) for r in shape.ratios}
+    return StepAddresses(
+        positions=pos_t,
+        row_segments=seg_t,
+        segment_slots=slots,
+        window=window,
+        compression=compression,
+        tiles=tiles,
+        last_rows=_long(last_rows),
+    )
+
+
+def entry_row(seg: SegmentSpec, shape: PoolShape, ratio: int, entry: int) -> int:
+    """Flat row of compressed entry ``entry`` of a request in an owner's planes."""
+    per_page = shape.entries_per_page(ratio)
+    return seg.page_table[entry // per_page] * per_page + entry % per_page
+
+
+def _compression_plan(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: int) -> CompressionPlan:
+    first_rows: list[int] = []
+    first_tails: list[int] = []
+    second_rows: list[int] = []
+    entry_pos: list[int] = []
+    dst: list[int] = []
+    tail_rows: list[int] = []
+    tail_slots: list[int] = []
+    base = 0
+    for seg in segments:
+        # Entry j is the group [j*r, (j+1)*r); it completes at its last token and is
+        # written only when that group ends past write_from (else the cache holds it).
+        first_entry = max(seg.start // ratio, seg.write_from // ratio)
+        for j in range(first_entry, seg.end // ratio):
+            last = (j + 1) * ratio - 1
+            if last < seg.start:
+                continue
+            first = j * ratio
+            if first >= seg.start:
+                first_rows.append(base + first - seg.start)
+                first_tails.append(NO_ROW)
+            else:
+                first_rows.append(NO_ROW)
+                first_tails.append(seg.slot)
+            second_rows.append(base + last - seg.start)
+            entry_pos.append(first)
+            dst.append(entry_row(seg, shape, ratio, j))
+        if ratio == 2 and seg.length and seg.end % 2 == 1:
+            tail_rows.append(base + seg.end - 1 - seg.start)
+            tail_slots.append(seg.slot)
+        base += seg.length
+    return CompressionPlan(
+        ratio=ratio,
+        first_rows=_long(first_rows),
+        first_tail_slots=_long(first_tails),
+        second_rows=_long(second_rows),
+        entry_positions=_long(entry_pos),
+        dst=_long(dst),
+        tail_write_rows=_long(tail_rows),
+        tail_write_slots=_long(tail_slots),
+    )
+
+
+def _entry_tile(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: int, positions: torch.Tensor) -> EntryTile:
+    per_page = shape.entries_per_page(ratio)
+    width = max((seg.end // ratio for seg in segments), default=0)
+    tile = torch.full((len(segments), width), NO_ROW, dtype=torch.long)
+    for s, seg in enumerate(segments):
+        count = seg.end // ratio
+        if count:
+            j = torch.arange(count)
+            pages = _long(seg.page_table)[j // per_page]
+            tile[s, :count] = pages * per_page + j % per_page
+    return EntryTile(ratio=ratio, entry_rows=tile, visible=torch.div(positions + 1, ratio, rounding_mode="floor"))

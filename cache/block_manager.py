@@ -1,0 +1,513 @@
+"""PAGE and STATE-slot bookkeeping: allocation, reference counts and the prefix index.
+
+Owns: which PAGEs and which STATE slot each request holds; reference counts (a PAGE in
+several requests' prefixes counts once per holder); the prefix index, a chain hash per
+full PAGE (the PAGE is the hash block) naming the PAGE that holds those rows; the LRU
+of unreferenced cached PAGEs and their eviction; the checkpoint images attached to
+hash entries under ``StateTransfer.COPY``, or where a hit's forward starts under
+``StateTransfer.REPLAY`` (``replay_start``); the counters. It moves no bytes: copying
+a STATE in or out of PAGEs is ``cache.checkpoints``', resetting a slot
+``cache.pools``'.
+
+Must not import: torch, anything of this project, the scheduler, ray. The keys are
+blake2b digests, never Python's ``hash()``, so every process and node computes the
+same key for the same tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Sequence
+
+ROOT_HASH = b""
+_HASH_PERSON = b"dsv41-prefix"
+_HASH_BYTES = 16
+
+
+class BlockManagerError(ValueError):
+    """A call that breaks the block manager's contract; the message says which."""
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
+    """Chain hashes of every full PAGE of ``token_ids``: hash i covers the parent hash
+    (``ROOT_HASH`` for the first PAGE) and the PAGE's token ids as little-endian
+    int64. ``known`` are hashes of the first PAGEs already computed; only the rest are
+    hashed."""
+    hashes = list(known)
+    page_tokens = struct.Struct(f"<{block_size}q")
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        digest = hashlib.blake2b(parent, digest_size=_HASH_BYTES, person=_HASH_PERSON)
+        digest.update(page_tokens.pack(*token_ids[start : start + block_size]))
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
+class StateTransfer(enum.Enum):
+    """How a request resumes the STATE of a cached prefix.
+
+    COPY: checkpoint images are taken at PAGE boundaries and attached to the prefix
+    index; a hit restores the newest image at or below it. REPLAY: no images; the
+    hit's forward starts one whole hash block below it in a reset slot and rebuilds
+    the windows (encoder bounded replay)."""
+
+    COPY = "copy"
+    REPLAY = "replay"
+
+    @classmethod
+    def _missing_(cls, value: object) -> "StateTransfer":
+        raise BlockManagerError(f"state_transfer: {value!r} (allowed: 'copy', 'replay')")
+
+
+@dataclass(frozen=True)
+class StateImage:
+    """A STATE checkpoint (rings + cursor of a slot whose committed position was
+    ``num_tokens``) stored in ``pages`` under the geometry named ``layout_id``."""
+
+    layout_id: str
+    pages: tuple[int, ...]
+    image_bytes: int
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.layout_id:
+            raise BlockManagerError("layout_id: empty (allowed: a geometry's layout_id)")
+        if not self.pages or len(set(self.pages)) != len(self.pages) or min(self.pages) < 0:
+            raise BlockManagerError(f"pages: {self.pages} (allowed: distinct PAGE ids, at least one)")
+        if self.image_bytes <= 0:
+            raise BlockManagerError(f"image_bytes: {self.image_bytes} (allowed: > 0)")
+        if self.num_tokens < 0:
+            raise BlockManagerError(f"num_tokens: {self.num_tokens} (allowed: >= 0)")
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What a prompt reuses from the prefix cache, under either state transfer.
+
+    ``pages`` hold the prompt's first ``hit_tokens`` tokens (whole PAGEs, never the
+    prompt's last PAGE). The runtime's forward starts at ``forward_start`` in a slot
+    that is either restored from ``restore_image`` (COPY, taken at ``forward_start``)
+    or reset (REPLAY, or COPY with no image: "replay from a recoverable boundary").
+    Rows in ``[forward_start, hit_tokens)`` are recomputed for the rings only; the
+    cached global KV is not rewritten (the runtime's write_from is ``hit_tokens``).
+    ``prompt_hashes`` are the chain hashes of all the prompt's full PAGEs, kept for
+    publishing them.
+    """
+
+    hit_tokens: int
+    forward_start: int
+    restore_image: StateImage | None
+    pages: tuple[int, ...]
+    prompt_hashes: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.forward_start <= self.hit_tokens:
+            raise BlockManagerError(
+                f"forward_start: {self.forward_start} (allowed: 0..hit_tokens={self.hit_tokens})"
+            )
+        if (self.hit_tokens == 0) != (not self.pages):
+            raise BlockManagerError(f"pages: {len(self.pages)} PAGEs for hit_tokens={self.hit_tokens}")
+        if len(self.pages) > len(self.prompt_hashes):
+            raise BlockManagerError(
+                f"prompt_hashes: {len(self.prompt_hashes)} for {len(self.pages)} hit PAGEs (allowed: >= pages)"
+            )
+        if self.restore_image is not None and self.restore_image.num_tokens != self.forward_start:
+            raise BlockManagerError(
+                f"restore_image: taken at {self.restore_image.num_tokens} tokens, "
+                f"but forward_start is {self.forward_start}"
+            )
+
+
+@dataclass(frozen=True)
+class BlockManagerStats:
+    """A snapshot of the counters. ``pages_used`` are referenced (by requests or
+    images), ``pages_cached`` unreferenced but in the prefix index (evictable),
+    ``pages_free`` neither. Lookups count every ``lookup()`` call."""
+
+    num_pages: int
+    pages_used: int
+    pages_cached: int
+    pages_free: int
+    images: int
+    image_pages: int
+    num_slots: int
+    slots_used: int
+    requests: int
+    lookups: int
+    hits: int
+    lookup_tokens: int
+    hit_tokens: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens served by the prefix cache."""
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+@dataclass
+class _RequestBlocks:
+    pages: list[int]
+    slot: int
+    hashes: list[bytes]  # chain hashes known so far (the prompt's full PAGEs, then published ones)
+    num_published: int  # leading PAGEs registered in (or taken from) the prefix index
+
+
+class BlockManager:
+    """PAGE and STATE-slot allocation of one engine group's pools.
+
+    The scheduler drives it: ``lookup`` then, in the same step, ``allocate_prompt``
+    (PAGEs for the whole prompt, sharing the hit's, and a STATE slot); ``grow`` as
+    decode proceeds; ``publish`` once tokens are computed; ``free`` when the request
+    stops or is preempted. ``allocate_prompt`` and ``grow`` answer False, changing
+    nothing, when the pools cannot hold the request: the scheduler preempts or waits.
+    Allocation evicts unreferenced cached PAGEs, least recently used first.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        num_slots: int,
+        block_size: int,
+        state_transfer: StateTransfer,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        for name, value in (("num_pages", num_pages), ("num_slots", num_slots), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise BlockManagerError(f"{name}: {value!r} (allowed: a positive integer)")
+        if not isinstance(state_transfer, StateTransfer):
+            raise BlockManagerError(f"state_transfer: {state_transfer!r} (allowed: a StateTransfer)")
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self.state_transfer = state_transfer
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = [0] * num_pages
+        self._free_pages: deque[int] = deque(range(num_pages))
+        # Unreferenced cached PAGE -> PAGEs its eviction frees (itself + its image's),
+        # oldest first.
+        self._idle: OrderedDict[int, int] = OrderedDict()
+        self._idle_reclaimable = 0
+        self._page_of_hash: dict[bytes, int] = {}
+        self._hash_of_page: dict[int, bytes] = {}
+        self._images: dict[bytes, StateImage] = {}
+        self._private_pages: set[int] = set()  # from allocate_pages, owned by the caller
+        self._free_slots: deque[int] = deque(range(num_slots))
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._lookups = 0
+        self._hits = 0
+        self._lookup_tokens = 0
+        self._hit_tokens = 0
+        self._evictions = 0
+
+    # -- prefix lookup ----------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int]) -> PrefixHit:
+        """The longest cached prefix of a prompt in whole PAGEs, at most
+        floor((len - 1) / block_size) of them so at least one prompt token is
+        computed, and where its forward starts (see ``PrefixHit``). Changes nothing
+        but the lookup counters."""
+        if len(token_ids) == 0:
+            raise BlockManagerError("token_ids: empty prompt (allowed: at least one token)")
+        self._lookups += 1
+        self._lookup_tokens += len(token_ids)
+        if not self.enable_prefix_caching:
+            return PrefixHit(hit_tokens=0, forward_start=0, restore_image=None, pages=(), prompt_hashes=())
+        hashes = prefix_hashes(token_ids, self.block_size)
+        pages: list[int] = []
+        for h in hashes[: (len(token_ids) - 1) // self.block_size]:
+            page = self._page_of_hash.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        hit_tokens = len(pages) * self.block_size
+        image: StateImage | None = None
+        if self.state_transfer is StateTransfer.REPLAY:
+            forward_start = self.replay_start(hit_tokens)
+        else:
+            forward_start = 0
+            for i in reversed(range(len(pages))):
+                image = self._images.get(hashes[i])
+                if image is not None:
+                    forward_start = (i + 1) * self.block_size
+                    break
+        if hit_tokens:
+            self._hits += 1
+            self._hit_tokens += hit_tokens
+        return PrefixHit(
+            hit_tokens=hit_tokens,
+            forward_start=forward_start,
+            restore_image=image,
+            pages=tuple(pages),
+            prompt_hashes=tuple(hashes),
+        )
+
+    def replay_start(self, resume_tokens: int) -> int:
+        """Where a forward resuming at ``resume_tokens`` starts under bounded replay:
+        one whole hash block below the PAGE boundary at or below it (never below 0), so
+        it recomputes at least a PAGE of rows to rebuild the windows from."""
+        if resume_tokens < 0:
+            raise BlockManagerError(f"resume_tokens: {resume_tokens} (allowed: >= 0)")
+        return max(0, (resume_tokens // self.block_size - 1) * self.block_size)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def allocate_prompt(self, request_id: str, token_ids: Sequence[int], hit: PrefixHit) -> bool:
+        """PAGEs for the whole prompt (the hit's shared, the rest fresh) and a STATE
+        slot. ``hit`` must come from ``lookup(token_ids)`` in this step. False, with
+        nothing changed, when the pools cannot hold it. The caller then readies the
+        slot: restore ``hit.restore_image`` into it, or reset it."""
+        if request_id in self._requests:
+            raise BlockManagerError(f"request_id: {request_id!r} already holds PAGEs (free it first)")
+        self._check_hit(token_ids, hit)
+        if not self._free_slots:
+            return False
+        fresh = -(-len(token_ids) // self.block_size) - len(hit.pages)
+        hit_idle = sum(self._idle.get(page, 0) for page in hit.pages)
+        if fresh > self._reclaimable() - hit_idle:
+            return False
+        for page in hit.pages:
+            self._reference(page)
+        pages = list(hit.pages) + self._take_fresh(fresh)
+        self._requests[request_id] = _RequestBlocks(
+            pages=pages,
+            slot=self._free_slots.popleft(),
+            hashes=list(hit.prompt_hashes),
+            num_published=len(hit.pages),
+        )
+        return True
+
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        """Appends PAGEs until the request holds ``num_tokens`` tokens. False, with
+        nothing changed, when there are not enough: the scheduler should preempt."""
+        blocks = self._request(request_id)
+        missing = -(-num_tokens // self.block_size) - len(blocks.pages)
+        if missing <= 0:
+            return True
+        if missing > self._reclaimable():
+            return False
+        blocks.pages.extend(self._take_fresh(missing))
+        return True
+
+    def publish(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Registers every PAGE whose tokens are all computed in the prefix index.
+        ``token_ids`` are all the request's tokens so far (prompt, then output). A
+        PAGE whose hash another PAGE already holds stays private to the request."""
+        blocks = self._request(request_id)
+        if not 0 <= num_computed_tokens <= len(token_ids):
+            raise BlockManagerError(
+                f"num_computed_tokens: {num_computed_tokens} (allowed: 0..len(token_ids)={len(token_ids)})"
+            )
+        full = num_computed_tokens // self.block_size
+        if full > len(blocks.pages):
+            raise BlockManagerError(
+                f"num_computed_tokens: {num_computed_tokens} needs {full} PAGEs, request {request_id!r} "
+                f"holds {len(blocks.pages)} (grow it first)"
+            )
+        if not self.enable_prefix_caching or full <= blocks.num_published:
+            return
+        if len(blocks.hashes) < full:
+            blocks.hashes = prefix_hashes(token_ids[: full * self.block_size], self.block_size, blocks.hashes)
+        for i in range(blocks.num_published, full):
+            h, page = blocks.hashes[i], blocks.pages[i]
+            if h not in self._page_of_hash:
+                self._page_of_hash[h] = page
+                self._hash_of_page[page] = h
+        blocks.num_published = full
+
+    def free(self, request_id: str) -> None:
+        """Drops the request's PAGE references (last PAGE first, so a prefix's tail is
+        evicted before its head) and its STATE slot. Cached PAGEs go to the LRU,
+        others to the free list."""
+        blocks = self._request(request_id)
+        del self._requests[request_id]
+        for page in reversed(blocks.pages):
+            self._release(page)
+        self._free_slots.append(blocks.slot)
+
+    def page_table(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._request(request_id).pages)
+
+    def slot(self, request_id: str) -> int:
+        return self._request(request_id).slot
+
+    # -- checkpoint images (StateTransfer.COPY) ---------------------------------------
+
+    def allocate_pages(self, count: int) -> list[int] | None:
+        """``count`` PAGEs outside any request (checkpoint images), owned by the caller
+        until attached or handed back with ``free_pages``; None if there are not
+        enough."""
+        if count <= 0:
+            raise BlockManagerError(f"count: {count} (allowed: > 0)")
+        if count > self._reclaimable():
+            return None
+        pages = self._take_fresh(count)
+        self._private_pages.update(pages)
+        return pages
+
+    def free_pages(self, pages: Sequence[int]) -> None:
+        """Hands back PAGEs from ``allocate_pages`` that no attached image holds."""
+        if len(set(pages)) != len(pages):
+            raise BlockManagerError(f"pages: {list(pages)} repeats a PAGE")
+        for page in pages:
+            if page not in self._private_pages:
+                raise BlockManagerError(
+                    f"pages: PAGE {page} was not handed out by allocate_pages (or an attached image owns it)"
+                )
+        for page in pages:
+            self._private_pages.discard(page)
+            self._release(page)
+
+    def wants_image(self, request_id: str, boundary: int) -> bool:
+        """Whether a checkpoint at ``boundary`` tokens of the request would be kept:
+        the PAGE ending there is in the prefix index and carries no image yet."""
+        if self.state_transfer is StateTransfer.REPLAY or not self.enable_prefix_caching:
+            return False
+        h = self._boundary_hash(self._request(request_id), boundary)
+        return h in self._page_of_hash and h not in self._images
+
+    def attach_image(self, request_id: str, boundary: int, image: StateImage) -> bool:
+        """Attaches ``image`` (taken at ``boundary`` tokens of the request) to the hash
+        entry of the PAGE ending there; the block manager then owns its PAGEs and drops
+        them when that entry is evicted. False, leaving the image the caller's, when
+        ``wants_image`` is no longer true."""
+        if self.state_transfer is StateTransfer.REPLAY:
+            raise BlockManagerError("attach_image: state_transfer is 'replay', which keeps no checkpoint images")
+        if image.num_tokens != boundary:
+            raise BlockManagerError(f"image: taken at {image.num_tokens} tokens, not at boundary {boundary}")
+        if not all(page in self._private_pages for page in image.pages):
+            raise BlockManagerError("image: its PAGEs must come from allocate_pages and not be attached already")
+        if not self.wants_image(request_id, boundary):
+            return False
+        h = self._boundary_hash(self._request(request_id), boundary)
+        self._private_pages.difference_update(image.pages)
+        self._images[h] = image
+        host = self._page_of_hash[h]
+        if host in self._idle:
+            self._idle[host] += len(image.pages)
+            self._idle_reclaimable += len(image.pages)
+        return True
+
+    # -- eviction ---------------------------------------------------------------------
+
+    def evict(self, num_pages: int) -> int:
+        """Evicts up to ``num_pages`` unreferenced cached PAGEs, least recently used
+        first, with their hash entries and images; returns how many."""
+        evicted = 0
+        while evicted < num_pages and self._idle:
+            self._evict_oldest()
+            evicted += 1
+        return evicted
+
+    # -- introspection ----------------------------------------------------------------
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    def is_cached(self, page: int) -> bool:
+        """Whether the PAGE is in the prefix index."""
+        return page in self._hash_of_page
+
+    def stats(self) -> BlockManagerStats:
+        return BlockManagerStats(
+            num_pages=self.num_pages,
+            pages_used=self.num_pages - len(self._free_pages) - len(self._idle),
+            pages_cached=len(self._idle),
+            pages_free=len(self._free_pages),
+            images=len(self._images),
+            image_pages=sum(len(image.pages) for image in self._images.values()),
+            num_slots=self.num_slots,
+            slots_used=self.num_slots - len(self._free_slots),
+            requests=len(self._requests),
+            lookups=self._lookups,
+            hits=self._hits,
+            lookup_tokens=self._lookup_tokens,
+            hit_tokens=self._hit_tokens,
+            evictions=self._evictions,
+        )
+
+    # -- internals --------------------------------------------------------------------
+
+    def _request(self, request_id: str) -> _RequestBlocks:
+        blocks = self._requests.get(request_id)
+        if blocks is None:
+            raise BlockManagerError(f"request_id: {request_id!r} holds no PAGEs")
+        return blocks
+
+    def _check_hit(self, token_ids: Sequence[int], hit: PrefixHit) -> None:
+        b = self.block_size
+        expected_hashes = len(token_ids) // b if self.enable_prefix_caching else 0
+        if len(token_ids) == 0 or len(hit.prompt_hashes) != expected_hashes:
+            raise BlockManagerError("hit: not the lookup() of these token_ids")
+        if hit.hit_tokens != len(hit.pages) * b or len(hit.pages) > (len(token_ids) - 1) // b:
+            raise BlockManagerError(f"hit: {len(hit.pages)} PAGEs for hit_tokens={hit.hit_tokens}")
+        for i, page in enumerate(hit.pages):
+            if self._page_of_hash.get(hit.prompt_hashes[i]) != page:
+                raise BlockManagerError(
+                    f"hit: PAGE {page} was evicted since lookup() (look up and allocate in the same step)"
+                )
+        if self.state_transfer is StateTransfer.REPLAY:
+            if hit.restore_image is not None or hit.forward_start != self.replay_start(hit.hit_tokens):
+                raise BlockManagerError("hit: not a replay hit (state_transfer is 'replay')")
+        elif hit.restore_image is not None:
+            if self._images.get(hit.prompt_hashes[hit.forward_start // b - 1]) != hit.restore_image:
+                raise BlockManagerError("hit: its restore_image was evicted since lookup()")
+
+    def _boundary_hash(self, blocks: _RequestBlocks, boundary: int) -> bytes:
+        if boundary <= 0 or boundary % self.block_size or boundary // self.block_size > blocks.num_published:
+            raise BlockManagerError(
+                f"boundary: {boundary} (allowed: a multiple of block_size={self.block_size} in "
+                f"1..{blocks.num_published * self.block_size}, the published PAGEs)"
+            )
+        return blocks.hashes[boundary // self.block_size - 1]
+
+    def _reclaimable(self) -> int:
+        return len(self._free_pages) + self._idle_reclaimable
+
+    def _take_fresh(self, count: int) -> list[int]:
+        while len(self._free_pages) < count:
+            if not self._idle:
+                raise BlockManagerError(f"internal: {count} PAGEs asked, {len(self._free_pages)} reclaimable")
+            self._evict_oldest()
+        pages = [self._free_pages.popleft() for _ in range(count)]
+        for page in pages:
+            self._refcount[page] = 1
+        return pages
+
+    def _reference(self, page: int) -> None:
+        if self._refcount[page] == 0:
+            self._idle_reclaimable -= self._idle.pop(page)
+        self._refcount[page] += 1
+
+    def _release(self, page: int) -> None:
+        if self._refcount[page] <= 0:
+            raise BlockManagerError(f"page: PAGE {page} released more often than it was taken")
+        self._refcount[page] -= 1
+        if self._refcount[page]:
+            return
+        h = self._hash_of_page.get(page)
+        if h is None:
+            self._free_pages.append(page)
+            return
+        image = self._images.get(h)
+        reclaimable = 1 + (len(image.pages) if image is not None else 0)
+        self._idle[page] = reclaimable
+        self._idle_reclaimable += reclaimable
+
+    def _evict_oldest(self) -> None:
+        page, reclaimable = self._idle.popitem(last=False)
+        self._idle_reclaimable -= reclaimable
+        h = self._hash_of_page.pop(page)
+        del self._page_of_hash[h]
+        image = self._images.pop(h, None)
+        if image is not None:
+            for image_page in image.pages:
+                self._release(image_page)
+        self._free_pages.append(page)
+        self._evictions += 1

@@ -1,0 +1,342 @@
+"""The engine: the step loop of one model replica over pluggable rank executors.
+
+Owns the public Python interface of DESIGN.md — ``Engine.from_pretrained``,
+``add_request``, ``step``, ``abort``, ``generate`` — and what joins its parts: request
+validation (nothing is queued for a bad request), the scheduler and block manager
+(where every request lives), the rank executor that runs each ScheduledBatch (in
+process here; Ray actors implement the same ``RankExecutor``), stop checking and the
+outputs handed back.
+
+Must not import: actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+from tokenizers import Tokenizer
+
+from cache.block_manager import BlockManager, PrefixHit, StateTransfer
+from cache.pools import PoolSize
+from cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
+from cluster.pool_layout import pool_geometry
+from cluster.request import Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
+from cluster.runner import ModelRunner, StepResult
+from cluster.sampler import prompt_logprobs
+from cluster.scheduler import Scheduler, SchedulerConfig
+from cluster.stopping import StopChecker
+from model.params import ModelParams, load_model_params
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 512 << 20
+PARITY_REQUEST_ID = "__prompt_logits__"
+
+
+class EngineError(ValueError):
+    """A request or option the engine refuses; nothing was queued or changed."""
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Every position's logits [len, vocab] and, per selecting layer, every
+    position's top-k entries [len, index_topk]."""
+
+    logits: torch.Tensor
+    selections: dict[int, torch.Tensor]
+
+
+class RankExecutor(Protocol):
+    """Runs one ScheduledBatch on the ranks of a replica and returns its samples."""
+
+    def execute(self, batch: ScheduledBatch) -> StepResult: ...
+
+
+class InProcessExecutor:
+    """One rank in this process."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        return self.runner.execute(batch)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a replica runs; every field is checked before any weight is read."""
+
+    dtype: torch.dtype = torch.float32
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0
+    block_size: int = 128
+    num_pages: int | None = None  # cap on PAGEs (tests force preemption with it)
+    num_state_slots: int | None = None  # default: max_num_seqs
+    cache_memory_bytes: int = DEFAULT_CACHE_BYTES
+    kv_cache_dtype: str = "bf16"
+    index_cache_dtype: str = "fp8"
+    state_transfer: str = "replay"
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: what the config and the pools allow
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise EngineError(f"dtype: {self.dtype} (allowed: torch.float32, torch.bfloat16)")
+        if self.kv_cache_dtype not in ("bf16", "fp4"):
+            raise EngineError(f"kv_cache_dtype: {self.kv_cache_dtype!r} (allowed: 'bf16', 'fp4')")
+        if self.index_cache_dtype not in ("fp8", "fp4"):
+            raise EngineError(f"index_cache_dtype: {self.index_cache_dtype!r} (allowed: 'fp8', 'fp4')")
+        if self.state_transfer not in ("replay", "copy"):
+            raise EngineError(f"state_transfer: {self.state_transfer!r} (allowed: 'replay', 'copy')")
+        for name in ("num_pages", "num_state_slots", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise EngineError(f"{name}: {value!r} (allowed: None or a positive integer)")
+
+
+class Engine:
+    """One replica: a scheduler over one rank executor."""
+
+    def __init__(
+        self,
+        params: ModelParams,
+        tokenizer: Tokenizer,
+        options: EngineOptions,
+        executor: RankExecutor | None = None,
+    ) -> None:
+        config = params.config
+        self.config = config
+        self.params = params
+        self.tokenizer = tokenizer
+        self.options = options
+        self.geometry = pool_geometry(
+            config,
+            block_size=options.block_size,
+            kv_cache_dtype=options.kv_cache_dtype,
+            index_cache_dtype=options.index_cache_dtype,
+            encoder_replay=options.state_transfer == "replay",
+        )
+        slots = options.num_state_slots or options.max_num_seqs
+        self.pool_size = PoolSize.from_budget(
+            self.geometry, options.cache_memory_bytes, num_slots=slots, max_num_pages=options.num_pages
+        )
+        self.block_manager = BlockManager(
+            num_pages=self.pool_size.num_pages,
+            num_slots=slots,
+            block_size=options.block_size,
+            state_transfer=StateTransfer(options.state_transfer),
+            enable_prefix_caching=options.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=options.max_num_seqs,
+                max_num_batched_tokens=options.max_num_batched_tokens,
+                long_prefill_token_threshold=options.long_prefill_token_threshold,
+                block_size=options.block_size,
+                state_transfer=StateTransfer(options.state_transfer),
+                enable_prefix_caching=options.enable_prefix_caching,
+                engram_history=config.engram_max_ngram_size - 1,
+            ),
+            self.block_manager,
+            layout_id=self.geometry.layout_id,
+            image_pages=self.geometry.image_pages,
+            image_bytes=self.geometry.image_bytes,
+        )
+        self.executor = executor or InProcessExecutor(ModelRunner(params, self.geometry, self.pool_size))
+        self.stop_checker = StopChecker(tokenizer, config.eos_token_id)
+        self.seeds = SeedSource(options.seed)
+        pool_tokens = self.pool_size.num_pages * options.block_size
+        self.max_model_len = min(options.max_model_len or config.max_position_embeddings, pool_tokens)
+        self._requests: dict[str, Request] = {}
+        self._children: dict[str, tuple[str, ...]] = {}
+        logger.info(
+            "engine: %d PAGEs x %d tokens, %d STATE slots, layout %s",
+            self.pool_size.num_pages,
+            options.block_size,
+            slots,
+            self.geometry.layout_id,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
+        """Loads ``model_dir`` (official checkpoint format) into an in-process replica.
+        Options are EngineOptions' fields; unknown ones are refused."""
+        known = set(EngineOptions.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise EngineError(f"options: unknown {unknown} (allowed: {sorted(known)})")
+        engine_options = EngineOptions(**options)  # type: ignore[arg-type]
+        params, checkpoint = load_model_params(model_dir, dtype=engine_options.dtype, text_only=True)
+        return cls(params, checkpoint.tokenizer, engine_options)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queues a request (``n`` > 1: one sequence per sample, ids ``{id}#{i}``).
+        Raises EngineError / SamplingParamsError with nothing queued when it cannot run."""
+        if not isinstance(params, SamplingParams):
+            raise EngineError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise EngineError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests or request_id in self._children:
+            raise EngineError(f"request_id: {request_id!r} is already running")
+        prompt = tuple(prompt_token_ids)
+        if not prompt:
+            raise EngineError("prompt_token_ids: empty (allowed: at least one token)")
+        if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
+            raise EngineError(f"prompt_token_ids: every id must be an integer in [0, {self.config.vocab_size})")
+        params.validate_for(self.config.vocab_size, self.max_model_len, len(prompt))
+        ids = (request_id,) if params.n == 1 else tuple(f"{request_id}#{i}" for i in range(params.n))
+        seeds = self.seeds.seeds_for(params)
+        now = time.monotonic()
+        for rid, seed in zip(ids, seeds):
+            request = Request(rid, prompt, params, sampling_seed=seed, arrival_time=now)
+            self._requests[rid] = request
+            self.scheduler.add(request)
+        if params.n > 1:
+            self._children[request_id] = ids
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request (all its samples) wherever it is; its PAGEs and slot are
+        freed at once. False if it is unknown or already finished."""
+        ids = self._children.pop(request_id, (request_id,))
+        aborted = False
+        for rid in ids:
+            request = self._requests.pop(rid, None)
+            if request is None or request.is_finished:
+                continue
+            request.finish(RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish(request)
+            aborted = True
+        return aborted
+
+    def request(self, request_id: str) -> Request | None:
+        """The live record of an unfinished request (None once finished or unknown)."""
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step loop --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the requests that got a token or
+        finished in it."""
+        batch, _ = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        result = self.executor.execute(batch)
+        outputs: list[RequestOutput] = []
+        for seg in batch.segments:
+            request = self._requests.get(seg.request_id)
+            self.scheduler.commit(seg, request)
+            if request is None:
+                continue
+            if seg.request_id in result.row_logits:
+                self._record_prompt_logprobs(request, seg, result.row_logits[seg.request_id])
+            if seg.sample:
+                sampled = result.sampled[seg.request_id]
+                request.append_output_token(sampled.token_id, sampled.logprobs)
+                if self.stop_checker.check_stop(request):
+                    self.scheduler.finish(request)
+                    self._forget(request)
+                outputs.append(request.to_output())
+        return outputs
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
+        """Runs prompts to completion; one output per prompt (per sample when n > 1),
+        in prompt order."""
+        prefix = f"generate-{next(_generate_ids)}"
+        order: list[str] = []
+        for i, prompt in enumerate(prompts):
+            rid = f"{prefix}-{i}"
+            self.add_request(rid, prompt, params)
+            order.extend(self._children.get(rid, (rid,)))
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(order):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in order]
+
+    def _forget(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        parent = request.request_id.rpartition("#")[0]
+        if parent in self._children and all(rid not in self._requests for rid in self._children[parent]):
+            del self._children[parent]
+
+    def _record_prompt_logprobs(self, request: Request, seg: ScheduledSegment, logits: torch.Tensor) -> None:
+        entries = request.prompt_logprobs
+        if entries is None:
+            return
+        prompt = request.prompt_token_ids
+        # Row i predicts the token after position start + i; after a preemption the
+        # recomputed rows that were already reported are skipped.
+        for i in range(seg.length):
+            target = seg.start + i + 1
+            if target == len(entries) and target < len(prompt):
+                entries.extend(prompt_logprobs(logits[i : i + 1], [prompt[target]], request.params.prompt_logprobs))
+
+    # -- arithmetic checks ----------------------------------------------------------------
+
+    def prompt_logits(self, token_ids: Sequence[int], chunk_sizes: Sequence[int] | None = None) -> PromptScores:
+        """Logits and selections of every position of one prompt, fed to the paged
+        runtime in ``chunk_sizes`` (cycling; default: one chunk) outside the scheduler.
+        The engine must be idle; nothing of the run stays cached."""
+        if self.scheduler.has_unfinished():
+            raise EngineError("prompt_logits: the engine is serving requests (allowed only when idle)")
+        prompt = tuple(token_ids)
+        sizes = itertools.cycle(chunk_sizes or (len(prompt),))
+        bm = self.block_manager
+        hit = PrefixHit(
+            hit_tokens=0,
+            forward_start=0,
+            restore_image=None,
+            pages=(),
+            prompt_hashes=bm.lookup(prompt).prompt_hashes,
+        )
+        if not bm.allocate_prompt(PARITY_REQUEST_ID, prompt, hit):
+            raise EngineError(f"prompt_logits: {len(prompt)} tokens do not fit the pools")
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        rows: list[torch.Tensor] = []
+        selections: list[dict[int, torch.Tensor]] = []
+        try:
+            start = 0
+            while start < len(prompt):
+                end = min(start + next(sizes), len(prompt))
+                seg = ScheduledSegment(
+                    request_id=PARITY_REQUEST_ID,
+                    slot=bm.slot(PARITY_REQUEST_ID),
+                    page_table=bm.page_table(PARITY_REQUEST_ID),
+                    start=start,
+                    token_ids=prompt[start:end],
+                    write_from=0,
+                    window_start=0,
+                    sample=False,
+                    params=params,
+                    seed=0,
+                    output_index=0,
+                    reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
+                    want_prompt_logits=True,
+                )
+                result = self.executor.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
+                rows.append(result.row_logits[PARITY_REQUEST_ID])
+                selections.append(result.row_selections[PARITY_REQUEST_ID])
+                start = end
+        finally:
+            bm.free(PARITY_REQUEST_ID)
+        return PromptScores(
+            logits=torch.cat(rows),
+            selections={layer: torch.cat([part[layer] for part in selections]) for layer in selections[0]},
+        )
+
+
+_generate_ids = itertools.count()

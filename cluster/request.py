@@ -1,0 +1,328 @@
+"""Requests: what a client asks for, the record the scheduler keeps, what it gets back.
+
+Owns: :class:`SamplingParams` (the validated, frozen sampling declaration of one
+request), :class:`RequestStatus` and :class:`FinishReason`, :class:`Request` (the
+mutable per-request record the scheduler owns: tokens, status, cursor, sampling seed,
+collected logprobs and text), :class:`RequestOutput` (the frozen snapshot handed back
+to callers) and :class:`SeedSource` (where a request without a seed gets one).
+
+Must not import: torch, tokenizers, ray, ``model``, ``cache``, ``actors``, ``deploy``,
+or the other ``cluster`` modules (they import this one). The text fields are written
+by ``cluster.stopping``; this module only stores and reports them.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+# The OpenAI API caps top logprobs at 20; vLLM's default max_logprobs is the same.
+MAX_LOGPROBS = 20
+# Incremental detokenisation starts this many prompt tokens before the first output
+# token, so decoders whose output depends on the preceding token (a leading space,
+# a word-piece join) render the first output token as it reads in context.
+DETOKENIZE_CONTEXT_TOKENS = 5
+# Seeds drawn for requests stay non-negative int64 values (printable, JSON-safe).
+_SEED_BITS = 63
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter outside its allowed range; the message names the field."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request, checked on construction.
+
+    ``temperature`` 0 is greedy (argmax; top_k / top_p / seed then play no part).
+    ``top_k`` -1 is off. ``stop`` takes a string or a list of strings, like OpenAI's
+    ``stop``, and is stored as a tuple; ``stop_token_ids`` likewise. ``logprobs`` and
+    ``prompt_logprobs`` are the number of top alternatives reported per position
+    (0: only the chosen / actual token), ``None`` for none. ``seed`` None draws one
+    from the engine's :class:`SeedSource`; an integer seed is taken modulo 2**64.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str = ()
+    stop_token_ids: tuple[int, ...] | list[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise SamplingParamsError(
+                f"temperature: must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise SamplingParamsError(f"top_p: must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise SamplingParamsError(f"top_k: must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise SamplingParamsError(f"seed: must be None or an integer, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise SamplingParamsError(f"n: must be an integer >= 1, got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise SamplingParamsError(f"{name}: must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}")
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+
+    @property
+    def max_stop_length(self) -> int:
+        """Characters of the longest stop string (0 without stop strings)."""
+        return max((len(s) for s in self.stop), default=0)
+
+    def validate_for(self, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
+        """Check what depends on the model and the prompt: token ids inside the
+        vocabulary and the whole sequence inside the context limit."""
+        out_of_vocab = [t for t in self.stop_token_ids if t >= vocab_size]
+        if out_of_vocab:
+            raise SamplingParamsError(
+                f"stop_token_ids: {out_of_vocab} outside the vocabulary (allowed: 0..{vocab_size - 1})"
+            )
+        if prompt_len < 1:
+            raise SamplingParamsError(f"prompt: must hold at least one token, got {prompt_len}")
+        if prompt_len + self.max_tokens > max_model_len:
+            raise SamplingParamsError(
+                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) = "
+                f"{prompt_len + self.max_tokens} exceeds the context limit max_model_len={max_model_len} "
+                f"(allowed: max_tokens <= {max_model_len - prompt_len})"
+            )
+
+
+def _normalise_stop(stop: object) -> tuple[str, ...]:
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise SamplingParamsError(f"stop: must be a non-empty string or a list of non-empty strings, got {stop!r}")
+    return tuple(items)
+
+
+def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+        raise SamplingParamsError(f"stop_token_ids: must be a list of integers >= 0, got {ids!r}")
+    return tuple(ids)
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, spelled as the OpenAI API spells ``finish_reason``."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life; the FINISHED_* members are terminal."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A snapshot of one request for the caller.
+
+    ``token_ids`` are all tokens generated so far (not a delta). ``logprobs`` has one
+    ``{token_id: logprob}`` per generated token (the chosen token plus the top
+    ``params.logprobs``), ``prompt_logprobs`` one per prompt token (``None`` for the
+    first, which nothing predicts). ``text`` is the decoded output so far: while the
+    request runs it ends before any incomplete character and before the last
+    ``len(longest stop string) - 1`` characters (they may yet start a stop string), so
+    each snapshot's text is a prefix of the next; once finished it is the whole text,
+    cut before a matched stop string. ``stop_reason`` is the stop string or stop token
+    id that ended the request (``None`` for EOS, length, abort and error).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    logprobs: tuple[dict[int, float], ...] | None = None
+    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
+    text: str = ""
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.finished != (self.finish_reason is not None):
+            raise ValueError(
+                f"finish_reason: must be set exactly when finished, got finished={self.finished} "
+                f"finish_reason={self.finish_reason!r}"
+            )
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"logprobs: one entry per generated token, got {len(self.logprobs)} for {len(self.token_ids)} tokens"
+            )
+
+
+@dataclass(eq=False)
+class Request:
+    """The scheduler's mutable record of one request (compared by identity).
+
+    ``num_computed_tokens`` is the cursor: tokens whose KV the cache holds.
+    ``sampling_seed`` is the seed the sampler actually uses (``params.seed`` or one
+    drawn from the engine's :class:`SeedSource`). ``output_text`` is the decoded
+    output (complete characters only until the request finishes) and the two
+    ``text_*_offset`` fields are the incremental detokeniser's cursor into
+    :attr:`all_token_ids`; ``cluster.stopping`` maintains all three.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    sampling_seed: int
+    arrival_time: float
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    stop_reason: int | str | None = None
+    output_text: str = ""
+    output_token_ids: list[int] = field(init=False, default_factory=list)
+    logprobs: list[dict[int, float]] | None = field(init=False)
+    prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
+    text_prefix_offset: int = field(init=False)
+    text_read_offset: int = field(init=False)
+    # One list of prompt + output ids, appended in step with output_token_ids, so the
+    # detokeniser and the runner read a window of it without concatenating per step.
+    _all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {self.request_id!r}")
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"prompt_token_ids: request {self.request_id!r} has an empty prompt")
+        if not all(_is_int(t) and t >= 0 for t in self.prompt_token_ids):
+            raise ValueError(f"prompt_token_ids: must be integers >= 0 (request {self.request_id!r})")
+        self.logprobs = None if self.params.logprobs is None else []
+        # Nothing predicts the first prompt token, so its entry is None from the start.
+        self.prompt_logprobs = None if self.params.prompt_logprobs is None else [None]
+        self.text_read_offset = len(self.prompt_token_ids)
+        self.text_prefix_offset = max(self.text_read_offset - DETOKENIZE_CONTEXT_TOKENS, 0)
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt then output ids (a live view: do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        """Record one sampled token (and its logprobs when the request asked for them)."""
+        if self.is_finished:
+            raise RuntimeError(f"request {self.request_id!r} is {self.status.name}; it takes no more tokens")
+        if (logprobs is None) != (self.logprobs is None):
+            raise ValueError(
+                f"logprobs: request {self.request_id!r} has params.logprobs={self.params.logprobs}, "
+                f"got {'no' if logprobs is None else 'an'} entry"
+            )
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Move to a terminal status (the scheduler then frees the request's cache)."""
+        if not status.is_finished:
+            raise ValueError(f"status: {status.name} is not a finished status")
+        if self.is_finished:
+            raise RuntimeError(f"request {self.request_id!r} already finished as {self.status.name}")
+        self.status = status
+        self.stop_reason = stop_reason
+
+    def to_output(self) -> RequestOutput:
+        finished = self.is_finished
+        text = self.output_text
+        if not finished:
+            held_back = max(self.params.max_stop_length - 1, 0)
+            text = text[: max(len(text) - held_back, 0)]
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=tuple(self.output_token_ids),
+            finished=finished,
+            finish_reason=self.status.finish_reason,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
+            text=text,
+            stop_reason=self.stop_reason,
+        )
+
+
+class SeedSource:
+    """The engine's source of sampling seeds, itself seeded so a run is reproducible.
+
+    A request without a seed gets the next draw; with ``n`` > 1 each sample gets its
+    own seed (for an explicit seed: the seed itself, then seeds derived from
+    ``(seed, index)``, so an explicit seed means the same stream with any ``n``).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def seeds_for(self, params: SamplingParams) -> tuple[int, ...]:
+        if params.seed is None:
+            return tuple(self._rng.getrandbits(_SEED_BITS) for _ in range(params.n))
+        return (params.seed,) + tuple(_derived_seed(params.seed, i) for i in range(1, params.n))
+
+
+def _derived_seed(seed: int, index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - _SEED_BITS)

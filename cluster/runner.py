@@ -1,0 +1,186 @@
+"""The ModelRunner: one rank's execution of a step.
+
+Owns the rank's pools and what happens to them around a forward: readying slots
+(reset with an Engram history, or a checkpoint image restored), the step's addresses
+(cache/addressing), the Engram n-grams of every row from the slots' cursors, the
+forward (model/runtime), sampling, advancing each slot's cursor after the forward
+(position and Engram history), and storing checkpoint images at PAGE boundaries.
+
+Must not import: actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from cache.addressing import PoolShape, SegmentSpec, build_step_addresses
+from cache.checkpoints import Checkpoints
+from cache.geometry import CURSOR_POSITION, V41PoolGeometry
+from cache.plane_io import PlaneIO
+from cache.pools import PoolSize, V41Pools
+from cluster.batch import ScheduledBatch, ScheduledSegment
+from cluster.sampler import Sampler, SamplingMetadata
+from model.params import LayerParams, ModelParams
+from model.runtime import PagedRuntime
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # Logits of every row of segments that asked (prompt logprobs, parity checks),
+    # and those rows' top-k selections per selecting layer.
+    row_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    row_selections: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Runs steps over its own pools; holds no request state outside the STATE slots."""
+
+    def __init__(
+        self,
+        params: ModelParams,
+        geometry: V41PoolGeometry,
+        size: PoolSize,
+        *,
+        device: torch.device | str = "cpu",
+        moe: Callable[[LayerParams, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        config = params.config
+        self.params = params
+        self.geometry = geometry
+        self.pools = V41Pools(geometry, size, device)
+        self.store = PlaneIO(self.pools, params.embed.dtype)
+        self.checkpoints = Checkpoints(self.pools)
+        self.runtime = PagedRuntime(params, moe=moe)
+        self.sampler = Sampler(config.vocab_size)
+        self.shape = PoolShape(
+            block_size=geometry.block_size,
+            window=config.sliding_window,
+            ring_rows=geometry.ring_rows,
+            ratios=tuple(sorted(set(geometry.owner_ratios))),
+        )
+        self.hashing = params.engram_hashing
+        self.history_len = config.engram_max_ngram_size - 1
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        if batch.is_empty:
+            return StepResult(step_id=batch.step_id)
+        segments = batch.segments
+        for seg in segments:
+            self._ready_slot(seg)
+        tokens = torch.tensor([t for seg in segments for t in seg.token_ids], dtype=torch.long)
+        compressed = self.params.token_map[tokens]
+        histories = self.pools.cursor[[seg.slot for seg in segments], CURSOR_POSITION + 1 :].clone()
+        addresses = build_step_addresses(
+            [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in segments],
+            self.shape,
+        )
+        logit_rows, logit_ranges, sample_rows = self._logit_rows(segments)
+        output = self.runtime.forward(
+            tokens, self._ngrams(segments, compressed, histories), addresses, self.store, logit_rows
+        )
+        self._advance_cursors(segments, compressed, histories)
+        for seg in segments:
+            if seg.store_after is not None:
+                self.checkpoints.store(seg.slot, seg.store_after)
+        sampled = self._sample(segments, output.logits, sample_rows)
+        row_logits = {rid: output.logits[a:b] for rid, (a, b) in logit_ranges.items()}
+        row_selections = {}
+        base = 0
+        for seg in segments:
+            if seg.want_prompt_logits:
+                row_selections[seg.request_id] = {
+                    layer: picked[base : base + seg.length] for layer, picked in output.selections.items()
+                }
+            base += seg.length
+        return StepResult(step_id=batch.step_id, sampled=sampled, row_logits=row_logits, row_selections=row_selections)
+
+    # -- around the forward -------------------------------------------------------------
+
+    def _ready_slot(self, seg: ScheduledSegment) -> None:
+        if seg.reset is not None:
+            self.pools.reset_state(seg.slot)
+            cursor = self.pools.cursor[seg.slot]
+            cursor[CURSOR_POSITION] = seg.reset.position
+            if self.hashing is not None and seg.reset.history_token_ids:
+                history = self.params.token_map[torch.tensor(seg.reset.history_token_ids, dtype=torch.long)]
+                cursor[CURSOR_POSITION + 1 + self.history_len - history.numel() :] = history
+        elif seg.restore is not None:
+            self.checkpoints.restore(seg.restore, seg.slot)
+        position = int(self.pools.cursor[seg.slot, CURSOR_POSITION])
+        if position != seg.start:
+            raise RuntimeError(
+                f"request {seg.request_id}: slot {seg.slot} is committed at {position}, "
+                f"but the step computes from {seg.start}"
+            )
+
+    def _ngrams(self, segments: tuple[ScheduledSegment, ...], compressed: torch.Tensor, histories: torch.Tensor) -> torch.Tensor:
+        if self.hashing is None:
+            return compressed.unsqueeze(1)
+        parts = []
+        base = 0
+        for i, seg in enumerate(segments):
+            parts.append(self.hashing.ngram_ids(compressed[base : base + seg.length], histories[i]))
+            base += seg.length
+        return torch.cat(parts)
+
+    def _advance_cursors(
+        self, segments: tuple[ScheduledSegment, ...], compressed: torch.Tensor, histories: torch.Tensor
+    ) -> None:
+        base = 0
+        for i, seg in enumerate(segments):
+            cursor = self.pools.cursor[seg.slot]
+            cursor[CURSOR_POSITION] = seg.end
+            if self.hashing is not None:
+                chunk = compressed[base : base + seg.length]
+                cursor[CURSOR_POSITION + 1 :] = self.hashing.next_history(chunk, histories[i])
+            base += seg.length
+
+    @staticmethod
+    def _logit_rows(
+        segments: tuple[ScheduledSegment, ...],
+    ) -> tuple[torch.Tensor, dict[str, tuple[int, int]], list[int]]:
+        """Which rows the head runs on: every row of segments that want them, the last
+        row of each sampling segment. Returns the rows, each wanting segment's range in
+        the logits, and each sampling segment's logits row."""
+        rows: list[int] = []
+        ranges: dict[str, tuple[int, int]] = {}
+        sample_rows: list[int] = []
+        base = 0
+        for seg in segments:
+            if seg.want_prompt_logits:
+                ranges[seg.request_id] = (len(rows), len(rows) + seg.length)
+                rows.extend(range(base, base + seg.length))
+                if seg.sample:
+                    sample_rows.append(len(rows) - 1)
+            elif seg.sample:
+                sample_rows.append(len(rows))
+                rows.append(base + seg.length - 1)
+            base += seg.length
+        return torch.tensor(rows, dtype=torch.long), ranges, sample_rows
+
+    def _sample(
+        self, segments: tuple[ScheduledSegment, ...], logits: torch.Tensor, sample_rows: list[int]
+    ) -> dict[str, SampledToken]:
+        sampling = [seg for seg in segments if seg.sample]
+        if not sampling:
+            return {}
+        metadata = SamplingMetadata.from_params(
+            [s.params for s in sampling], [s.seed for s in sampling], [s.output_index for s in sampling]
+        )
+        out = self.sampler(logits[sample_rows], metadata)
+        return {
+            seg.request_id: SampledToken(int(token), logprobs)
+            for seg, token, logprobs in zip(sampling, out.token_ids.tolist(), out.logprobs)
+        }
+

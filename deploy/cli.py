@@ -1,0 +1,197 @@
+"""The ``dsv41`` command line: make-tiny, logits, generate, geometry, validate.
+
+Owns argument parsing and printing only; every command calls the package's public
+Python interfaces (model.tiny, model.loader, cluster.engine, cluster.pool_layout).
+Heavy imports happen inside the command that needs them, so ``dsv41 --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_HOME = Path(os.environ.get("DSV41_HOME", Path.home() / ".cache" / "dsv41"))
+
+
+def default_model_dir() -> Path:
+    """The embedded tiny checkpoint, made on first use."""
+    from model.tiny import make_tiny
+
+    path = DEFAULT_HOME / "tiny"
+    if not (path / "config.json").is_file():
+        print(f"making the embedded tiny checkpoint in {path} ...", file=sys.stderr)
+        make_tiny(path)
+    return path
+
+
+def _model_dir(arg: str | None) -> Path:
+    return Path(arg) if arg else default_model_dir()
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _read_ids(path: str) -> dict[str, list[int]]:
+    raw = json.loads(Path(path).read_text())
+    if not isinstance(raw, dict) or not all(
+        isinstance(v, list) and v and all(isinstance(t, int) for t in v) for v in raw.values()
+    ):
+        raise SystemExit(f"{path}: expected a JSON object mapping names to non-empty lists of token ids")
+    return raw
+
+
+def _chunk_sizes(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    sizes = tuple(int(s) for s in text.split(","))
+    if any(s <= 0 for s in sizes):
+        raise SystemExit("--chunk-sizes: every size must be a positive integer")
+    return sizes
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> None:
+    from model.tiny import TINY, TINY_ALT, make_tiny
+
+    spec = {"tiny": TINY, "tiny-alt": TINY_ALT}[args.preset]
+    out = make_tiny(Path(args.dir), quantized=args.quantized, seed=args.seed, spec=spec)
+    print(out)
+
+
+def cmd_logits(args: argparse.Namespace) -> None:
+    from safetensors.torch import save_file
+
+    ids = _read_ids(args.ids)
+    model_dir = _model_dir(args.model)
+    out = {}
+    if args.runtime == "reference":
+        from model.params import load_model_params
+        from model.reference import ReferenceModel
+
+        reference = ReferenceModel(load_model_params(model_dir, dtype=_dtype(args.dtype))[0])
+        for name, seq in ids.items():
+            out[name] = reference.forward(seq).logits.float().contiguous()
+    else:
+        from cluster.engine import Engine
+
+        engine = Engine.from_pretrained(model_dir, dtype=_dtype(args.dtype), enable_prefix_caching=False)
+        sizes = _chunk_sizes(args.chunk_sizes)
+        for name, seq in ids.items():
+            out[name] = engine.prompt_logits(seq, chunk_sizes=sizes).logits.contiguous()
+    save_file(out, args.out)
+    print(f"wrote {len(out)} logits tensor(s) to {args.out}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from cluster.request import SamplingParams
+
+    model_dir = _model_dir(args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    from cluster.engine import Engine
+
+    engine = Engine.from_pretrained(model_dir)
+    if args.ids:
+        prompts = _read_ids(args.ids)
+    else:
+        prompts = {"prompt": engine.tokenizer.encode(args.prompt).ids}
+    outputs = engine.generate(list(prompts.values()), params)
+    if args.json:
+        print(json.dumps({name: list(o.token_ids) for name, o in zip(prompts, outputs)}))
+    else:
+        for name, o in zip(prompts, outputs):
+            text = engine.tokenizer.decode(list(o.token_ids), skip_special_tokens=False)
+            print(f"[{name}] ({o.finish_reason}, {len(o.token_ids)} tokens) {text}")
+
+
+def cmd_geometry(args: argparse.Namespace) -> None:
+    from cluster.pool_layout import pool_geometry
+    from model.config import V41Config
+
+    config = V41Config.from_pretrained(_model_dir(args.model), text_only=True)
+    geometry = pool_geometry(
+        config,
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        index_cache_dtype=args.index_cache_dtype,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    print(geometry.describe())
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    from cluster.validate import run_validation
+
+    report = run_validation(_model_dir(args.model), progress=lambda line: print(line, file=sys.stderr))
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    print(f"{'PASS' if report['passed'] else 'FAIL'}: report written to {args.output}")
+    if not report["passed"]:
+        raise SystemExit(1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1 on a paged runtime")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="write the embedded tiny checkpoint (official format)")
+    p.add_argument("dir")
+    p.add_argument("--quantized", action="store_true", help="FP8/FP4 weights with E8M0 scales")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", choices=("tiny", "tiny-alt"), default="tiny")
+    p.set_defaults(func=cmd_make_tiny)
+
+    p = sub.add_parser("logits", help="full-sequence logits of token-id prompts")
+    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--ids", required=True, help="JSON object: name -> list of token ids")
+    p.add_argument("--out", required=True, help="output .safetensors, one float32 [len, vocab] per name")
+    p.add_argument("--runtime", choices=("reference", "paged"), default="reference")
+    p.add_argument("--chunk-sizes", help="paged only: prefill chunk sizes, cycling (e.g. 3,1,129,7,128)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.set_defaults(func=cmd_logits)
+
+    p = sub.add_parser("generate", help="generate tokens for a prompt")
+    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--ids", help="JSON object: name -> list of token ids")
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print {name: token ids} as JSON")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("geometry", help="print the PAGE/STATE plane table and bytes")
+    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--kv-cache-dtype", choices=("bf16", "fp4"), default="bf16")
+    p.add_argument("--index-cache-dtype", choices=("fp8", "fp4"), default="fp8")
+    p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.set_defaults(func=cmd_geometry)
+
+    p = sub.add_parser("validate", help="runtime validation: scheduled runs equal uninterrupted ones")
+    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--output", required=True, help="JSON report path")
+    p.set_defaults(func=cmd_validate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from model.config import ConfigError
+
+    try:
+        args.func(args)
+    except ConfigError as exc:
+        raise SystemExit(f"config error: {exc}") from exc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""DeepSeek-V4.1 attention arithmetic: projections, sparse attention with a sink, and
+the grouped output projection.
+
+Owns what one attention layer computes for a set of query rows, given the keys each
+row reads (its own sliding window plus the compressed entries selected for it). Where
+those keys come from — a dense sequence (model/reference.py) or paged storage
+(model/runtime.py) — is the caller's business; the arithmetic is the same.
+Must not import: cache, cluster, actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.formats import round_fp8
+from model.norm import rms_norm
+from model.rope import Rope
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    wq_a: torch.Tensor  # [q_lora, hidden]
+    q_norm: torch.Tensor  # [q_lora]
+    wq_b: torch.Tensor  # [heads * head_dim, q_lora]
+    wkv: torch.Tensor  # [head_dim, hidden]
+    kv_norm: torch.Tensor  # [head_dim]
+    wo_a: torch.Tensor  # [o_groups * o_lora, heads * head_dim / o_groups]
+    wo_b: torch.Tensor  # [hidden, o_groups * o_lora]
+    attn_sink: torch.Tensor  # [heads] fp32
+
+
+def query_latent(x: torch.Tensor, w: AttentionWeights, eps: float) -> torch.Tensor:
+    """q_norm(wq_a(x)) [T, q_lora]: shared by the attention query and the index query."""
+    return rms_norm(x @ w.wq_a.t(), w.q_norm, eps)
+
+
+def project_query(
+    q_latent: torch.Tensor, w: AttentionWeights, heads: int, rope: Rope, positions: torch.Tensor
+) -> torch.Tensor:
+    """rope(wq_b(q_latent)) as [T, heads, head_dim]; V4.1 has no per-head q norm."""
+    q = (q_latent @ w.wq_b.t()).reshape(q_latent.shape[0], heads, -1)
+    return rope.apply(q, positions)
+
+
+def project_window_kv(
+    x: torch.Tensor, w: AttentionWeights, eps: float, rope: Rope, positions: torch.Tensor
+) -> torch.Tensor:
+    """FP8(rope(kv_norm(wkv(x)))) [T, head_dim]: one latent is both key and value."""
+    kv = rms_norm(x @ w.wkv.t(), w.kv_norm, eps, out_dtype=torch.float32)
+    return round_fp8(rope.apply(kv, positions)).to(x.dtype)
+
+
+def sparse_attention(
+    q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    """Each query row attends over its own key rows.
+
+    q [T, H, D]; keys [T, K, D] (window rows and selected compressed rows, in any
+    order, duplicates allowed: the model does not de-duplicate); valid [T, K] bool.
+    Softmax in fp32 with one extra zero-value key whose logit is ``sink[h]``.
+    Returns [T, H, D] in q's dtype.
+    """
+    kf = keys.float()
+    logits = torch.einsum("thd,tkd->thk", q.float(), kf) * softmax_scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sink_logits = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat((logits, sink_logits), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, kf).to(q.dtype)
+
+
+def output_projection(
+    o: torch.Tensor, w: AttentionWeights, o_groups: int, rope: Rope, positions: torch.Tensor
+) -> torch.Tensor:
+    """Inverse RoPE at the query position, then ``wo_a`` per head group and ``wo_b``."""
+    tokens = o.shape[0]
+    o = rope.apply(o, positions, inverse=True).reshape(tokens, o_groups, -1)
+    wo_a = w.wo_a.reshape(o_groups, -1, o.shape[-1])
+    grouped = torch.einsum("tgi,goi->tgo", o, wo_a)
+    return grouped.reshape(tokens, -1) @ w.wo_b.t()

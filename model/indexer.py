@@ -1,0 +1,108 @@
+"""The lightning indexer: index queries, ReLU-weighted scores, candidate blocks and
+the deterministic top-k selection of compressed entries.
+
+Owns MODEL_FACTS section 4's "Indexer and selection". Every function takes, per query
+row, the key rows it may score in ascending position order, so a dense sequence and a
+paged gather are the same call. Ties in a selection go to the smaller position (the
+stable sort below), which keeps selections independent of row width.
+Must not import: cache, cluster, actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.formats import round_mxfp4
+from model.rope import Rope
+
+EMPTY = -1  # an unused selection slot
+
+
+@dataclass(frozen=True)
+class IndexerWeights:
+    wq_b: torch.Tensor  # [index_heads * index_head_dim, q_lora]
+    weights_proj: torch.Tensor  # [index_heads, hidden]
+
+
+def index_query(
+    q_latent: torch.Tensor,
+    x: torch.Tensor,
+    w: IndexerWeights,
+    n_heads: int,
+    rope: Rope,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(MXFP4(rope(wq_b(q_latent))) [T, Hi, Di] fp32, head weights [T, Hi] fp32)."""
+    q = (q_latent @ w.wq_b.t()).reshape(q_latent.shape[0], n_heads, -1)
+    q = round_mxfp4(rope.apply(q.float(), positions))
+    head_dim = q.shape[-1]
+    weights = (x @ w.weights_proj.t()).float() * (head_dim**-0.5 * n_heads**-0.5)
+    return q, weights
+
+
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """score(s, t) = sum_h w_h * ReLU(q_h . k_t) in fp32.
+
+    keys [C, Di] (every row scores the same keys) or [T, K, Di] (each row its own)."""
+    kf = keys.float()
+    if kf.dim() == 2:
+        dots = torch.einsum("thd,cd->thc", q, kf)
+    else:
+        dots = torch.einsum("thd,tkd->thk", q, kf)
+    return torch.einsum("th,thc->tc", head_weights, torch.relu(dots))
+
+
+def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """How many compressed entries a query at each position sees: entry j becomes
+    visible at its last token, j < (s + 1) // ratio."""
+    return torch.div(positions + 1, ratio, rounding_mode="floor")
+
+
+def candidate_mask(
+    scores: torch.Tensor, entry_ids: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int
+) -> torch.Tensor:
+    """Which scored entries are candidates of the candidate source.
+
+    scores [T, K] with -inf where invisible; entry_ids [T, K] (or [K]) the entry index
+    of each column. Block score = max over its visible entries; the newest visible
+    block is forced in; the top ``topk_blocks`` blocks are kept (ties: smaller block).
+    """
+    ids = entry_ids.expand_as(scores)
+    if ids.numel() == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    num_blocks = int(ids.max().item()) // block_size + 1
+    block_of = torch.div(ids.clamp_min(0), block_size, rounding_mode="floor")
+    block_scores = torch.full((scores.shape[0], num_blocks), float("-inf"), dtype=torch.float32)
+    block_scores = block_scores.scatter_reduce(1, block_of, scores.float(), reduce="amax", include_self=True)
+    newest = torch.div(visible - 1, block_size, rounding_mode="floor").clamp_min(0)
+    has_visible = (visible > 0).unsqueeze(1)
+    forced = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(1, newest.unsqueeze(1), True) & has_visible
+    block_scores = block_scores.masked_fill(forced, float("inf"))
+    keep = min(topk_blocks, num_blocks)
+    order = torch.sort(block_scores, dim=1, descending=True, stable=True).indices[:, :keep]
+    kept_scores = torch.gather(block_scores, 1, order)
+    chosen = torch.zeros_like(block_scores, dtype=torch.bool)
+    chosen.scatter_(1, order, kept_scores > float("-inf"))
+    return torch.gather(chosen, 1, block_of) & (scores > float("-inf"))
+
+
+def select_topk(scores: torch.Tensor, entry_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k entry ids per row, ascending, EMPTY-padded to width k.
+
+    scores [T, K] with -inf where not selectable; entry_ids [T, K] (or [K]) ascending
+    per row. k = min(index_topk, selectable) per row; equal scores prefer the smaller
+    position."""
+    ids = entry_ids.expand_as(scores)
+    width = min(k, scores.shape[1])
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :width]
+    picked = torch.gather(ids, 1, order)
+    picked = picked.masked_fill(torch.gather(scores, 1, order) == float("-inf"), EMPTY)
+    # EMPTY sorts last once mapped above every real id.
+    big = torch.iinfo(picked.dtype).max
+    picked = torch.sort(picked.masked_fill(picked == EMPTY, big), dim=1).values
+    picked = picked.masked_fill(picked == big, EMPTY)
+    if width < k:
+        picked = torch.cat((picked, picked.new_full((picked.shape[0], k - width), EMPTY)), dim=1)
+    return picked

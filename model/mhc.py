@@ -1,0 +1,76 @@
+"""Single-pass manifold hyper-connections (mHC) with Sinkhorn mixing.
+
+Owns the residual of ``hc_mult`` streams per token: the per-site mix (pre, post and
+the doubly stochastic comb matrix), the collapse of the streams into a sublayer input
+(with the *previous* site's pre: single pass) and the expansion of a sublayer output
+back into the streams (MODEL_FACTS section 3). Mixing runs in fp32.
+Must not import: cache, cluster, actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class HcMix:
+    """One site's mixing coefficients for every token."""
+
+    pre: torch.Tensor  # [T, hc] fp32: how the *next* site collapses the streams
+    post: torch.Tensor  # [T, hc] fp32
+    comb: torch.Tensor  # [T, hc_in, hc_out] fp32, doubly stochastic
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Softmax over the last dim (+eps), divide by column sums (+eps), then
+    ``iters - 1`` rounds of row- then column-normalisation."""
+    m = torch.softmax(logits.float(), dim=-1) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(-1, keepdim=True) + eps)
+        m = m / (m.sum(-2, keepdim=True) + eps)
+    return m
+
+
+def hc_mix(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> HcMix:
+    """The site function: streams [T, hc, hidden] -> (pre, post, comb)."""
+    tokens, hc, _ = streams.shape
+    flat = streams.reshape(tokens, -1).float()
+    m = (flat @ fn.float().t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    s = scale.float()
+    scales = torch.cat((s[0].expand(hc), s[1].expand(hc), s[2].expand(hc * hc)))
+    logits = base.float() + m * scales
+    pre = torch.sigmoid(logits[:, :hc]) + hc_eps
+    post = 2 * torch.sigmoid(logits[:, hc : 2 * hc])
+    comb = sinkhorn(logits[:, 2 * hc :].reshape(tokens, hc, hc), sinkhorn_iters, hc_eps)
+    return HcMix(pre=pre, post=post, comb=comb)
+
+
+def first_pre(tokens: int, hc: int, device: torch.device | None = None) -> torch.Tensor:
+    """The first collapse weight: one-hot on stream 0."""
+    pre = torch.zeros(tokens, hc, dtype=torch.float32, device=device)
+    pre[:, 0] = 1.0
+    return pre
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """x = sum_i pre[i] * streams[i], kept in fp32 for the RMSNorm that follows."""
+    return torch.einsum("th,thd->td", pre, streams.float())
+
+
+def expand(streams: torch.Tensor, y: torch.Tensor, mix: HcMix) -> torch.Tensor:
+    """streams'[o] = post[o] * y + sum_i comb[i, o] * streams[i]."""
+    out = mix.post.unsqueeze(-1) * y.float().unsqueeze(1)
+    out = out + torch.einsum("tio,tid->tod", mix.comb, streams.float())
+    return out.to(streams.dtype)

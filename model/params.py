@@ -1,0 +1,208 @@
+"""The model's weights arranged per layer, by role, for the arithmetic modules.
+
+Owns the mapping from official tensor names (MODEL_FACTS section 8) to the weight
+records each arithmetic module takes (attention, compressor, indexer, MoE, mHC,
+Engram), plus each layer's RoPE. Both the dense reference and the paged runtime build
+their layers from here, so a name is spelled in one place.
+Must not import: cache, cluster, actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from model.attention import AttentionWeights
+from model.compressor import CompressorWeights
+from model.config import LayerMode, LayerTopology, V41Config
+from model.engram import EngramHashing, EngramTable
+from model.indexer import IndexerWeights
+from model.loader import ExpertShard, LoadedCheckpoint, LoadProgress, load_checkpoint
+from model.moe import ExpertWeights, MoEWeights
+from model.rope import Rope
+
+
+@dataclass(frozen=True)
+class HcSite:
+    fn: torch.Tensor  # [(2 + hc) * hc, hc * hidden] fp32
+    base: torch.Tensor  # [(2 + hc) * hc] fp32
+    scale: torch.Tensor  # [3] fp32
+
+
+@dataclass(frozen=True)
+class EngramParams:
+    table: EngramTable
+    wkv: torch.Tensor  # [(hc + 1) * hidden, input_dim]
+    q_weight: torch.Tensor  # [hc, hidden]
+    k_weight: torch.Tensor  # [hc, hidden]
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    topology: LayerTopology
+    rope: Rope
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    hc_attn: HcSite
+    hc_ffn: HcSite
+    attn: AttentionWeights
+    compressor: CompressorWeights | None  # FULL layers
+    indexer: IndexerWeights | None  # FULL and REINDEX layers
+    moe: MoEWeights
+    engram: EngramParams | None
+
+    @property
+    def layer_id(self) -> int:
+        return self.topology.layer_id
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    config: V41Config
+    embed: torch.Tensor  # [vocab, hidden]
+    head: torch.Tensor  # [vocab, hidden] fp32
+    norm: torch.Tensor  # [hidden]
+    layers: tuple[LayerParams, ...]  # the target layers
+    engram_hashing: EngramHashing | None
+    token_map: torch.Tensor  # [vocab] compressed Engram id of every token id
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: LoadedCheckpoint) -> "ModelParams":
+        if checkpoint.token_map is None or checkpoint.num_compressed is None:
+            raise RuntimeError("ModelParams.from_checkpoint: the checkpoint's post_load has not run")
+        return cls.build(
+            checkpoint.config,
+            checkpoint.tensors,
+            checkpoint.engram_tables,
+            checkpoint.token_map,
+            checkpoint.num_compressed,
+        )
+
+    @classmethod
+    def build(
+        cls,
+        config: V41Config,
+        tensors: Mapping[str, torch.Tensor],
+        engram_tables: Mapping[int, EngramTable],
+        token_map: torch.Tensor,
+        num_compressed: int,
+    ) -> "ModelParams":
+        layers = tuple(
+            _layer_params(config, tensors, engram_tables, config.topology.layer(i))
+            for i in range(config.num_hidden_layers)
+        )
+        hashing = (
+            EngramHashing.from_config(config, token_map, num_compressed) if config.engram_layer_ids else None
+        )
+        return cls(
+            config=config,
+            embed=tensors["embed.weight"],
+            head=tensors["head.weight"],
+            norm=tensors["norm.weight"],
+            layers=layers,
+            engram_hashing=hashing,
+            token_map=token_map,
+        )
+
+
+def _layer_params(
+    config: V41Config,
+    tensors: Mapping[str, torch.Tensor],
+    engram_tables: Mapping[int, EngramTable],
+    topology: LayerTopology,
+) -> LayerParams:
+    i = topology.layer_id
+
+    def t(name: str) -> torch.Tensor:
+        return tensors[f"layers.{i}.{name}"]
+
+    def site(prefix: str) -> HcSite:
+        return HcSite(fn=t(f"{prefix}_fn.weight"), base=t(f"{prefix}_base.weight"), scale=t(f"{prefix}_scale.weight"))
+
+    attn = AttentionWeights(
+        wq_a=t("attn.wq_a.weight"),
+        q_norm=t("attn.q_norm.weight"),
+        wq_b=t("attn.wq_b.weight"),
+        wkv=t("attn.wkv.weight"),
+        kv_norm=t("attn.kv_norm.weight"),
+        wo_a=t("attn.wo_a.weight"),
+        wo_b=t("attn.wo_b.weight"),
+        attn_sink=t("attn.attn_sink"),
+    )
+    compressor = None
+    if topology.mode is LayerMode.FULL:
+        compressor = CompressorWeights(
+            wkv=t("attn.compressor.wkv.weight"),
+            wgate=t("attn.compressor.wgate.weight") if topology.ratio == 2 else None,
+            norm=t("attn.compressor.norm.weight"),
+            index_wk=t("attn.indexer.wk.weight"),
+            index_k_norm=t("attn.indexer.k_norm.weight"),
+        )
+    indexer = None
+    if topology.mode in (LayerMode.FULL, LayerMode.REINDEX):
+        indexer = IndexerWeights(wq_b=t("attn.indexer.wq_b.weight"), weights_proj=t("attn.indexer.weights_proj.weight"))
+    # A rank holds only its shard's experts; the ids present are the ones it loaded.
+    expert_ids = sorted(
+        {
+            int(name.split(".")[4])
+            for name in tensors
+            if name.startswith(f"layers.{i}.ffn.experts.") and name.endswith(".w1.weight")
+        }
+    )
+    moe = MoEWeights(
+        gate=t("ffn.gate.weight"),
+        bias=t("ffn.gate.bias"),
+        experts={
+            e: ExpertWeights(
+                w1=t(f"ffn.experts.{e}.w1.weight"), w2=t(f"ffn.experts.{e}.w2.weight"), w3=t(f"ffn.experts.{e}.w3.weight")
+            )
+            for e in expert_ids
+        },
+        shared=(
+            ExpertWeights(
+                w1=t("ffn.shared_experts.w1.weight"),
+                w2=t("ffn.shared_experts.w2.weight"),
+                w3=t("ffn.shared_experts.w3.weight"),
+            )
+            if config.n_shared_experts
+            else None
+        ),
+    )
+    engram = None
+    if topology.is_engram:
+        engram = EngramParams(
+            table=engram_tables[i],
+            wkv=t("engram.wkv.weight"),
+            q_weight=t("engram.q_weight"),
+            k_weight=t("engram.k_weight"),
+        )
+    theta, yarn = config.layer_rope(i)
+    return LayerParams(
+        topology=topology,
+        rope=Rope.build(config.qk_rope_head_dim, theta, yarn),
+        attn_norm=t("attn_norm.weight"),
+        ffn_norm=t("ffn_norm.weight"),
+        hc_attn=site("hc_attn"),
+        hc_ffn=site("hc_ffn"),
+        attn=attn,
+        compressor=compressor,
+        indexer=indexer,
+        moe=moe,
+        engram=engram,
+    )
+
+
+def load_model_params(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    shard: ExpertShard | None = None,
+    text_only: bool = False,
+    progress: Callable[[LoadProgress], None] | None = None,
+) -> tuple[ModelParams, LoadedCheckpoint]:
+    """Loads a checkpoint (one rank's shard of it) and arranges it per layer."""
+    checkpoint = load_checkpoint(model_dir, dtype=dtype, shard=shard, text_only=text_only, progress=progress)
+    return ModelParams.from_checkpoint(checkpoint), checkpoint

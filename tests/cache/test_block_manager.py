@@ -1,0 +1,233 @@
+"""BlockManager: chain hashes, prefix hits under copy and replay, allocation answers,
+LRU eviction and the counters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache.block_manager import (
+    BlockManager,
+    BlockManagerError,
+    PrefixHit,
+    StateImage,
+    StateTransfer,
+    prefix_hashes,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+B = 4  # the block manager holds no bytes, so a small hash block keeps examples short
+
+
+def _manager(
+    state_transfer: StateTransfer = StateTransfer.COPY, num_pages: int = 16, num_slots: int = 4
+) -> BlockManager:
+    return BlockManager(num_pages=num_pages, num_slots=num_slots, block_size=B, state_transfer=state_transfer)
+
+
+def _run(bm: BlockManager, request_id: str, tokens: list[int]) -> PrefixHit:
+    """Admits a prompt, computes it whole and publishes its PAGEs."""
+    hit = bm.lookup(tokens)
+    assert bm.allocate_prompt(request_id, tokens, hit)
+    bm.publish(request_id, tokens, len(tokens))
+    return hit
+
+
+@settings(max_examples=50, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**40), min_size=3 * B, max_size=3 * B), position=st.integers(0, 3 * B - 1))
+def test_chain_hash_covers_the_prefix_up_to_its_page(tokens: list[int], position: int) -> None:
+    """Changing one token changes the hash of its PAGE and of every later PAGE, and of
+    no earlier PAGE: a hash names the whole prefix up to the end of its PAGE."""
+    changed = list(tokens)
+    changed[position] += 1
+    a, b = prefix_hashes(tokens, B), prefix_hashes(changed, B)
+    page = position // B
+    assert a[:page] == b[:page]
+    assert all(x != y for x, y in zip(a[page:], b[page:]))
+    assert prefix_hashes(tokens, B, known=a[:1]) == a
+
+
+def test_chain_hash_is_the_same_in_another_process() -> None:
+    """The prefix key is a stable digest, not Python's hash(): another interpreter with
+    another hash seed computes the same keys."""
+    tokens = list(range(100, 100 + 3 * B))
+    code = f"from cache.block_manager import prefix_hashes; print([h.hex() for h in prefix_hashes({tokens}, {B})])"
+    env = {**os.environ, "PYTHONHASHSEED": "4321"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str([h.hex() for h in prefix_hashes(tokens, B)])
+
+
+@settings(max_examples=50, deadline=None)
+@given(cached_len=st.integers(1, 6 * B), prompt_len=st.integers(1, 6 * B))
+def test_hit_never_covers_the_prompts_last_page(cached_len: int, prompt_len: int) -> None:
+    """With every PAGE of a prompt's prefix cached, the hit is the whole PAGEs of the
+    common prefix but at most floor((len - 1) / B) of them, so at least one prompt token
+    is computed."""
+    bm = _manager(num_pages=32)
+    base = list(range(10 * B))
+    _run(bm, "cached", base[:cached_len])
+    hit = bm.lookup(base[:prompt_len])
+    assert hit.hit_tokens == min(cached_len // B, (prompt_len - 1) // B) * B
+    assert hit.hit_tokens < prompt_len
+
+
+@settings(max_examples=30, deadline=None)
+@given(hit_pages=st.integers(0, 5))
+def test_replay_resumes_one_hash_block_below_the_hit(hit_pages: int) -> None:
+    """Under replay a hit of h PAGEs starts its forward at (h - 1) PAGEs (0 at least),
+    with no image: the slot is reset and the windows rebuilt from there."""
+    bm = _manager(StateTransfer.REPLAY, num_pages=32)
+    tokens = list(range(6 * B + 1))
+    if hit_pages:
+        _run(bm, "cached", tokens[: hit_pages * B])
+    hit = bm.lookup(tokens)
+    assert hit.hit_tokens == hit_pages * B
+    assert hit.forward_start == max(0, (hit_pages - 1) * B) == bm.replay_start(hit.hit_tokens)
+    assert hit.restore_image is None
+
+
+def test_replay_start_cuts_to_the_hash_block_grid() -> None:
+    """replay_start rounds down to the PAGE grid, then steps one whole PAGE back."""
+    bm = _manager(StateTransfer.REPLAY)
+    assert [bm.replay_start(n) for n in (0, 3, 4, 7, 8, 9, 13)] == [0, 0, 0, 0, 4, 4, 8]
+
+
+def _private_image(bm: BlockManager, num_tokens: int) -> StateImage:
+    pages = bm.allocate_pages(2)
+    assert pages is not None
+    return StateImage(layout_id="v41-test", pages=tuple(pages), image_bytes=100, num_tokens=num_tokens)
+
+
+def test_copy_restores_the_newest_image_at_or_below_the_hit() -> None:
+    """Under copy the forward starts at the largest PAGE boundary <= hit_tokens whose
+    PAGE carries an image, with that image; with none it starts at 0 in a reset slot."""
+    bm = _manager(num_pages=24)
+    tokens = list(range(5 * B + 1))
+    _run(bm, "a", tokens)
+    hit = bm.lookup(tokens)
+    assert (hit.hit_tokens, hit.forward_start, hit.restore_image) == (5 * B, 0, None)
+    first, third = _private_image(bm, B), _private_image(bm, 3 * B)
+    assert bm.attach_image("a", B, first) and bm.attach_image("a", 3 * B, third)
+    hit = bm.lookup(tokens)
+    assert (hit.hit_tokens, hit.forward_start, hit.restore_image) == (5 * B, 3 * B, third)
+    hit = bm.lookup(tokens[: 3 * B])  # a 3-PAGE prompt hits 2 PAGEs: the image at 1 PAGE
+    assert (hit.hit_tokens, hit.forward_start, hit.restore_image) == (2 * B, B, first)
+    assert not bm.wants_image("a", 3 * B)  # one image per hash entry
+    assert not bm.attach_image("a", 3 * B, _private_image(bm, 3 * B))
+
+
+def test_replay_keeps_no_images() -> None:
+    """Under replay no checkpoint is wanted and attaching one is refused."""
+    bm = _manager(StateTransfer.REPLAY)
+    tokens = list(range(2 * B))
+    _run(bm, "a", tokens)
+    assert not bm.wants_image("a", B)
+    with pytest.raises(BlockManagerError, match="replay"):
+        bm.attach_image("a", B, _private_image(bm, B))
+
+
+def test_allocation_shares_hit_pages_and_answers_false_when_full() -> None:
+    """A hit's PAGEs are shared (refcount 2), the rest fresh; when the pools cannot
+    hold a prompt or a growth, the answer is False and nothing changes."""
+    bm = _manager(num_pages=6, num_slots=3)
+    tokens = list(range(3 * B))
+    _run(bm, "a", tokens)
+    hit = bm.lookup(tokens + [7])
+    assert hit.pages == bm.page_table("a")
+    before = bm.stats()
+    assert not bm.allocate_prompt("b", tokens + [7] * (3 * B + 1), bm.lookup(tokens + [7] * (3 * B + 1)))
+    assert bm.stats().pages_free == before.pages_free and bm.stats().requests == 1
+    assert bm.allocate_prompt("b", tokens + [7], hit)
+    assert [bm.refcount(p) for p in bm.page_table("b")] == [2, 2, 2, 1]
+    assert not bm.grow("b", 8 * B)
+    assert len(bm.page_table("b")) == 4
+    assert bm.grow("b", 6 * B)
+    assert bm.stats().pages_free == 0
+
+
+def test_allocation_evicts_lru_pages_tail_first_with_their_images() -> None:
+    """A freed request's cached PAGEs are evicted last PAGE first, only when the free
+    list is empty; an evicted PAGE takes its hash entry and its image with it."""
+    bm = _manager(num_pages=6, num_slots=2)
+    tokens = list(range(3 * B + 1))
+    _run(bm, "a", tokens)
+    assert bm.attach_image("a", 2 * B, _private_image(bm, 2 * B))
+    a_pages = bm.page_table("a")
+    bm.free("a")
+    assert bm.stats().pages_cached == 3 and bm.stats().pages_free == 1  # the unpublished last PAGE
+    assert bm.allocate_pages(2) is not None  # the free PAGE, then the LRU's oldest: a's third PAGE
+    assert not bm.is_cached(a_pages[2]) and bm.is_cached(a_pages[1])
+    assert bm.stats().evictions == 1
+    assert bm.lookup(tokens).hit_tokens == 2 * B
+    assert bm.allocate_pages(1) is not None  # a's second PAGE, releasing the image's two PAGEs
+    assert bm.stats().images == 0 and bm.stats().pages_free == 2
+    assert bm.lookup(tokens).hit_tokens == B
+
+
+def test_a_stale_hit_is_refused() -> None:
+    """A hit whose PAGEs were evicted since lookup() is refused, not silently used."""
+    bm = _manager(num_pages=4, num_slots=2)
+    tokens = list(range(2 * B + 1))
+    _run(bm, "a", tokens)
+    bm.free("a")
+    hit = bm.lookup(tokens)
+    assert bm.evict(10) == 2
+    with pytest.raises(BlockManagerError, match="evicted since lookup"):
+        bm.allocate_prompt("b", tokens, hit)
+
+
+def test_counters_count_lookups_hits_and_pages() -> None:
+    """stats() counts lookups, hits, looked-up and hit tokens, and partitions the PAGEs
+    into used, cached and free."""
+    bm = _manager(num_pages=10)
+    tokens = list(range(2 * B + 1))
+    _run(bm, "a", tokens)
+    _run(bm, "b", tokens)
+    s = bm.stats()
+    assert (s.lookups, s.hits, s.lookup_tokens, s.hit_tokens) == (2, 1, 2 * len(tokens), 2 * B)
+    assert s.hit_rate == 2 * B / (2 * len(tokens))
+    assert (s.pages_used, s.pages_cached, s.pages_free, s.requests, s.slots_used) == (4, 0, 6, 2, 2)
+    bm.free("a")
+    bm.free("b")
+    s = bm.stats()
+    assert (s.pages_used, s.pages_cached, s.pages_free, s.slots_used) == (0, 2, 8, 0)
+
+
+def test_disabled_prefix_caching_never_hits() -> None:
+    """With prefix caching off nothing is published or hit."""
+    bm = BlockManager(
+        num_pages=8, num_slots=2, block_size=B, state_transfer=StateTransfer.REPLAY, enable_prefix_caching=False
+    )
+    tokens = list(range(2 * B + 1))
+    _run(bm, "a", tokens)
+    assert bm.lookup(tokens).hit_tokens == 0 and not bm.is_cached(bm.page_table("a")[0])
+
+
+def test_contract_breaches_are_refused() -> None:
+    """Double admission, unknown requests, double frees, foreign PAGEs and bad options
+    are refused with errors that say which."""
+    bm = _manager()
+    _run(bm, "a", list(range(B + 1)))
+    with pytest.raises(BlockManagerError, match="already holds"):
+        bm.allocate_prompt("a", [1], bm.lookup([1]))
+    with pytest.raises(BlockManagerError, match="holds no PAGEs"):
+        bm.free("zz")
+    with pytest.raises(BlockManagerError, match="not handed out by allocate_pages"):
+        bm.free_pages([bm.page_table("a")[0]])
+    pages = bm.allocate_pages(1)
+    assert pages is not None
+    bm.free_pages(pages)
+    with pytest.raises(BlockManagerError, match="not handed out"):
+        bm.free_pages(pages)
+    with pytest.raises(BlockManagerError, match="empty prompt"):
+        bm.lookup([])
+    with pytest.raises(BlockManagerError, match=r"state_transfer: 'swap' \(allowed: 'copy', 'replay'\)"):
+        StateTransfer("swap")
+    with pytest.raises(BlockManagerError, match="boundary: 3"):
+        bm.wants_image("a", 3)

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny checkpoints made once per test session.
+
+The directories are shared by every test of the session: treat them as read-only
+(copy one before tampering with it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.tiny import TINY_ALT, make_tiny
+
+# One intra-op thread: results then do not depend on how a matmul of a given shape is
+# split across threads, so equivalence tests compare arithmetic, not scheduling noise
+# (a 1e-6 difference can flip a near-tied top-k entry), and the 2-core CI box is not
+# oversubscribed when tests start worker processes.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default checkpoint (TINY, plain BF16/FP32 weights, seed 0)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY quantised (FP8 / FP4 / FP8 Engram rows with E8M0 scales), same weights as tiny_dir."""
+    return make_tiny(tmp_path_factory.mktemp("tiny-quantized"), quantized=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_alt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY_ALT: other sizes and weights with the same layer-mode pattern (plain)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny-alt"), spec=TINY_ALT)
