@@ -3,8 +3,9 @@
 Owns the step's declaration — per request: which positions run, on which STATE slot
 and PAGEs, what the slot must hold before the forward (reset with an Engram history,
 or a checkpoint image restored) and what is stored after it (an image at a PAGE
-boundary), and how its next token is sampled. It holds only plain values, so one
-scheduler can drive ranks in other processes.
+boundary), and how its next token is sampled; and ``DPMetadata``, what every DP rank
+learns of the others in a step, packed into one flat tensor. It holds only plain
+values, so one scheduler can drive ranks in other processes.
 
 Must not import: model, actors, deploy, ray.
 """
@@ -12,6 +13,8 @@ Must not import: model, actors, deploy, ray.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from cache.block_manager import StateImage
 from cluster.request import SamplingParams
@@ -72,3 +75,95 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.segments
+
+
+DP_METADATA_LAYOUT = 1  # bump when the wire layout below changes
+
+
+class DPMetadataError(ValueError):
+    """A packed DP metadata tensor this build cannot read; the message says why."""
+
+
+@dataclass(frozen=True)
+class RankStepInfo:
+    """One DP rank's share of a step: its rows, whether any of them is prefill (not a
+    one-token decode), and the requests whose prompt this step finishes there (their
+    first token is sampled)."""
+
+    num_tokens: int
+    is_prefill: bool
+    finished_prompts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+            raise DPMetadataError(f"RankStepInfo.num_tokens: {self.num_tokens!r} (allowed: an int >= 0)")
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> "RankStepInfo":
+        decode = [s.sample and s.length == 1 and s.output_index > 0 for s in batch.segments]
+        return cls(
+            num_tokens=batch.num_tokens,
+            is_prefill=not all(decode),
+            finished_prompts=tuple(s.request_id for s in batch.segments if s.sample and s.output_index == 0),
+        )
+
+
+@dataclass(frozen=True)
+class DPMetadata:
+    """What every DP rank knows of every other rank in a step, sent to all of them:
+    the MoE exchange pads to ``max(row_counts)`` and cuts each rank's rows out.
+
+    Wire layout 1 (one flat int64 tensor): ``[layout, step_id, world]`` then per rank
+    ``[num_tokens, is_prefill, num_finished]`` and per finished request
+    ``[num_bytes, *utf8_bytes]``."""
+
+    step_id: int
+    ranks: tuple[RankStepInfo, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            raise DPMetadataError("DPMetadata.ranks: empty (allowed: one entry per DP rank)")
+
+    @classmethod
+    def of(cls, step_id: int, batches: tuple[ScheduledBatch, ...]) -> "DPMetadata":
+        return cls(step_id=step_id, ranks=tuple(RankStepInfo.of(b) for b in batches))
+
+    @property
+    def row_counts(self) -> tuple[int, ...]:
+        return tuple(r.num_tokens for r in self.ranks)
+
+    def to_wire(self) -> torch.Tensor:
+        words = [DP_METADATA_LAYOUT, self.step_id, len(self.ranks)]
+        for rank in self.ranks:
+            words += [rank.num_tokens, int(rank.is_prefill), len(rank.finished_prompts)]
+            for request_id in rank.finished_prompts:
+                raw = request_id.encode()
+                words += [len(raw), *raw]
+        return torch.tensor(words, dtype=torch.int64)
+
+    @classmethod
+    def from_wire(cls, wire: torch.Tensor) -> "DPMetadata":
+        if wire.dtype != torch.int64 or wire.dim() != 1:
+            raise DPMetadataError(f"wire: {wire.dtype} of shape {tuple(wire.shape)} (allowed: a flat int64 tensor)")
+        words = wire.tolist()
+        if len(words) < 3 or words[0] != DP_METADATA_LAYOUT:
+            layout = words[0] if words else None
+            raise DPMetadataError(f"wire: layout {layout!r} (allowed: {DP_METADATA_LAYOUT})")
+        step_id, world = words[1], words[2]
+        at = 3
+        ranks = []
+        try:
+            for _ in range(world):
+                num_tokens, is_prefill, num_finished = words[at : at + 3]
+                at += 3
+                finished = []
+                for _ in range(num_finished):
+                    size = words[at]
+                    finished.append(bytes(words[at + 1 : at + 1 + size]).decode())
+                    at += 1 + size
+                ranks.append(RankStepInfo(num_tokens, bool(is_prefill), tuple(finished)))
+        except (IndexError, ValueError, UnicodeDecodeError) as exc:
+            raise DPMetadataError(f"wire: truncated or corrupt layout-{DP_METADATA_LAYOUT} tensor ({exc})") from exc
+        if at != len(words):
+            raise DPMetadataError(f"wire: {len(words) - at} words after the last rank (a corrupt tensor)")
+        return cls(step_id=step_id, ranks=tuple(ranks))

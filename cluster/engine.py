@@ -12,6 +12,7 @@ Must not import: actors, deploy, ray.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 import time
@@ -23,6 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from cache.block_manager import BlockManager, PrefixHit, StateTransfer
+from cache.geometry import V41PoolGeometry
 from cache.pools import PoolSize
 from cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
 from cluster.pool_layout import pool_geometry
@@ -31,6 +33,7 @@ from cluster.runner import ModelRunner, StepResult
 from cluster.sampler import prompt_logprobs
 from cluster.scheduler import Scheduler, SchedulerConfig
 from cluster.stopping import StopChecker
+from model.config import V41Config
 from model.params import ModelParams, load_model_params
 
 logger = logging.getLogger(__name__)
@@ -102,22 +105,20 @@ class EngineOptions:
                 raise EngineError(f"{name}: {value!r} (allowed: None or a positive integer)")
 
 
-class Engine:
-    """One replica: a scheduler over one rank executor."""
+@dataclass(frozen=True)
+class RankLayout:
+    """The pools one rank allocates under ``options`` and the scheduler over them: the
+    geometry and pool size every process of a replica derives identically, so a
+    scheduler in one process and the pools of its rank in another agree on every
+    PAGE and slot id."""
 
-    def __init__(
-        self,
-        params: ModelParams,
-        tokenizer: Tokenizer,
-        options: EngineOptions,
-        executor: RankExecutor | None = None,
-    ) -> None:
-        config = params.config
-        self.config = config
-        self.params = params
-        self.tokenizer = tokenizer
-        self.options = options
-        self.geometry = pool_geometry(
+    geometry: V41PoolGeometry
+    pool_size: PoolSize
+    num_slots: int
+
+    @classmethod
+    def build(cls, config: V41Config, options: EngineOptions) -> "RankLayout":
+        geometry = pool_geometry(
             config,
             block_size=options.block_size,
             kv_cache_dtype=options.kv_cache_dtype,
@@ -125,17 +126,21 @@ class Engine:
             encoder_replay=options.state_transfer == "replay",
         )
         slots = options.num_state_slots or options.max_num_seqs
-        self.pool_size = PoolSize.from_budget(
-            self.geometry, options.cache_memory_bytes, num_slots=slots, max_num_pages=options.num_pages
+        pool_size = PoolSize.from_budget(
+            geometry, options.cache_memory_bytes, num_slots=slots, max_num_pages=options.num_pages
         )
-        self.block_manager = BlockManager(
+        return cls(geometry=geometry, pool_size=pool_size, num_slots=slots)
+
+    def scheduler(self, config: V41Config, options: EngineOptions) -> Scheduler:
+        """A fresh scheduler over a fresh block manager of these pools."""
+        block_manager = BlockManager(
             num_pages=self.pool_size.num_pages,
-            num_slots=slots,
+            num_slots=self.num_slots,
             block_size=options.block_size,
             state_transfer=StateTransfer(options.state_transfer),
             enable_prefix_caching=options.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(
+        return Scheduler(
             SchedulerConfig(
                 max_num_seqs=options.max_num_seqs,
                 max_num_batched_tokens=options.max_num_batched_tokens,
@@ -145,37 +150,53 @@ class Engine:
                 enable_prefix_caching=options.enable_prefix_caching,
                 engram_history=config.engram_max_ngram_size - 1,
             ),
-            self.block_manager,
+            block_manager,
             layout_id=self.geometry.layout_id,
             image_pages=self.geometry.image_pages,
             image_bytes=self.geometry.image_bytes,
         )
-        self.executor = executor or InProcessExecutor(ModelRunner(params, self.geometry, self.pool_size))
+
+
+def engine_options(options: dict[str, object]) -> EngineOptions:
+    """EngineOptions from keyword options; unknown ones are refused."""
+    known = set(EngineOptions.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise EngineError(f"options: unknown {unknown} (allowed: {sorted(known)})")
+    return EngineOptions(**options)  # type: ignore[arg-type]
+
+
+class EngineFrontend(abc.ABC):
+    """What every replica shape shares: request validation and bookkeeping, applying
+    a rank's step result (commit, stop checks, outputs), abort and generate. A
+    subclass says where a request is queued and how a step runs."""
+
+    def __init__(self, config: V41Config, tokenizer: Tokenizer, options: EngineOptions, layout: RankLayout) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.options = options
         self.stop_checker = StopChecker(tokenizer, config.eos_token_id)
         self.seeds = SeedSource(options.seed)
-        pool_tokens = self.pool_size.num_pages * options.block_size
+        pool_tokens = layout.pool_size.num_pages * options.block_size
         self.max_model_len = min(options.max_model_len or config.max_position_embeddings, pool_tokens)
         self._requests: dict[str, Request] = {}
         self._children: dict[str, tuple[str, ...]] = {}
-        logger.info(
-            "engine: %d PAGEs x %d tokens, %d STATE slots, layout %s",
-            self.pool_size.num_pages,
-            options.block_size,
-            slots,
-            self.geometry.layout_id,
-        )
 
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
-        """Loads ``model_dir`` (official checkpoint format) into an in-process replica.
-        Options are EngineOptions' fields; unknown ones are refused."""
-        known = set(EngineOptions.__dataclass_fields__)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise EngineError(f"options: unknown {unknown} (allowed: {sorted(known)})")
-        engine_options = EngineOptions(**options)  # type: ignore[arg-type]
-        params, checkpoint = load_model_params(model_dir, dtype=engine_options.dtype, text_only=True)
-        return cls(params, checkpoint.tokenizer, engine_options)
+    @abc.abstractmethod
+    def _enqueue(self, request: Request) -> None:
+        """Queues a validated request on the scheduler that will run it."""
+
+    @abc.abstractmethod
+    def _scheduler_of(self, request_id: str) -> Scheduler:
+        """The scheduler holding an unfinished request."""
+
+    @abc.abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @abc.abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the requests that got a token or
+        finished in it."""
 
     # -- requests -----------------------------------------------------------------------
 
@@ -200,7 +221,7 @@ class Engine:
         for rid, seed in zip(ids, seeds):
             request = Request(rid, prompt, params, sampling_seed=seed, arrival_time=now)
             self._requests[rid] = request
-            self.scheduler.add(request)
+            self._enqueue(request)
         if params.n > 1:
             self._children[request_id] = ids
 
@@ -214,7 +235,7 @@ class Engine:
             if request is None or request.is_finished:
                 continue
             request.finish(RequestStatus.FINISHED_ABORTED)
-            self.scheduler.finish(request)
+            self._scheduler_of(rid).finish(request)
             aborted = True
         return aborted
 
@@ -222,22 +243,15 @@ class Engine:
         """The live record of an unfinished request (None once finished or unknown)."""
         return self._requests.get(request_id)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
-
     # -- the step loop --------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns the requests that got a token or
-        finished in it."""
-        batch, _ = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
-        result = self.executor.execute(batch)
+    def _apply(self, scheduler: Scheduler, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """Commits a batch's forward on its scheduler; returns the requests that got a
+        token or finished in it."""
         outputs: list[RequestOutput] = []
         for seg in batch.segments:
             request = self._requests.get(seg.request_id)
-            self.scheduler.commit(seg, request)
+            scheduler.commit(seg, request)
             if request is None:
                 continue
             if seg.request_id in result.row_logits:
@@ -246,7 +260,7 @@ class Engine:
                 sampled = result.sampled[seg.request_id]
                 request.append_output_token(sampled.token_id, sampled.logprobs)
                 if self.stop_checker.check_stop(request):
-                    self.scheduler.finish(request)
+                    scheduler.finish(request)
                     self._forget(request)
                 outputs.append(request.to_output())
         return outputs
@@ -260,10 +274,11 @@ class Engine:
             rid = f"{prefix}-{i}"
             self.add_request(rid, prompt, params)
             order.extend(self._children.get(rid, (rid,)))
+        wanted = set(order)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(order):
             for out in self.step():
-                if out.finished:
+                if out.finished and out.request_id in wanted:
                     final[out.request_id] = out
         return [final[rid] for rid in order]
 
@@ -284,6 +299,57 @@ class Engine:
             target = seg.start + i + 1
             if target == len(entries) and target < len(prompt):
                 entries.extend(prompt_logprobs(logits[i : i + 1], [prompt[target]], request.params.prompt_logprobs))
+
+class Engine(EngineFrontend):
+    """One replica: a scheduler over one rank executor."""
+
+    def __init__(
+        self,
+        params: ModelParams,
+        tokenizer: Tokenizer,
+        options: EngineOptions,
+        executor: RankExecutor | None = None,
+    ) -> None:
+        layout = RankLayout.build(params.config, options)
+        super().__init__(params.config, tokenizer, options, layout)
+        self.params = params
+        self.geometry = layout.geometry
+        self.pool_size = layout.pool_size
+        self.scheduler = layout.scheduler(params.config, options)
+        self.block_manager = self.scheduler.block_manager
+        self.executor = executor or InProcessExecutor(ModelRunner(params, self.geometry, self.pool_size))
+        logger.info(
+            "engine: %d PAGEs x %d tokens, %d STATE slots, layout %s",
+            self.pool_size.num_pages,
+            options.block_size,
+            layout.num_slots,
+            self.geometry.layout_id,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
+        """Loads ``model_dir`` (official checkpoint format) into an in-process replica.
+        Options are EngineOptions' fields; unknown ones are refused."""
+        parsed = engine_options(options)
+        params, checkpoint = load_model_params(model_dir, dtype=parsed.dtype, text_only=True)
+        return cls(params, checkpoint.tokenizer, parsed)
+
+    def _enqueue(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def _scheduler_of(self, request_id: str) -> Scheduler:
+        return self.scheduler
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the requests that got a token or
+        finished in it."""
+        batch, _ = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        return self._apply(self.scheduler, batch, self.executor.execute(batch))
 
     # -- arithmetic checks ----------------------------------------------------------------
 

@@ -105,6 +105,16 @@ class ModelRunner:
             base += seg.length
         return StepResult(step_id=batch.step_id, sampled=sampled, row_logits=row_logits, row_selections=row_selections)
 
+    @torch.no_grad()
+    def execute_padding(self, step_id: int) -> StepResult:
+        """An idle DP rank's step: every layer's MoE runs on zero rows, in the
+        forward's layer order, so the collectives of the rank's exchange meet every
+        peer; no PAGE or STATE is read or written."""
+        empty = torch.zeros(0, self.params.config.hidden_size, dtype=self.params.embed.dtype)
+        for layer in self.params.layers:
+            self.runtime.moe(layer, empty)
+        return StepResult(step_id=step_id)
+
     # -- around the forward -------------------------------------------------------------
 
     def _ready_slot(self, seg: ScheduledSegment) -> None:

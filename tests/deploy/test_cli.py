@@ -1,0 +1,74 @@
+"""The `dsv41` command line: each command does what DESIGN.md's interface says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cluster.engine import Engine
+from cluster.request import SamplingParams
+from deploy.cli import main
+from model.params import load_model_params
+from model.reference import ReferenceModel
+
+FLASH = Path(__file__).parents[1] / "fixtures" / "flash"
+
+
+def test_logits_reference_and_paged_agree_and_match_the_model(tiny_dir: Path, tmp_path: Path) -> None:
+    """`dsv41 logits` writes one float32 [len, vocab] tensor per name; the paged
+    runtime fed in cycling chunks gives the reference's logits."""
+    ids = {"one": [5, 9, 200, 17] * 20, "two": list(range(3, 70))}
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    for runtime in ("reference", "paged"):
+        main(["logits", "--model", str(tiny_dir), "--ids", str(tmp_path / "ids.json"), "--out",
+              str(tmp_path / f"{runtime}.safetensors"), "--runtime", runtime, "--chunk-sizes", "3,1,29,7"])
+    ref = load_file(tmp_path / "reference.safetensors")
+    paged = load_file(tmp_path / "paged.safetensors")
+    direct = ReferenceModel(load_model_params(tiny_dir)[0])
+    for name, seq in ids.items():
+        assert ref[name].dtype == torch.float32 and ref[name].shape == (len(seq), direct.config.vocab_size)
+        torch.testing.assert_close(ref[name], direct.forward(seq).logits)
+        torch.testing.assert_close(paged[name], ref[name], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_json_prints_the_engines_greedy_tokens(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dsv41 generate --ids --json` prints {name: token ids}, the engine's greedy run."""
+    ids = {"p": [7, 8, 9, 10, 11]}
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    main(["generate", "--model", str(tiny_dir), "--ids", str(tmp_path / "ids.json"), "--max-tokens", "5", "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    engine = Engine.from_pretrained(tiny_dir)
+    want = engine.generate([ids["p"]], SamplingParams(max_tokens=5, temperature=0.0))[0].token_ids
+    assert printed == {"p": list(want)}
+
+
+def test_geometry_prints_the_plane_table_for_flash(capsys: pytest.CaptureFixture[str]) -> None:
+    """`dsv41 geometry` on the V4.1-Flash config shows the owners' planes and the
+    PAGE/STATE byte sizes derived in tests/cache/test_geometry.py."""
+    main(["geometry", "--model", str(FLASH), "--block-size", "128"])
+    out = capsys.readouterr().out
+    assert "369,920" in out or "369920" in out
+    main(["geometry", "--model", str(FLASH), "--block-size", "128", "--kv-cache-dtype", "fp4", "--index-cache-dtype", "fp4"])
+    out = capsys.readouterr().out
+    assert "113,920" in out or "113920" in out
+
+
+def test_make_tiny_writes_a_loadable_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dsv41 make-tiny DIR --quantized --seed 3` writes the official layout."""
+    main(["make-tiny", str(tmp_path / "t"), "--quantized", "--seed", "3"])
+    assert Path(capsys.readouterr().out.strip()) == tmp_path / "t"
+    params, checkpoint = load_model_params(tmp_path / "t")
+    assert checkpoint.config.quantization is not None and params.layers
+
+
+def test_bad_config_is_a_clean_error(tmp_path: Path) -> None:
+    """A refused config exits with the field named, not a traceback."""
+    raw = json.loads((FLASH / "config.json").read_text())
+    raw["text_config"]["scoring_func"] = "softmax"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(SystemExit, match="scoring_func"):
+        main(["geometry", "--model", str(tmp_path), "--block-size", "128"])
