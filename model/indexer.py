@@ -10,10 +10,11 @@ Must not import: cache, cluster, actors, deploy, ray.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from model.config import LayerTopology, V41Config
 from model.formats import round_mxfp4
 from model.rope import Rope
 
@@ -106,3 +107,28 @@ def select_topk(scores: torch.Tensor, entry_ids: torch.Tensor, k: int) -> torch.
     if width < k:
         picked = torch.cat((picked, picked.new_full((picked.shape[0], k - width), EMPTY)), dim=1)
     return picked
+
+
+@dataclass
+class SelectionState:
+    """What selecting layers publish during one forward: each one's top-k per row,
+    and the candidate mask of the candidate source."""
+
+    selections: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: torch.Tensor | None = None
+
+    def select(self, topology: LayerTopology, scores: torch.Tensor, visible: torch.Tensor, config: V41Config) -> None:
+        """Publishes a FULL or REINDEX layer's selection from its raw scores [T, C]
+        over entries 0..C-1 (each row sees ``visible`` of them): the candidate source
+        also publishes candidates; a Reindex layer is masked to them."""
+        entry_ids = torch.arange(scores.shape[1])
+        scores = scores.masked_fill(entry_ids.unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
+        if topology.is_candidate_source:
+            self.candidates = candidate_mask(
+                scores, entry_ids, visible, config.candidate_block_size, config.candidate_topk_blocks
+            )
+        if topology.uses_candidates:
+            if self.candidates is None:
+                raise RuntimeError(f"layer {topology.layer_id}: Reindex layer before the candidate source")
+            scores = scores.masked_fill(~self.candidates, float("-inf"))
+        self.selections[topology.layer_id] = select_topk(scores, entry_ids, config.index_topk)

@@ -10,8 +10,12 @@ Must not import: cache, cluster, actors, deploy, ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from model.config import V41Config
+from model.norm import rms_norm
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,26 @@ class HcMix:
     pre: torch.Tensor  # [T, hc] fp32: how the *next* site collapses the streams
     post: torch.Tensor  # [T, hc] fp32
     comb: torch.Tensor  # [T, hc_in, hc_out] fp32, doubly stochastic
+
+
+@dataclass(frozen=True)
+class HcSite:
+    """One site's mixing weights (attention or FFN site of a block)."""
+
+    fn: torch.Tensor  # [(2 + hc) * hc, hc * hidden] fp32
+    base: torch.Tensor  # [(2 + hc) * hc] fp32
+    scale: torch.Tensor  # [3] fp32
+
+    def mix(self, streams: torch.Tensor, config: V41Config) -> "HcMix":
+        return hc_mix(
+            streams,
+            self.fn,
+            self.base,
+            self.scale,
+            sinkhorn_iters=config.hc_sinkhorn_iters,
+            hc_eps=config.hc_eps,
+            norm_eps=config.rms_norm_eps,
+        )
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -74,3 +98,25 @@ def expand(streams: torch.Tensor, y: torch.Tensor, mix: HcMix) -> torch.Tensor:
     out = mix.post.unsqueeze(-1) * y.float().unsqueeze(1)
     out = out + torch.einsum("tio,tid->tod", mix.comb, streams.float())
     return out.to(streams.dtype)
+
+
+def run_site(
+    streams: torch.Tensor,
+    pre: torch.Tensor,
+    site: HcSite,
+    norm: torch.Tensor,
+    sublayer: Callable[[torch.Tensor], torch.Tensor],
+    config: V41Config,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One site of a block: mix from the incoming streams, collapse them with the
+    previous site's ``pre``, RMSNorm, the sublayer, expand. Returns the new streams
+    and this site's pre (what the next site collapses with)."""
+    mix = site.mix(streams, config)
+    h = rms_norm(collapse(streams, pre), norm, config.rms_norm_eps, out_dtype=streams.dtype)
+    return expand(streams, sublayer(h), mix), mix.pre
+
+
+def final_hidden(streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """After the last block: collapse with the last FFN-site pre, then the final norm
+    (fp32, what the fp32 head reads)."""
+    return rms_norm(collapse(streams, pre), norm, eps, out_dtype=torch.float32)

@@ -18,18 +18,12 @@ import torch
 from model.attention import AttentionWeights
 from model.compressor import CompressorWeights
 from model.config import LayerMode, LayerTopology, V41Config
-from model.engram import EngramHashing, EngramTable
+from model.engram import EngramHashing, EngramTable, engram_update
 from model.indexer import IndexerWeights
 from model.loader import ExpertShard, LoadedCheckpoint, LoadProgress, load_checkpoint
+from model.mhc import HcSite
 from model.moe import ExpertWeights, MoEWeights
 from model.rope import Rope
-
-
-@dataclass(frozen=True)
-class HcSite:
-    fn: torch.Tensor  # [(2 + hc) * hc, hc * hidden] fp32
-    base: torch.Tensor  # [(2 + hc) * hc] fp32
-    scale: torch.Tensor  # [3] fp32
 
 
 @dataclass(frozen=True)
@@ -38,6 +32,14 @@ class EngramParams:
     wkv: torch.Tensor  # [(hc + 1) * hidden, input_dim]
     q_weight: torch.Tensor  # [hc, hidden]
     k_weight: torch.Tensor  # [hc, hidden]
+
+    def apply(
+        self, layer_id: int, streams: torch.Tensor, hashing: EngramHashing, ngrams: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Updates the streams before the attention site from each row's compressed
+        n-grams [R, max_ngram] (ids at t, t-1, ..., pad-substituted)."""
+        embeddings = self.table.lookup(hashing.row_ids(layer_id, ngrams)).to(streams.dtype)
+        return engram_update(streams, embeddings, self.wkv, self.q_weight, self.k_weight, eps)
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,10 @@ import torch
 from model.attention import output_projection, project_query, project_window_kv, query_latent, sparse_attention
 from model.compressor import finish_entries, pool_pairs, ratio1_latent, ratio2_projections
 from model.config import LayerMode
-from model.engram import engram_update
-from model.indexer import candidate_mask, index_query, index_scores, select_topk
-from model.mhc import HcMix, collapse, expand, first_pre, hc_mix
+from model.indexer import SelectionState, index_query, index_scores
+from model.mhc import final_hidden, first_pre, run_site
 from model.moe import moe_forward
-from model.norm import rms_norm
-from model.params import HcSite, LayerParams, ModelParams
+from model.params import LayerParams, ModelParams
 
 
 class WindowAddresses(Protocol):
@@ -128,42 +126,23 @@ class PagedRuntime:
         streams = self.params.embed[token_ids].to(self.dtype).unsqueeze(1)
         streams = streams.expand(rows, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = first_pre(rows, cfg.hc_mult)
-        selections: dict[int, torch.Tensor] = {}
-        candidates: torch.Tensor | None = None
+        state = SelectionState()
         for layer in self.params.layers:
             if layer.engram is not None:
-                streams = self._engram(layer, engram_ngrams, streams)
-            mix = self._mix(layer.hc_attn, streams)
-            h = rms_norm(collapse(streams, pre), layer.attn_norm, cfg.rms_norm_eps, out_dtype=self.dtype)
-            y, candidates = self._attention(layer, h, plan, store, selections, candidates)
-            streams, pre = expand(streams, y, mix), mix.pre
-            mix = self._mix(layer.hc_ffn, streams)
-            h = rms_norm(collapse(streams, pre), layer.ffn_norm, cfg.rms_norm_eps, out_dtype=self.dtype)
-            streams, pre = expand(streams, self.moe(layer, h), mix), mix.pre
-        last = collapse(streams[logit_rows], pre[logit_rows])
-        h = rms_norm(last, self.params.norm, cfg.rms_norm_eps, out_dtype=torch.float32)
-        return StepOutput(logits=h @ self.params.head.float().t(), selections=selections)
+                streams = layer.engram.apply(
+                    layer.layer_id, streams, self.params.engram_hashing, engram_ngrams, cfg.rms_norm_eps
+                )
 
-    def _mix(self, site: HcSite, streams: torch.Tensor) -> HcMix:
-        cfg = self.config
-        return hc_mix(
-            streams,
-            site.fn,
-            site.base,
-            site.scale,
-            sinkhorn_iters=cfg.hc_sinkhorn_iters,
-            hc_eps=cfg.hc_eps,
-            norm_eps=cfg.rms_norm_eps,
-        )
+            def attention(h: torch.Tensor, layer: LayerParams = layer) -> torch.Tensor:
+                return self._attention(layer, h, plan, store, state)
 
-    def _engram(self, layer: LayerParams, ngrams: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-        hashing, engram = self.params.engram_hashing, layer.engram
-        if hashing is None or engram is None:
-            raise RuntimeError(f"layer {layer.layer_id}: Engram layer without Engram tables")
-        embeddings = engram.table.lookup(hashing.row_ids(layer.layer_id, ngrams)).to(self.dtype)
-        return engram_update(
-            streams, embeddings, engram.wkv, engram.q_weight, engram.k_weight, self.config.rms_norm_eps
-        )
+            def moe(h: torch.Tensor, layer: LayerParams = layer) -> torch.Tensor:
+                return self.moe(layer, h)
+
+            streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg)
+            streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, moe, cfg)
+        h = final_hidden(streams[logit_rows], pre[logit_rows], self.params.norm, cfg.rms_norm_eps)
+        return StepOutput(logits=h @ self.params.head.float().t(), selections=state.selections)
 
     def _compress(self, layer: LayerParams, h: torch.Tensor, plan: CompressionAddresses, store: PagedStore) -> None:
         """Completes every group the step closes, in one call, and writes the owner's
@@ -190,14 +169,8 @@ class PagedRuntime:
         store.write_index(owner, plan.dst, entries.index_keys)
 
     def _attention(
-        self,
-        layer: LayerParams,
-        h: torch.Tensor,
-        plan: StepPlan,
-        store: PagedStore,
-        selections: dict[int, torch.Tensor],
-        candidates: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, layer: LayerParams, h: torch.Tensor, plan: StepPlan, store: PagedStore, state: SelectionState
+    ) -> torch.Tensor:
         cfg = self.config
         topo = layer.topology
         positions = plan.positions
@@ -214,25 +187,12 @@ class PagedRuntime:
             if topo.mode is LayerMode.FULL:
                 self._compress(layer, h, plan.compression[topo.ratio], store)
             row_tiles = tile.entry_rows[plan.row_segments]  # [R, C]
-            if topo.mode in (LayerMode.FULL, LayerMode.REINDEX):
-                if layer.indexer is None:
-                    raise RuntimeError(f"layer {topo.layer_id}: indexing layer without indexer weights")
-                entry_ids = torch.arange(row_tiles.shape[1])
+            if layer.indexer is not None:
                 index_keys = store.read_index(topo.index_owner, tile.entry_rows.clamp_min(0).flatten())
                 index_keys = index_keys.view(*tile.entry_rows.shape, cfg.index_head_dim)[plan.row_segments]
                 iq, iw = index_query(q_lat, h, layer.indexer, cfg.index_n_heads, layer.rope, positions)
-                scores = index_scores(iq, iw, index_keys)
-                scores = scores.masked_fill(entry_ids.unsqueeze(0) >= tile.visible.unsqueeze(1), float("-inf"))
-                if topo.is_candidate_source:
-                    candidates = candidate_mask(
-                        scores, entry_ids, tile.visible, cfg.candidate_block_size, cfg.candidate_topk_blocks
-                    )
-                if topo.uses_candidates:
-                    if candidates is None:
-                        raise RuntimeError(f"layer {topo.layer_id}: Reindex layer before the candidate source")
-                    scores = scores.masked_fill(~candidates, float("-inf"))
-                selections[topo.layer_id] = select_topk(scores, entry_ids, cfg.index_topk)
-            selected = selections[topo.topk_owner]
+                state.select(topo, index_scores(iq, iw, index_keys), tile.visible, cfg)
+            selected = state.selections[topo.topk_owner]
             entry_rows = torch.gather(row_tiles, 1, selected.clamp_min(0)) if row_tiles.shape[1] else selected
             comp = store.read_main(topo.kv_owner, entry_rows.clamp_min(0).flatten())
             comp = comp.view(*selected.shape, cfg.head_dim)
@@ -240,4 +200,4 @@ class PagedRuntime:
             valid = torch.cat((valid, selected >= 0), dim=1)
         o = sparse_attention(q, keys, valid, layer.attn.attn_sink, cfg.head_dim**-0.5)
         store.write_window(topo.layer_id, win.write_dst, kv[win.write_rows])
-        return output_projection(o, layer.attn, cfg.o_groups, layer.rope, positions), candidates
+        return output_projection(o, layer.attn, cfg.o_groups, layer.rope, positions)

@@ -1,0 +1,459 @@
+"""Tests of deploy.chat_protocol: OpenAI chat requests rendered as DeepSeek-V4.1 prompts.
+
+The expected prompts are written out by hand from PROTOCOL.md (every marker, newline and
+DSML tag spelled literally), so a change of the protocol's bytes fails here. Token ids
+come from the tiny model's tokenizer, looked up by string."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models
+
+from deploy.chat_protocol import PROMPT_MARKERS, ChatRequestError, encode_chat, render_chat
+from model.tiny import SPECIAL_TOKENS, TINY, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return build_tokenizer(TINY)
+
+
+EFFORT = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CLOCK_TOOL = {"type": "function", "function": {"name": "now", "description": "The time", "strict": True}}
+
+TOOLS_SECTION = (
+    "## Tools\n"
+    "\n"
+    "You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "
+    '"<｜DSML｜ calls>" block like the following:\n'
+    "\n"
+    "<｜DSML｜ calls>\n"
+    '<｜DSML｜ invoke name="$TOOL_NAME">\n'
+    '<｜DSML｜ parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜ parameter>\n'
+    "...\n"
+    "</｜DSML｜ invoke>\n"
+    '<｜DSML｜ invoke name="$TOOL_NAME2">\n'
+    "...\n"
+    "</｜DSML｜ invoke>\n"
+    "</｜DSML｜ calls>\n"
+    "\n"
+    'String parameters should be specified as is and set `string="true"`. For all other types (numbers, '
+    'booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n'
+    "\n"
+    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
+    "<think>...</think> BEFORE any tool calls or final response.\n"
+    "\n"
+    "Otherwise, output directly after </think> with tool calls or final response.\n"
+    "\n"
+    "### Available Tool Schemas\n"
+    "\n"
+    '{"name": "get_weather", "description": "Current weather of a city", "parameters": {"type": "object", '
+    '"properties": {"city": {"type": "string"}}, "required": ["city"]}}\n'
+    '{"name": "now", "description": "The time"}\n'
+    "\n"
+    "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+)
+
+
+def _call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+# A tool conversation with everything PROTOCOL.md names: a system message, text parts,
+# reasoning, two calls answered out of order, a user text joining the results' turn,
+# a second assistant turn, a developer message and a mid-conversation system message.
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You are a weather bot."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Paris"}, {"type": "text", "text": "and Oslo?"}]},
+    {
+        "role": "assistant",
+        "content": "Let me check.",
+        "reasoning_content": "Two cities.",
+        "tool_calls": [
+            _call("c1", "get_weather", {"city": "Paris", "days": 2}),
+            _call("c2", "get_weather", {"city": "Oslo", "units": ["C"], "alerts": True, "note": None}),
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c2", "content": "Oslo: -3"},
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Paris: 18"}]},
+    {"role": "user", "content": "Which is warmer?"},
+    {"role": "assistant", "content": "Paris.", "reasoning_content": "Compare."},
+    {"role": "developer", "content": "Answer in French from now on."},
+    {"role": "system", "content": "Be formal."},
+]
+CALL_BLOCK = (
+    "\n\n<｜DSML｜ calls>\n"
+    '<｜DSML｜ invoke name="get_weather">\n'
+    '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+    '<｜DSML｜ parameter name="days" string="false">2</｜DSML｜ parameter>\n'
+    "</｜DSML｜ invoke>\n"
+    '<｜DSML｜ invoke name="get_weather">\n'
+    '<｜DSML｜ parameter name="city" string="true">Oslo</｜DSML｜ parameter>\n'
+    '<｜DSML｜ parameter name="units" string="false">["C"]</｜DSML｜ parameter>\n'
+    '<｜DSML｜ parameter name="alerts" string="false">true</｜DSML｜ parameter>\n'
+    '<｜DSML｜ parameter name="note" string="false">null</｜DSML｜ parameter>\n'
+    "</｜DSML｜ invoke>\n"
+    "</｜DSML｜ calls>"
+)
+TOOL_RESULTS_TURN = (
+    "<｜User｜><tool_result>Paris: 18</tool_result>\n\n<tool_result>Oslo: -3</tool_result>\n\nWhich is warmer?"
+)
+
+# (name, render_chat arguments, the prompt written out by hand from PROTOCOL.md)
+CASES: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "chat mode: system and user",
+        {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]},
+        "<｜begin▁of▁sentence｜><｜System｜>You are terse.<｜User｜>Hi<｜Assistant｜></think>",
+    ),
+    (
+        "thinking mode without a system message: the effort line still opens a system block",
+        {"messages": [{"role": "user", "content": "Hi"}], "thinking": True},
+        "<｜begin▁of▁sentence｜><｜System｜>" + EFFORT.format(75) + "<｜User｜>Hi<｜Assistant｜><think>",
+    ),
+    (
+        "thinking multi-turn: past reasoning dropped, only the current turn opens <think>",
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+                {"role": "user", "content": "q2"},
+            ],
+            "thinking": True,
+            "reasoning_effort": "max",
+        },
+        "<｜begin▁of▁sentence｜><｜System｜>"
+        + EFFORT.format(100)
+        + "Be brief.<｜User｜>q1<｜Assistant｜></think>a1<｜end▁of▁sentence｜><｜User｜>q2<｜Assistant｜><think>",
+    ),
+    (
+        "chat multi-turn: no reasoning anywhere",
+        {
+            "messages": [
+                {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+                {"role": "user", "content": "q2"},
+            ]
+        },
+        "<｜begin▁of▁sentence｜><｜User｜>q1<｜Assistant｜></think>a1<｜end▁of▁sentence｜><｜User｜>q2<｜Assistant｜></think>",
+    ),
+    (
+        "thinking tool conversation: tools declared, so all reasoning is kept",
+        {
+            "messages": TOOL_CONVERSATION,
+            "tools": [WEATHER_TOOL, CLOCK_TOOL],
+            "thinking": True,
+            "reasoning_effort": "low",
+        },
+        "<｜begin▁of▁sentence｜><｜System｜>"
+        + EFFORT.format(50)
+        + "You are a weather bot.\n\n"
+        + TOOLS_SECTION
+        + "<｜User｜>Weather in Paris\n\nand Oslo?<｜Assistant｜><think>Two cities.</think>Let me check."
+        + CALL_BLOCK
+        + "<｜end▁of▁sentence｜>"
+        + TOOL_RESULTS_TURN
+        + "<｜Assistant｜><think>Compare.</think>Paris.<｜end▁of▁sentence｜>"
+        + "<｜User｜>Answer in French from now on.<｜System｜>Be formal.<｜Assistant｜><think>",
+    ),
+    (
+        "tool_choice none: no tools section, so past reasoning is dropped; past calls stay",
+        {"messages": TOOL_CONVERSATION, "tools": [WEATHER_TOOL], "tool_choice": "none", "thinking": True},
+        "<｜begin▁of▁sentence｜><｜System｜>"
+        + EFFORT.format(75)
+        + "You are a weather bot.<｜User｜>Weather in Paris\n\nand Oslo?<｜Assistant｜></think>Let me check."
+        + CALL_BLOCK
+        + "<｜end▁of▁sentence｜>"
+        + TOOL_RESULTS_TURN
+        + "<｜Assistant｜></think>Paris.<｜end▁of▁sentence｜>"
+        + "<｜User｜>Answer in French from now on.<｜System｜>Be formal.<｜Assistant｜><think>",
+    ),
+    (
+        "chat tool conversation ending with tool results",
+        {"messages": TOOL_CONVERSATION[1:5], "tools": [WEATHER_TOOL, CLOCK_TOOL]},
+        "<｜begin▁of▁sentence｜><｜System｜>\n\n"
+        + TOOLS_SECTION
+        + "<｜User｜>Weather in Paris\n\nand Oslo?<｜Assistant｜></think>Let me check."
+        + CALL_BLOCK
+        + "<｜end▁of▁sentence｜>"
+        + "<｜User｜><tool_result>Paris: 18</tool_result>\n\n<tool_result>Oslo: -3</tool_result><｜Assistant｜></think>",
+    ),
+    (
+        "response format in the system block, after the tools",
+        {
+            "messages": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "Hi"}],
+            "tools": [WEATHER_TOOL, CLOCK_TOOL],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "reply",
+                    "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}},
+                },
+            },
+        },
+        "<｜begin▁of▁sentence｜><｜System｜>Be exact.\n\n"
+        + TOOLS_SECTION
+        + "\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+        + '{"type": "object", "properties": {"ok": {"type": "boolean"}}}'
+        + "<｜User｜>Hi<｜Assistant｜></think>",
+    ),
+    (
+        "thinking, response format and no system message: an empty leading system block carries it",
+        {
+            "messages": [{"role": "developer", "content": "Use JSON."}, {"role": "user", "content": "Hi"}],
+            "thinking": True,
+            "reasoning_effort": 33,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "string"}}},
+        },
+        "<｜begin▁of▁sentence｜><｜System｜>"
+        + EFFORT.format(33)
+        + "\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+        + '{"type": "string"}'
+        + "<｜User｜>Use JSON.<｜User｜>Hi<｜Assistant｜><think>",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_render_matches_protocol_byte_for_byte(kwargs: dict[str, Any], expected: str) -> None:
+    """render_chat produces exactly PROTOCOL.md's prompt, and leaves its input untouched."""
+    before = copy.deepcopy(kwargs)
+    assert render_chat(**kwargs) == expected
+    assert kwargs == before
+
+
+_MARKER_SPLIT = re.compile("(" + "|".join(map(re.escape, PROMPT_MARKERS)) + ")")
+
+
+@pytest.mark.parametrize("kwargs", [case[1] for case in CASES], ids=[case[0] for case in CASES])
+def test_encode_chat_turns_every_marker_into_its_single_id(tokenizer: Tokenizer, kwargs: dict[str, Any]) -> None:
+    """encode_chat's ids are the prompt with every marker replaced by its one special id
+    (looked up by string) and the text between markers tokenized as plain text, and they
+    decode back to the prompt."""
+    prompt = render_chat(**kwargs)
+    expected: list[int] = []
+    for piece in _MARKER_SPLIT.split(prompt):
+        if piece in PROMPT_MARKERS:
+            expected.append(tokenizer.token_to_id(piece))
+        elif piece:
+            expected += tokenizer.encode(piece, add_special_tokens=False).ids
+    ids = encode_chat(tokenizer, **kwargs)
+    assert ids == expected
+    special_ids = {tokenizer.token_to_id(marker) for marker in PROMPT_MARKERS}
+    assert sum(i in special_ids for i in ids) == sum(prompt.count(marker) for marker in PROMPT_MARKERS)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == prompt
+
+
+def test_markers_are_the_tokenizers_special_tokens() -> None:
+    """Every marker the renderer writes is a special token of the tiny tokenizer (which
+    carries PROTOCOL.md's strings)."""
+    assert set(PROMPT_MARKERS) <= set(SPECIAL_TOKENS)
+
+
+def test_encode_chat_refuses_a_tokenizer_without_the_markers() -> None:
+    """A tokenizer lacking the markers as added tokens is refused, not used to split them into pieces."""
+    plain = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    with pytest.raises(ValueError, match="not added tokens"):
+        encode_chat(plain, [{"role": "user", "content": "Hi"}])
+
+
+@settings(max_examples=40, deadline=None)
+@given(order=st.permutations(["c1", "c2", "c3"]), joined=st.booleans())
+def test_tool_results_follow_the_call_order(order: list[str], joined: bool) -> None:
+    """Tool messages in any order render as the same single user turn, results in the
+    order of the assistant's calls, joined by a blank line, with a following user text
+    in the same turn."""
+    calls = [_call(call_id, "now", {}) for call_id in ("c1", "c2", "c3")]
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    messages += [{"role": "tool", "tool_call_id": call_id, "content": f"result {call_id}"} for call_id in order]
+    if joined:
+        messages.append({"role": "user", "content": "next"})
+    prompt = render_chat(messages)
+    turn = "<｜User｜>" + "\n\n".join(f"<tool_result>result {c}</tool_result>" for c in ("c1", "c2", "c3"))
+    assert prompt.endswith("<｜end▁of▁sentence｜>" + turn + ("\n\nnext" if joined else "") + "<｜Assistant｜></think>")
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    effort=st.one_of(st.integers(1, 100), st.sampled_from(["low", "high", "max"])),
+    leading_system=st.booleans(),
+    turns=st.integers(1, 3),
+)
+def test_reasoning_effort_line_once_in_message_zero(effort: int | str, leading_system: bool, turns: int) -> None:
+    """In thinking mode the effort line (README presets low 50, high 75, max 100; ints as
+    given) appears exactly once, right after BOS and <｜System｜>; in chat mode never."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "S"}] if leading_system else []
+    for k in range(turns):
+        messages.append({"role": "user", "content": f"u{k}"})
+        if k + 1 < turns:
+            messages.append({"role": "assistant", "content": f"a{k}"})
+    budget = {"low": 50, "high": 75, "max": 100}.get(effort, effort) if isinstance(effort, str) else effort
+    thinking_prompt = render_chat(messages, thinking=True, reasoning_effort=effort)
+    assert thinking_prompt.startswith("<｜begin▁of▁sentence｜><｜System｜>" + EFFORT.format(budget))
+    assert thinking_prompt.count("Reasoning Effort:") == 1
+    assert thinking_prompt.count("<｜begin▁of▁sentence｜>") == 1
+    assert thinking_prompt.count("<｜System｜>") == 1
+    chat_prompt = render_chat(messages)
+    assert "Reasoning Effort" not in chat_prompt
+    assert chat_prompt.count("<｜System｜>") == int(leading_system)
+
+
+def _user(text: str = "Hi") -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def _raw_call(arguments: str) -> dict[str, Any]:
+    return {"id": "c1", "type": "function", "function": {"name": "now", "arguments": arguments}}
+
+
+_ANSWERED = [_user(), {"role": "assistant", "content": "", "tool_calls": [_call("c1", "now", {})]}]
+
+# (name, render_chat arguments, the field the error must name)
+BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
+    ("empty messages", {"messages": []}, "messages"),
+    ("unknown role", {"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+    ("message not an object", {"messages": ["Hi"]}, "messages[0]"),
+    ("user content missing", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    (
+        "image part",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content[0].type",
+    ),
+    ("unknown part", {"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0].type"),
+    (
+        "part text not a string",
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages[0].content[0].text",
+    ),
+    (
+        "tool without a call",
+        {"messages": [_user(), {"role": "tool", "tool_call_id": "c1", "content": "r"}]},
+        "messages[1]",
+    ),
+    (
+        "tool id mismatch",
+        {"messages": [*_ANSWERED, {"role": "tool", "tool_call_id": "c9", "content": "r"}]},
+        "messages[2].tool_call_id",
+    ),
+    (
+        "tool answered twice",
+        {"messages": [*_ANSWERED, *[{"role": "tool", "tool_call_id": "c1", "content": "r"}] * 2]},
+        "messages[3].tool_call_id",
+    ),
+    ("call left unanswered", {"messages": [*_ANSWERED, _user()]}, "messages[1].tool_calls"),
+    ("ends with the assistant", {"messages": [_user(), {"role": "assistant", "content": "a"}]}, "messages"),
+    ("only a system message", {"messages": [{"role": "system", "content": "S"}]}, "messages"),
+    ("assistant first", {"messages": [{"role": "assistant", "content": "a"}, _user()]}, "messages[0]"),
+    (
+        "two assistants in a row",
+        {"messages": [_user(), {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}, _user()]},
+        "messages[2]",
+    ),
+    (
+        "call arguments not JSON",
+        {"messages": [_user(), {"role": "assistant", "tool_calls": [_raw_call("{x")]}]},
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (
+        "call arguments not an object",
+        {"messages": [_user(), {"role": "assistant", "tool_calls": [_raw_call("[1]")]}]},
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (
+        "call argument value carrying the DSML marker",
+        {"messages": [_user(), {"role": "assistant", "tool_calls": [_call("c1", "now", {"k": "a｜DSML｜b"})]}]},
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (
+        "call argument name with a quote",
+        {"messages": [_user(), {"role": "assistant", "tool_calls": [_call("c1", "now", {'k"': 1})]}]},
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (
+        "call name not a function name",
+        {"messages": [_user(), {"role": "assistant", "tool_calls": [_call("c1", "no w", {})]}]},
+        "messages[1].tool_calls[0].function.name",
+    ),
+    (
+        "duplicate call ids",
+        {"messages": [_user(), {"role": "assistant", "tool_calls": [_call("c1", "now", {}), _call("c1", "now", {})]}]},
+        "messages[1].tool_calls[1].id",
+    ),
+    ("tools not a list", {"messages": [_user()], "tools": WEATHER_TOOL}, "tools"),
+    ("tool type", {"messages": [_user()], "tools": [{"type": "code", "function": {"name": "f"}}]}, "tools[0].type"),
+    (
+        "tool without a name",
+        {"messages": [_user()], "tools": [{"type": "function", "function": {}}]},
+        "tools[0].function.name",
+    ),
+    (
+        "tool parameters not an object",
+        {"messages": [_user()], "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+        "tools[0].function.parameters",
+    ),
+    (
+        "tool with an unknown key",
+        {"messages": [_user()], "tools": [{"type": "function", "function": {"name": "f", "examples": []}}]},
+        "tools[0].function",
+    ),
+    ("tool declared twice", {"messages": [_user()], "tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools[1].function.name"),
+    ("tool_choice required", {"messages": [_user()], "tool_choice": "required"}, "tool_choice"),
+    (
+        "tool_choice naming a function",
+        {"messages": [_user()], "tool_choice": {"type": "function", "function": {"name": "now"}}},
+        "tool_choice",
+    ),
+    ("effort zero", {"messages": [_user()], "thinking": True, "reasoning_effort": 0}, "reasoning_effort"),
+    ("effort 101", {"messages": [_user()], "thinking": True, "reasoning_effort": 101}, "reasoning_effort"),
+    ("effort medium", {"messages": [_user()], "thinking": True, "reasoning_effort": "medium"}, "reasoning_effort"),
+    ("effort a bool", {"messages": [_user()], "thinking": True, "reasoning_effort": True}, "reasoning_effort"),
+    ("effort without thinking", {"messages": [_user()], "reasoning_effort": "low"}, "reasoning_effort"),
+    ("thinking not a bool", {"messages": [_user()], "thinking": "yes"}, "thinking"),
+    (
+        "response format json_object",
+        {"messages": [_user()], "response_format": {"type": "json_object"}},
+        "response_format.type",
+    ),
+    (
+        "response format without a schema",
+        {"messages": [_user()], "response_format": {"type": "json_schema", "json_schema": {"name": "r"}}},
+        "response_format.json_schema.schema",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"), [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS]
+)
+def test_bad_requests_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    """Every malformed request raises ChatRequestError (a ValueError, for a 400) whose
+    field is the offending request path and whose message starts with it."""
+    with pytest.raises(ChatRequestError) as raised:
+        render_chat(**kwargs)
+    assert isinstance(raised.value, ValueError)
+    assert raised.value.field == field
+    assert str(raised.value).startswith(f"{field}: ")
+
+
+def test_images_are_refused_with_a_clear_reason() -> None:
+    """An image part is refused as unsupported, not rendered or skipped."""
+    with pytest.raises(ChatRequestError, match="images are not supported"):
+        parts = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "u"}}]
+        render_chat([{"role": "user", "content": parts}])
