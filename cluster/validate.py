@@ -162,6 +162,26 @@ def run_validation(model_dir: str | Path, *, progress: Progress = lambda _: None
     checks["pages_released"] = _pages_released(engine)
     record("preemption", checks, num_pages=pages, preemptions=engine.scheduler.num_preemptions)
 
+    # Tight and mixed: every prompt at once under a 32-token budget with PAGEs just above
+    # the largest request's need, one request aborted mid-run.
+    largest = max(len(p) for p in prompts.values()) + GREEDY.max_tokens
+    pages = -(-largest // block_size) + 1
+    engine = harness.engine(max_num_batched_tokens=32, num_pages=pages, enable_prefix_caching=False)
+    for name, prompt in prompts.items():
+        engine.add_request(name, prompt, GREEDY)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out
+        if "mid" not in got and engine.request("mid") is not None and engine.request("mid").num_output_tokens:
+            engine.abort("mid")
+    kept = [name for name in prompts if name != "mid"]
+    checks = _compare(expected, got, kept)
+    checks["aborted_mid"] = "mid" not in got
+    checks["pages_released"] = _pages_released(engine)
+    record("tight_mixed", checks, num_pages=pages, preemptions=engine.scheduler.num_preemptions)
+
     record(*_cancellation(harness, prompts, expected))
 
     # Slot recycling: two STATE slots serve every request in turn.

@@ -3,7 +3,8 @@
 Each scenario asserts that every request finishes with exactly the tokens of its own
 uninterrupted run (alone, one prefill chunk, nothing cached): chunked and reordered
 batches under a 32-token budget, prefix forks restoring checkpoint images, replay
-from a missing image, preemption with PAGEs just above one request's need, cancellation
+from a missing image, preemption with PAGEs just above one request's need, every prompt at once under a
+32-token budget and a tight pool with one abort, cancellation
 at every point (waiting, mid prefill, the first deferred step, decoding) with every
 PAGE and slot released, slot recycling, replay hits agreeing across identical runs,
 and paged/reference parity for bf16/fp8 and fp4/fp4 caches. It runs on two tiny
@@ -26,6 +27,7 @@ SCENARIOS = {
     "prefix_forks",
     "replay_from_missing_image",
     "preemption",
+    "tight_mixed",
     "cancellation",
     "slot_recycle",
     "replay_same_hits",
