@@ -34,6 +34,7 @@ from cluster.sampler import prompt_logprobs
 from cluster.scheduler import Scheduler, SchedulerConfig
 from cluster.stopping import StopChecker
 from model.config import V41Config
+from model.kernels import KERNEL_BACKENDS, load_kernels
 from model.params import ModelParams, load_model_params
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: what the config and the pools allow
     seed: int = 0
+    kernel_backend: str = "torch"  # "torch" (reference, anywhere) | "triton" (GPU) | "aiter" (ROCm)
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -97,6 +99,8 @@ class EngineOptions:
             raise EngineError(f"kv_cache_dtype: {self.kv_cache_dtype!r} (allowed: 'bf16', 'fp4')")
         if self.index_cache_dtype not in ("fp8", "fp4"):
             raise EngineError(f"index_cache_dtype: {self.index_cache_dtype!r} (allowed: 'fp8', 'fp4')")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise EngineError(f"kernel_backend: {self.kernel_backend!r} (allowed: {', '.join(KERNEL_BACKENDS)})")
         if self.state_transfer not in ("replay", "copy"):
             raise EngineError(f"state_transfer: {self.state_transfer!r} (allowed: 'replay', 'copy')")
         for name in ("num_pages", "num_state_slots", "max_model_len"):
@@ -317,7 +321,9 @@ class Engine(EngineFrontend):
         self.pool_size = layout.pool_size
         self.scheduler = layout.scheduler(params.config, options)
         self.block_manager = self.scheduler.block_manager
-        self.executor = executor or InProcessExecutor(ModelRunner(params, self.geometry, self.pool_size))
+        self.executor = executor or InProcessExecutor(
+            ModelRunner(params, self.geometry, self.pool_size, kernels=load_kernels(options.kernel_backend))
+        )
         logger.info(
             "engine: %d PAGEs x %d tokens, %d STATE slots, layout %s",
             self.pool_size.num_pages,

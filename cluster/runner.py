@@ -23,6 +23,7 @@ from cache.plane_io import PlaneIO
 from cache.pools import PoolSize, V41Pools
 from cluster.batch import ScheduledBatch, ScheduledSegment
 from cluster.sampler import Sampler, SamplingMetadata
+from model.kernels.interface import PagedKernels
 from model.params import LayerParams, ModelParams
 from model.runtime import PagedRuntime
 
@@ -54,14 +55,15 @@ class ModelRunner:
         *,
         device: torch.device | str = "cpu",
         moe: Callable[[LayerParams, torch.Tensor], torch.Tensor] | None = None,
+        kernels: PagedKernels | None = None,
     ) -> None:
         config = params.config
         self.params = params
         self.geometry = geometry
         self.pools = V41Pools(geometry, size, device)
-        self.store = PlaneIO(self.pools, params.embed.dtype)
+        self.store = PlaneIO(self.pools)
         self.checkpoints = Checkpoints(self.pools)
-        self.runtime = PagedRuntime(params, moe=moe)
+        self.runtime = PagedRuntime(params, moe=moe, kernels=kernels)
         self.sampler = Sampler(config.vocab_size)
         self.shape = PoolShape(
             block_size=geometry.block_size,

@@ -1,4 +1,4 @@
-"""The ``dsv41`` command line: make-tiny, logits, generate, geometry, validate.
+"""The ``dsv41`` command line: make-tiny, logits, generate, geometry, validate, bench.
 
 Owns argument parsing and printing only; every command calls the package's public
 Python interfaces (model.tiny, model.loader, cluster.engine, cluster.pool_layout).
@@ -92,21 +92,53 @@ def cmd_logits(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from cluster.request import SamplingParams
 
+    if args.dp < 1:
+        raise SystemExit("--dp: must be a positive integer")
     model_dir = _model_dir(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    from cluster.engine import Engine
+    if args.backend == "ray":
+        import ray
 
-    engine = Engine.from_pretrained(model_dir)
+        from actors.group import EngineGroup
+
+        # Workers import the project from where this CLI runs it.
+        ray.init(runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+        try:
+            with EngineGroup(str(model_dir), dp=args.dp) as group:
+                _generate(args, group.generate, _tokenizer(model_dir), params)
+        finally:
+            ray.shutdown()
+        return
+    if args.dp > 1:
+        from cluster.dp_engine import DPEngine, DPLayout
+
+        engine = DPEngine.in_process(model_dir, DPLayout(args.dp))
+    else:
+        from cluster.engine import Engine
+
+        engine = Engine.from_pretrained(model_dir)
+    _generate(args, engine.generate, engine.tokenizer, params)
+
+
+def _tokenizer(model_dir: Path):
+    from tokenizers import Tokenizer
+
+    from model.loader import TOKENIZER_FILE
+
+    return Tokenizer.from_file(str(model_dir / TOKENIZER_FILE))
+
+
+def _generate(args: argparse.Namespace, generate, tokenizer, params) -> None:
     if args.ids:
         prompts = _read_ids(args.ids)
     else:
-        prompts = {"prompt": engine.tokenizer.encode(args.prompt).ids}
-    outputs = engine.generate(list(prompts.values()), params)
+        prompts = {"prompt": tokenizer.encode(args.prompt).ids}
+    outputs = generate(list(prompts.values()), params)
     if args.json:
         print(json.dumps({name: list(o.token_ids) for name, o in zip(prompts, outputs)}))
     else:
         for name, o in zip(prompts, outputs):
-            text = engine.tokenizer.decode(list(o.token_ids), skip_special_tokens=False)
+            text = tokenizer.decode(list(o.token_ids), skip_special_tokens=False)
             print(f"[{name}] ({o.finish_reason}, {len(o.token_ids)} tokens) {text}")
 
 
@@ -133,6 +165,12 @@ def cmd_validate(args: argparse.Namespace) -> None:
     print(f"{'PASS' if report['passed'] else 'FAIL'}: report written to {args.output}")
     if not report["passed"]:
         raise SystemExit(1)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from deploy.bench import run_bench_command
+
+    run_bench_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print {name: token ids} as JSON")
+    p.add_argument("--backend", choices=("local", "ray"), default="local", help="ranks in this process, or Ray actors")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (experts sharded over them)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("geometry", help="print the PAGE/STATE plane table and bytes")
@@ -179,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--output", required=True, help="JSON report path")
     p.set_defaults(func=cmd_validate)
+
+    from deploy.bench import add_bench_arguments
+
+    p = sub.add_parser("bench", help="serving benchmark: an OpenAI-compatible endpoint, or the engine in-process")
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

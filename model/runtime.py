@@ -24,10 +24,12 @@ from typing import Callable, Mapping, Protocol
 
 import torch
 
-from model.attention import output_projection, project_query, project_window_kv, query_latent, sparse_attention
+from model.attention import output_projection, project_query, project_window_kv, query_latent
 from model.compressor import finish_entries, pool_pairs, ratio1_latent, ratio2_projections
 from model.config import LayerMode
-from model.indexer import SelectionState, index_query, index_scores
+from model.indexer import SelectionState, index_query
+from model.kernels.interface import PagedKernels, PlaneSource
+from model.kernels.torch_backend import TorchKernels
 from model.mhc import final_hidden, first_pre, run_site
 from model.moe import moe_forward
 from model.params import LayerParams, ModelParams
@@ -68,17 +70,14 @@ class StepPlan(Protocol):
     tiles: Mapping[int, TileAddresses]
 
 
-class PagedStore(Protocol):
-    """Format-aware reads and writes of one rank's pools (cache/plane_io.PlaneIO fits
-    it). Values cross this boundary in compute precision; what is stored is the pool's
-    format, which holds the model's rounded values exactly."""
+class PagedStore(PlaneSource, Protocol):
+    """One rank's pools: planes in place for the kernels, and format-aware writes
+    (cache/plane_io.PlaneIO fits it). What is stored holds the model's rounded values
+    exactly."""
 
-    def read_window(self, layer: int, ring_rows: torch.Tensor) -> torch.Tensor: ...
     def write_window(self, layer: int, ring_rows: torch.Tensor, kv: torch.Tensor) -> None: ...
-    def read_main(self, owner: int, entry_rows: torch.Tensor) -> torch.Tensor: ...
     def write_main(self, owner: int, entry_rows: torch.Tensor, kv_unrounded: torch.Tensor) -> None:
         """Stores NVFP4(kv_unrounded): the compressed KV is rounded where it is stored."""
-    def read_index(self, owner: int, entry_rows: torch.Tensor) -> torch.Tensor: ...
     def write_index(self, owner: int, entry_rows: torch.Tensor, keys: torch.Tensor) -> None: ...
     def read_tail(self, owner: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
     def write_tail(self, owner: int, slots: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None: ...
@@ -100,11 +99,12 @@ class PagedRuntime:
     """Runs the target model over a step. Stateless between steps: everything a
     request carries lives in the store."""
 
-    def __init__(self, params: ModelParams, moe: MoEFn | None = None) -> None:
+    def __init__(self, params: ModelParams, moe: MoEFn | None = None, kernels: PagedKernels | None = None) -> None:
         self.params = params
         self.config = params.config
         self.dtype = params.embed.dtype
         self.moe: MoEFn = moe or self._local_moe
+        self.kernels: PagedKernels = kernels or TorchKernels()
 
     def _local_moe(self, layer: LayerParams, h: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -178,26 +178,34 @@ class PagedRuntime:
         q_lat = query_latent(h, layer.attn, cfg.rms_norm_eps)
         q = project_query(q_lat, layer.attn, cfg.num_attention_heads, layer.rope, positions)
         kv = project_window_kv(h, layer.attn, cfg.rms_norm_eps, layer.rope, positions)
-        ring = store.read_window(topo.layer_id, win.ring_rows.clamp_min(0).flatten())
-        ring = ring.view(*win.ring_rows.shape, cfg.head_dim)
-        keys = torch.where((win.chunk_rows >= 0).unsqueeze(-1), kv[win.chunk_rows.clamp_min(0)], ring.to(kv.dtype))
-        valid = win.valid
+        entry_rows = None
+        main = None
         if topo.mode is not LayerMode.WINDOW:
             tile = plan.tiles[topo.ratio]
             if topo.mode is LayerMode.FULL:
                 self._compress(layer, h, plan.compression[topo.ratio], store)
-            row_tiles = tile.entry_rows[plan.row_segments]  # [R, C]
             if layer.indexer is not None:
-                index_keys = store.read_index(topo.index_owner, tile.entry_rows.clamp_min(0).flatten())
-                index_keys = index_keys.view(*tile.entry_rows.shape, cfg.index_head_dim)[plan.row_segments]
                 iq, iw = index_query(q_lat, h, layer.indexer, cfg.index_n_heads, layer.rope, positions)
-                state.select(topo, index_scores(iq, iw, index_keys), tile.visible, cfg)
+                scores = self.kernels.score(
+                    iq, iw, tile.entry_rows, plan.row_segments, store.index_plane(topo.index_owner)
+                )
+                state.select(topo, scores, tile.visible, cfg)
             selected = state.selections[topo.topk_owner]
+            row_tiles = tile.entry_rows[plan.row_segments]  # [R, C]
             entry_rows = torch.gather(row_tiles, 1, selected.clamp_min(0)) if row_tiles.shape[1] else selected
-            comp = store.read_main(topo.kv_owner, entry_rows.clamp_min(0).flatten())
-            comp = comp.view(*selected.shape, cfg.head_dim)
-            keys = torch.cat((keys, comp.to(kv.dtype)), dim=1)
-            valid = torch.cat((valid, selected >= 0), dim=1)
-        o = sparse_attention(q, keys, valid, layer.attn.attn_sink, cfg.head_dim**-0.5)
+            entry_rows = entry_rows.masked_fill(selected < 0, -1)
+            main = store.main_plane(topo.kv_owner)
+        o = self.kernels.attend(
+            q,
+            kv,
+            win.chunk_rows,
+            win.ring_rows,
+            win.valid,
+            store.window_plane(topo.layer_id),
+            entry_rows,
+            main,
+            layer.attn.attn_sink,
+            cfg.head_dim**-0.5,
+        )
         store.write_window(topo.layer_id, win.write_dst, kv[win.write_rows])
         return output_projection(o, layer.attn, cfg.o_groups, layer.rope, positions)

@@ -1,0 +1,60 @@
+"""RankActor: one DP-attention rank of an engine group in its own Ray worker.
+
+Owns the process side of a rank: joining the group's process group (the head rank
+serves the rendezvous store at a port free on its node), loading its ``DPRank`` (TP1
+attention, embeddings, head, its own pools, one routed-expert shard) and running its
+batch of each step. Everything it computes is ``cluster.dp_engine.DPRank``'s.
+
+Must not import: deploy.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+
+from cluster.batch import ScheduledBatch
+from cluster.distributed import GroupSpec, free_port, open_process_group, tcp_store
+from cluster.dp_engine import DPLayout, DPRank
+from cluster.engine import EngineOptions
+from cluster.runner import StepResult
+
+
+class RankActor:
+    """One rank; use through ``actors.group`` (it places, wires and restarts ranks)."""
+
+    def __init__(self, model_dir: str, options: EngineOptions, dp: DPLayout, rank: int) -> None:
+        # Several ranks share a CPU box: one intra-op thread each keeps them from
+        # oversubscribing it and keeps results independent of thread splits.
+        torch.set_num_threads(1)
+        self.model_dir = Path(model_dir)
+        self.options = options
+        self.dp = dp
+        self.rank = rank
+        self._worker: DPRank | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a port free on it: the head rank's store."""
+        host = socket.gethostbyname(socket.gethostname())
+        return host, free_port(host)
+
+    def join(self, spec: GroupSpec) -> int:
+        """Joins the process group and loads the rank's weights and pools."""
+        group = None
+        if spec.world > 1:
+            group = open_process_group(spec, self.rank, tcp_store(spec, self.rank))
+        self._worker = DPRank.load(self.model_dir, self.options, self.dp, self.rank, group)
+        return self.rank
+
+    def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor) -> StepResult:
+        if self._worker is None:
+            raise RuntimeError(f"rank {self.rank}: execute() before join()")
+        return self._worker.execute(batch, metadata_wire)
+
+    def ping(self) -> int:
+        """Health check: answers with the rank id once joined."""
+        if self._worker is None:
+            raise RuntimeError(f"rank {self.rank}: not joined")
+        return self.rank

@@ -1,0 +1,149 @@
+"""Process groups of a DP replica and the MoE exchange across its ranks.
+
+Owns: opening one torch.distributed process group per rank (gloo on CPU, NCCL on GPU)
+from a key-value store (a TCP store at the head rank's free port across processes, a
+hash store among threads of one process), and ``DPExpertExchange``, the MoE of one
+layer when every rank holds an expert shard and its own attention rows: gather every
+rank's rows (padded to the step's largest rank), each rank's routed partial sums over
+its experts for all rows in fp32, the sum across ranks (gloo: all_reduce, it has no
+reduce_scatter; NCCL: reduce_scatter), each rank keeping its own rows, the shared
+expert on its own rows. Padding rows of an idle rank are zero rows that nobody keeps.
+
+Must not import: actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from model.config import V41Config
+from model.moe import expert_ffn, route, routed_experts
+from model.params import LayerParams
+
+BACKENDS = ("gloo", "nccl")
+
+
+class DistributedError(RuntimeError):
+    """A process-group option or a step's metadata the exchange cannot use."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How the ranks of one replica meet: the backend, the world size and the head
+    rank's store address; ``timeout_s`` bounds every collective, so a dead peer ends
+    a step with an error instead of a hang."""
+
+    backend: str
+    world: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise DistributedError(f"GroupSpec.backend: {self.backend!r} (allowed: {', '.join(BACKENDS)})")
+        if not isinstance(self.world, int) or self.world < 1:
+            raise DistributedError(f"GroupSpec.world: {self.world!r} (allowed: an int >= 1)")
+        if not 0 <= self.master_port < 65536:
+            raise DistributedError(f"GroupSpec.master_port: {self.master_port} (allowed: 0..65535)")
+        if self.timeout_s <= 0:
+            raise DistributedError(f"GroupSpec.timeout_s: {self.timeout_s} (allowed: > 0)")
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the head rank's store binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def tcp_store(spec: GroupSpec, rank: int) -> dist.Store:
+    """The rendezvous store: rank 0 serves it at ``master_addr:master_port``."""
+    if spec.master_port == 0:
+        raise DistributedError("GroupSpec.master_port: 0 (allowed: the head rank's port, from free_port())")
+    return dist.TCPStore(spec.master_addr, spec.master_port, spec.world, rank == 0, spec.timeout)
+
+
+def open_process_group(spec: GroupSpec, rank: int, store: dist.Store) -> dist.ProcessGroup:
+    """Rank ``rank``'s handle on the replica's process group. The handle is used
+    directly, not registered as the default group, so several replicas (or several
+    ranks of one test process) can live side by side."""
+    if not 0 <= rank < spec.world:
+        raise DistributedError(f"rank: {rank} (allowed: 0..{spec.world - 1})")
+    if spec.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, spec.world, spec.timeout)
+    return dist.ProcessGroupNCCL(store, rank, spec.world)
+
+
+class DPExpertExchange:
+    """The MoE of one layer across the DP ranks of a replica (a ``MoEFn``).
+
+    Call ``begin_step`` with every rank's row count (from the step's DPMetadata)
+    before the forward; every layer's call then runs the same collectives on every
+    rank, an idle rank contributing zero rows."""
+
+    def __init__(self, config: V41Config, group: dist.ProcessGroup, rank: int, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise DistributedError(f"backend: {backend!r} (allowed: {', '.join(BACKENDS)})")
+        self.config = config
+        self.group = group
+        self.rank = rank
+        self.world = group.size()
+        self.backend = backend
+        self._row_counts: tuple[int, ...] | None = None
+
+    def begin_step(self, row_counts: Sequence[int]) -> None:
+        if len(row_counts) != self.world:
+            raise DistributedError(f"row_counts: {len(row_counts)} ranks (allowed: the world size {self.world})")
+        self._row_counts = tuple(row_counts)
+
+    def __call__(self, layer: LayerParams, h: torch.Tensor) -> torch.Tensor:
+        counts = self._row_counts
+        if counts is None:
+            raise DistributedError("DPExpertExchange: called before begin_step() of this step")
+        if h.shape[0] != counts[self.rank]:
+            raise DistributedError(
+                f"layer {layer.layer_id}: rank {self.rank} has {h.shape[0]} rows, the step's metadata says "
+                f"{counts[self.rank]}"
+            )
+        cfg = self.config
+        pad = max(counts)
+        padded = h.new_zeros(self.world * pad, h.shape[1])
+        gathered = padded.view(self.world, pad, h.shape[1])
+        own = padded.new_zeros(pad, h.shape[1])
+        own[: h.shape[0]] = h
+        self._all_gather(gathered, own)
+        valid = torch.cat([torch.arange(r * pad, r * pad + n, device=h.device) for r, n in enumerate(counts)])
+        rows = padded[valid]
+        routing = route(rows, layer.moe.gate, layer.moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        partial = torch.zeros(self.world * pad, h.shape[1], dtype=torch.float32, device=h.device)
+        partial[valid] = routed_experts(rows, routing, layer.moe.experts, cfg.swiglu_limit)
+        out = self._reduce_own(partial, pad)[: h.shape[0]]
+        if layer.moe.shared is not None:
+            out = out + expert_ffn(h, layer.moe.shared, cfg.swiglu_limit)
+        return out.to(h.dtype)
+
+    def _all_gather(self, gathered: torch.Tensor, own: torch.Tensor) -> None:
+        if self.backend == "nccl":
+            self.group._allgather_base(gathered.view(-1, own.shape[1]), own).wait()
+            return
+        self.group.allgather([list(gathered.unbind(0))], [own]).wait()
+
+    def _reduce_own(self, partial: torch.Tensor, pad: int) -> torch.Tensor:
+        """Sums every rank's partials and returns this rank's ``pad`` rows."""
+        if self.backend == "nccl":
+            mine = partial.new_empty(pad, partial.shape[1])
+            self.group._reduce_scatter_base(mine, partial).wait()
+            return mine
+        self.group.allreduce([partial]).wait()
+        return partial[self.rank * pad : (self.rank + 1) * pad]

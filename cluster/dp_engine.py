@@ -1,0 +1,263 @@
+"""The engine of one replica whose attention is data-parallel over several ranks.
+
+Owns ``DPEngine`` (the public interface of ``Engine`` — add_request, step, abort,
+generate, has_unfinished_requests, tokenizer — over one scheduler and block manager
+per DP rank, each rank having its own pools), the per-step packing of every rank's
+batch into one ``DPMetadata``, and ``DPRank``, one rank's side of a step: its own
+ModelRunner (TP1 attention, embeddings, head, pools) whose MoE is the DP expert
+exchange over its expert shard. ``ThreadedRanks`` runs the ranks of a replica in
+threads of this process (gloo among them); the Ray actors of ``actors/`` implement the
+same ``DPStepExecutor`` with one call per rank per step.
+
+Must not import: actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer
+
+from cluster.batch import DPMetadata, ScheduledBatch
+from cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
+from cluster.engine import EngineFrontend, EngineOptions, RankLayout, engine_options
+from cluster.placement import RankLoad, place
+from cluster.request import Request, RequestOutput, RequestStatus
+from cluster.runner import ModelRunner, StepResult
+from cluster.scheduler import Scheduler
+from model.config import V41Config
+from model.loader import TOKENIZER_FILE, ExpertShard
+from model.params import ModelParams, load_model_params
+
+logger = logging.getLogger(__name__)
+
+EXPERT_MODES = ("ep", "tp")
+
+
+class DPError(ValueError):
+    """A DP option or a rank's input outside what the replica allows."""
+
+
+@dataclass(frozen=True)
+class DPLayout:
+    """How a replica spreads over ranks: ``world`` DP-attention ranks, the routed
+    experts split into whole experts per rank (``ep``) or every expert's intermediate
+    dim split (``tp``), collectives on ``backend``."""
+
+    world: int
+    expert_mode: str = "ep"
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world, int) or self.world < 1:
+            raise DPError(f"DPLayout.world: {self.world!r} (allowed: an int >= 1)")
+        if self.expert_mode not in EXPERT_MODES:
+            raise DPError(f"DPLayout.expert_mode: {self.expert_mode!r} (allowed: {', '.join(EXPERT_MODES)})")
+        GroupSpec(backend=self.backend, world=self.world)
+
+    def shard(self, rank: int) -> ExpertShard | None:
+        return ExpertShard(self.expert_mode, rank, self.world) if self.world > 1 else None
+
+
+class RankFailure(RuntimeError):
+    """A rank of the replica died or missed a step's deadline: the step is lost and
+    the ranks' pools with it."""
+
+
+class DPStepExecutor(Protocol):
+    """Runs one step on every DP rank of a replica together; one result per rank.
+    ``execute`` raises RankFailure when a rank is lost; ``restart`` then brings every
+    rank back with empty pools."""
+
+    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor) -> list[StepResult]: ...
+
+    def restart(self) -> None: ...
+
+
+class DPRank:
+    """One DP rank's execution: its pools and runner, and its side of the MoE
+    exchange (None when the replica has one rank and holds every expert)."""
+
+    def __init__(self, params: ModelParams, layout: RankLayout, rank: int, exchange: DPExpertExchange | None) -> None:
+        self.rank = rank
+        self.exchange = exchange
+        self.runner = ModelRunner(params, layout.geometry, layout.pool_size, moe=exchange)
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        options: EngineOptions,
+        dp: DPLayout,
+        rank: int,
+        group: dist.ProcessGroup | None,
+    ) -> "DPRank":
+        """Loads the rank's expert shard (and everything else whole) and joins
+        ``group`` (required when ``dp.world`` > 1)."""
+        params, _ = load_model_params(model_dir, dtype=options.dtype, shard=dp.shard(rank), text_only=True)
+        exchange = None
+        if dp.world > 1:
+            if group is None:
+                raise DPError(f"group: None for rank {rank} of a {dp.world}-rank replica (allowed: its process group)")
+            exchange = DPExpertExchange(params.config, group, rank, dp.backend)
+        return cls(params, RankLayout.build(params.config, options), rank, exchange)
+
+    def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor) -> StepResult:
+        """Runs this rank's batch of a step (padding when it has no rows)."""
+        metadata = DPMetadata.from_wire(metadata_wire)
+        if metadata.ranks[self.rank].num_tokens != batch.num_tokens:
+            raise DPError(
+                f"rank {self.rank}: batch of {batch.num_tokens} rows, the step's metadata says "
+                f"{metadata.ranks[self.rank].num_tokens}"
+            )
+        if self.exchange is not None:
+            self.exchange.begin_step(metadata.row_counts)
+            if batch.is_empty:
+                return self.runner.execute_padding(batch.step_id)
+        return self.runner.execute(batch)
+
+
+class ThreadedRanks:
+    """The DP ranks of a replica in threads of this process, gloo among them."""
+
+    def __init__(self, model_dir: str | Path, options: EngineOptions, dp: DPLayout) -> None:
+        self.model_dir = model_dir
+        self.options = options
+        self.dp = dp
+        self._threads = ThreadPoolExecutor(max_workers=dp.world, thread_name_prefix="dp-rank")
+        self.ranks = self._load()
+
+    def _load(self) -> tuple[DPRank, ...]:
+        dp = self.dp
+        store = dist.HashStore()
+        spec = GroupSpec(backend=dp.backend, world=dp.world)
+
+        def load_rank(rank: int) -> DPRank:
+            group = open_process_group(spec, rank, dist.PrefixStore("dp", store)) if dp.world > 1 else None
+            return DPRank.load(self.model_dir, self.options, dp, rank, group)
+
+        # Every rank must be in its rendezvous at once: one thread each.
+        return tuple(self._threads.map(load_rank, range(dp.world)))
+
+    def restart(self) -> None:
+        self.ranks = self._load()
+
+    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor) -> list[StepResult]:
+        futures = [self._threads.submit(rank.execute, b, metadata) for rank, b in zip(self.ranks, batches)]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)
+
+
+class DPEngine(EngineFrontend):
+    """One replica over ``world`` DP ranks: a scheduler and block manager per rank,
+    placement of each request on one rank, and one step of every rank at a time."""
+
+    def __init__(
+        self, config: V41Config, tokenizer: Tokenizer, options: EngineOptions, world: int, executor: DPStepExecutor
+    ) -> None:
+        if not isinstance(world, int) or world < 1:
+            raise DPError(f"world: {world!r} (allowed: an int >= 1)")
+        self.layout = RankLayout.build(config, options)
+        super().__init__(config, tokenizer, options, self.layout)
+        self.world = world
+        self.executor = executor
+        self.schedulers = self._fresh_schedulers()
+        self._rank_of: dict[str, int] = {}
+        self._step_id = 0
+        self.num_restarts = 0
+
+    @classmethod
+    def over(cls, model_dir: str | Path, dp: DPLayout, executor: DPStepExecutor, options: EngineOptions) -> "DPEngine":
+        """The engine of ranks already running ``model_dir`` under ``dp``; it reads the
+        config and tokenizer only, never a weight."""
+        config = V41Config.from_pretrained(model_dir, text_only=True)
+        tokenizer = Tokenizer.from_file(str(Path(model_dir) / TOKENIZER_FILE))
+        return cls(config, tokenizer, options, dp.world, executor)
+
+    @classmethod
+    def in_process(cls, model_dir: str | Path, dp: DPLayout, **options: object) -> "DPEngine":
+        """A replica whose ranks are threads of this process (tests, one-box runs)."""
+        parsed = engine_options(options)
+        return cls.over(model_dir, dp, ThreadedRanks(model_dir, parsed, dp), parsed)
+
+    def _fresh_schedulers(self) -> list[Scheduler]:
+        return [self.layout.scheduler(self.config, self.options) for _ in range(self.world)]
+
+    # -- requests -----------------------------------------------------------------------
+
+    def _enqueue(self, request: Request) -> None:
+        loads = [
+            RankLoad(
+                unfinished=len(s.running) + len(s.waiting),
+                cached_prefix_tokens=s.block_manager.lookup(request.all_token_ids).hit_tokens,
+            )
+            for s in self.schedulers
+        ]
+        rank = place(loads, self.options.max_num_seqs)
+        self._rank_of[request.request_id] = rank
+        self.schedulers[rank].add(request)
+
+    def _scheduler_of(self, request_id: str) -> Scheduler:
+        return self.schedulers[self._rank_of[request_id]]
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The DP rank an unfinished request was placed on."""
+        return self._rank_of.get(request_id) if request_id in self._requests else None
+
+    def abort(self, request_id: str) -> bool:
+        ids = self._children.get(request_id, (request_id,))
+        aborted = super().abort(request_id)
+        for rid in ids:
+            self._rank_of.pop(rid, None)
+        return aborted
+
+    def _forget(self, request: Request) -> None:
+        super()._forget(request)
+        self._rank_of.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    # -- the step loop --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batches = tuple(s.schedule()[0] for s in self.schedulers)
+        if all(b.is_empty for b in batches):
+            return []
+        self._step_id += 1
+        metadata = DPMetadata.of(self._step_id, batches)
+        try:
+            results = self.executor.execute(batches, metadata.to_wire())
+        except RankFailure as exc:
+            outputs = self.fail_all(f"a rank failed: {exc}")
+            self.num_restarts += 1
+            self.executor.restart()
+            return outputs
+        outputs: list[RequestOutput] = []
+        for scheduler, batch, result in zip(self.schedulers, batches, results):
+            outputs.extend(self._apply(scheduler, batch, result))
+        return outputs
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Ends every unfinished request with finish_reason "error" and starts every
+        rank's bookkeeping afresh (the ranks' pools are gone with them: nothing they
+        cached can be hit again). Returns the ended requests' final outputs."""
+        logger.error("dp engine: ending %d request(s): %s", len(self._requests), reason)
+        outputs = []
+        for request in list(self._requests.values()):
+            if not request.is_finished:
+                request.finish(RequestStatus.FINISHED_ERROR)
+                outputs.append(request.to_output())
+        self._requests.clear()
+        self._children.clear()
+        self._rank_of.clear()
+        self.schedulers = self._fresh_schedulers()
+        return outputs

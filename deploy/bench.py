@@ -1,0 +1,745 @@
+"""The serving benchmark behind ``dsv41 bench``: one workload, two drivers, one report.
+
+Owns the benchmark workload (seeded random token-id prompts or a fixed text prompt,
+Poisson or all-at-once arrivals, an optional concurrency cap), the two drivers that
+replay it (an OpenAI-compatible endpoint over streaming HTTP, and an in-process
+``cluster.engine.Engine`` stepped directly), the per-request records they produce, and
+the metrics computed from those records (request and token throughput; TTFT, TPOT, ITL
+and end-to-end latency mean / median / p99), printed as a table and written as JSON.
+Running the same workload both ways gives the Serve overhead (TTFT through Serve
+against the in-process engine).
+
+Must not import: ``ray``, ``actors``, ``torch`` at module level. ``aiohttp`` is imported
+by the HTTP driver and ``cluster`` / ``model`` by the in-process driver only, so the
+CLI's argument parsing stays light.
+
+Definitions, shared by both drivers so their numbers compare:
+- A request's clock starts when it is sent (its Poisson arrival, or later when the
+  concurrency cap holds it back) and its first token is the first chunk (engine step)
+  that carries visible output.
+- TTFT: first token - sent. E2EL: last event of the request - sent. ITL: the gaps
+  between successive output-carrying chunks (a chunk carrying several tokens is one
+  gap, as in vLLM's and SGLang's clients). TPOT: (E2EL - TTFT) / (output tokens - 1),
+  for requests with more than one output token.
+- Output tokens come from the server's ``usage`` (``stream_options.include_usage``)
+  when it reports them, else from the number of output-carrying chunks (a lower bound
+  when a chunk carries several tokens); in-process, from the engine's output. Input
+  tokens come from ``usage`` or the known length of the prompt's ids. The summary says
+  how many requests took each source.
+- Throughputs divide the successful requests' totals by the benchmark duration (first
+  send to last completion). Failed requests count in no throughput or latency; they
+  are counted and their errors reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import heapq
+import json
+import math
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from cluster.engine import Engine
+
+Endpoint = Literal["completions", "chat"]
+ENDPOINTS: tuple[str, ...] = ("completions", "chat")
+# Finish reasons that say the server gave up on the request rather than completed it.
+FAILED_FINISH_REASONS = frozenset({"abort", "error"})
+DEFAULT_REQUEST_TIMEOUT_S = 6 * 60 * 60
+# Progress lines are printed about this many times over a run.
+PROGRESS_STEPS = 10
+# Separate seed streams, so changing the arrival rate never changes the prompts.
+_PROMPT_STREAM, _ARRIVAL_STREAM = 0, 1
+
+Progress = Callable[[str], None]
+
+
+class BenchError(ValueError):
+    """A benchmark option that cannot run; the message names the option."""
+
+
+# -- the workload ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One prompt of a workload: token ids (length known) or text (length known only
+    once a tokenizer or the server's usage counts it)."""
+
+    prompt: tuple[int, ...] | str
+    num_tokens: int | None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt, str):
+            if not self.prompt:
+                raise BenchError("prompt: empty text (allowed: a non-empty string or token ids)")
+        elif not self.prompt or self.num_tokens != len(self.prompt):
+            raise BenchError(
+                f"prompt: token ids need num_tokens == len(prompt) >= 1, got {len(self.prompt)} ids and "
+                f"num_tokens={self.num_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the benchmark sends: ``num_prompts`` requests whose prompts are either
+    ``input_len`` token ids drawn uniformly from ``[0, vocab_size)`` with ``seed``, or
+    ``prompt_text`` each time; each asks for ``output_len`` tokens (``ignore_eos``
+    makes that length fixed). Requests arrive as a Poisson process of ``request_rate``
+    per second (``math.inf``: all at once), at most ``max_concurrency`` in flight
+    (``None``: no cap)."""
+
+    endpoint: Endpoint
+    num_prompts: int
+    output_len: int
+    input_len: int | None = None
+    vocab_size: int | None = None
+    prompt_text: str | None = None
+    seed: int = 0
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise BenchError(f"endpoint: {self.endpoint!r} (allowed: {', '.join(ENDPOINTS)})")
+        for name in ("num_prompts", "output_len"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise BenchError(f"{name}: {value!r} (allowed: an integer >= 1)")
+        if (self.input_len is None) == (self.prompt_text is None):
+            raise BenchError(
+                "input_len / prompt_text: both or neither given (allowed: exactly one, random token-id prompts "
+                "or a fixed text)"
+            )
+        if self.input_len is not None:
+            if not _is_int(self.input_len) or self.input_len < 1:
+                raise BenchError(f"input_len: {self.input_len!r} (allowed: an integer >= 1)")
+            if not _is_int(self.vocab_size) or self.vocab_size < 1:
+                raise BenchError(
+                    f"vocab_size: {self.vocab_size!r} (allowed: an integer >= 1; random token-id prompts need it)"
+                )
+            if self.endpoint == "chat":
+                # (?) Chat messages carry text; decoding random ids to text would not
+                # round-trip to input_len tokens, so the two are not combined.
+                raise BenchError("endpoint: 'chat' takes a text prompt (allowed with input_len: 'completions')")
+        if self.prompt_text is not None and not self.prompt_text:
+            raise BenchError("prompt_text: empty (allowed: a non-empty string)")
+        if not isinstance(self.request_rate, (int, float)) or not self.request_rate > 0:
+            raise BenchError(f"request_rate: {self.request_rate!r} (allowed: a number > 0, or inf for all at once)")
+        if self.max_concurrency is not None and (not _is_int(self.max_concurrency) or self.max_concurrency < 1):
+            raise BenchError(f"max_concurrency: {self.max_concurrency!r} (allowed: None or an integer >= 1)")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise BenchError(f"temperature: {self.temperature!r} (allowed: a finite number >= 0)")
+        if not isinstance(self.ignore_eos, bool):
+            raise BenchError(f"ignore_eos: {self.ignore_eos!r} (allowed: True, False)")
+
+    def prompts(self) -> list[BenchPrompt]:
+        """The prompts, in send order; the same for the same seed, whatever the rate."""
+        if self.prompt_text is not None:
+            return [BenchPrompt(self.prompt_text, None) for _ in range(self.num_prompts)]
+        rng = np.random.default_rng([self.seed, _PROMPT_STREAM])
+        ids = rng.integers(0, self.vocab_size, size=(self.num_prompts, self.input_len))
+        return [BenchPrompt(tuple(int(t) for t in row), self.input_len) for row in ids]
+
+    def arrival_offsets(self) -> list[float]:
+        """Seconds from the benchmark start at which each request arrives: the partial
+        sums of exponential gaps of mean 1 / request_rate (all 0 for inf)."""
+        if math.isinf(self.request_rate):
+            return [0.0] * self.num_prompts
+        rng = np.random.default_rng([self.seed, _ARRIVAL_STREAM])
+        # The first request is sent at once; the rate spaces the ones after it.
+        gaps = np.concatenate([[0.0], rng.standard_exponential(self.num_prompts - 1)]) / self.request_rate
+        return np.cumsum(gaps).tolist()
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
+        return out
+
+
+# -- per-request records and the summary -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one request did. Times are seconds; ``sent_s`` counts from the benchmark
+    start. A failed request keeps what it saw before failing and its ``error``."""
+
+    index: int
+    sent_s: float
+    success: bool
+    latency_s: float
+    ttft_s: float | None = None
+    itl_s: tuple[float, ...] = ()
+    input_tokens: int | None = None
+    output_tokens: int = 0
+    output_tokens_source: Literal["usage", "chunks", "engine"] = "chunks"
+    finish_reason: str | None = None
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        if self.success == bool(self.error):
+            raise ValueError(
+                f"error: set exactly when the request failed, got success={self.success} error={self.error!r}"
+            )
+        if self.success and (self.ttft_s is None or self.output_tokens < 1):
+            raise ValueError(
+                f"ttft_s / output_tokens: a successful request has a first token, got ttft_s={self.ttft_s} "
+                f"output_tokens={self.output_tokens}"
+            )
+        if self.output_tokens_source not in ("usage", "chunks", "engine"):
+            raise ValueError(
+                f"output_tokens_source: {self.output_tokens_source!r} (allowed: 'usage', 'chunks', 'engine')"
+            )
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None with one token or a failure)."""
+        if not self.success or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Mean, median and 99th percentile (linear interpolation) in milliseconds over
+    ``count`` samples; all None when there is no sample."""
+
+    count: int
+    mean_ms: float | None
+    median_ms: float | None
+    p99_ms: float | None
+
+    @classmethod
+    def of_seconds(cls, samples_s: Sequence[float]) -> "LatencyStats":
+        if not samples_s:
+            return cls(0, None, None, None)
+        ms = np.asarray(samples_s, dtype=np.float64) * 1000.0
+        return cls(len(ms), float(ms.mean()), float(np.median(ms)), float(np.percentile(ms, 99)))
+
+
+@dataclass(frozen=True)
+class BenchSummary:
+    """The metrics of one run (see the module docstring for each definition)."""
+
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    input_tokens_unknown: int
+    output_tokens_from_usage: int
+    output_tokens_from_chunks: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft: LatencyStats
+    tpot: LatencyStats
+    itl: LatencyStats
+    e2el: LatencyStats
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float) -> BenchSummary:
+    """The metrics of a run's records over its duration."""
+    if not duration_s > 0:
+        raise BenchError(f"duration_s: {duration_s!r} (allowed: a number > 0)")
+    ok = [r for r in records if r.success]
+    total_in = sum(r.input_tokens for r in ok if r.input_tokens is not None)
+    total_out = sum(r.output_tokens for r in ok)
+    return BenchSummary(
+        completed=len(ok),
+        failed=len(records) - len(ok),
+        duration_s=duration_s,
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
+        input_tokens_unknown=sum(r.input_tokens is None for r in ok),
+        output_tokens_from_usage=sum(r.output_tokens_source == "usage" for r in ok),
+        output_tokens_from_chunks=sum(r.output_tokens_source == "chunks" for r in ok),
+        request_throughput=len(ok) / duration_s,
+        output_throughput=total_out / duration_s,
+        total_token_throughput=(total_in + total_out) / duration_s,
+        ttft=LatencyStats.of_seconds([r.ttft_s for r in ok]),
+        tpot=LatencyStats.of_seconds([r.tpot_s for r in ok if r.tpot_s is not None]),
+        itl=LatencyStats.of_seconds([gap for r in ok for gap in r.itl_s]),
+        e2el=LatencyStats.of_seconds([r.latency_s for r in ok]),
+        errors=dict(Counter(r.error for r in records if not r.success).most_common()),
+    )
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """One run: where it ran, the workload, every request's record and the summary."""
+
+    mode: Literal["http", "in-process"]
+    target: dict[str, Any]
+    workload: Workload
+    records: tuple[RequestRecord, ...]
+    summary: BenchSummary
+    date: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    @classmethod
+    def build(cls, mode: Literal["http", "in-process"], target: dict[str, Any], workload: Workload,
+              records: Sequence[RequestRecord], duration_s: float) -> "BenchReport":
+        ordered = tuple(sorted(records, key=lambda r: r.index))
+        if [r.index for r in ordered] != list(range(workload.num_prompts)):
+            raise RuntimeError(f"records: expected one per prompt 0..{workload.num_prompts - 1}, got {len(ordered)}")
+        return cls(mode, target, workload, ordered, summarize(ordered, duration_s))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "date": self.date,
+            "target": self.target,
+            "workload": self.workload.to_json(),
+            "summary": asdict(self.summary),
+            "requests": [asdict(r) | {"tpot_s": r.tpot_s} for r in self.records],
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2))
+
+    def table(self) -> str:
+        """The result table, laid out like vLLM's benchmark_serving."""
+        s = self.summary
+        width = 50
+        lines = [f"{' Serving Benchmark Result (' + self.mode + ') ':=^{width}}"]
+
+        def row(label: str, value: object) -> None:
+            if value is None:
+                text = "-"
+            elif isinstance(value, float):
+                text = f"{value:.2f}"
+            else:
+                text = str(value)
+            lines.append(f"{label:<40}{text:<10}")
+
+        row("Successful requests:", s.completed)
+        row("Failed requests:", s.failed)
+        for message, count in s.errors.items():
+            lines.append(f"  {count} x {message[:200]}")
+        if self.workload.max_concurrency is not None:
+            row("Maximum request concurrency:", self.workload.max_concurrency)
+        row("Benchmark duration (s):", s.duration_s)
+        row("Total input tokens:", s.total_input_tokens)
+        if s.input_tokens_unknown:
+            row("  requests with unknown input tokens:", s.input_tokens_unknown)
+        row("Total generated tokens:", s.total_output_tokens)
+        if s.output_tokens_from_chunks:
+            row("  of them counted by chunks (no usage):", s.output_tokens_from_chunks)
+        row("Request throughput (req/s):", s.request_throughput)
+        row("Output token throughput (tok/s):", s.output_throughput)
+        row("Total token throughput (tok/s):", s.total_token_throughput)
+        for title, short, stats in (
+            ("Time to First Token", "TTFT", s.ttft),
+            ("Time per Output Token (excl. 1st token)", "TPOT", s.tpot),
+            ("Inter-token Latency", "ITL", s.itl),
+            ("End-to-end Latency", "E2EL", s.e2el),
+        ):
+            lines.append(f"{title:-^{width}}")
+            row(f"Mean {short} (ms):", stats.mean_ms)
+            row(f"Median {short} (ms):", stats.median_ms)
+            row(f"P99 {short} (ms):", stats.p99_ms)
+        lines.append("=" * width)
+        return "\n".join(lines)
+
+
+# -- the HTTP driver -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HttpTarget:
+    """An OpenAI-compatible server: ``base_url`` ends in ``/v1``; ``model`` is the
+    name the server serves."""
+
+    base_url: str
+    model: str
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise BenchError(
+                f"base_url: {self.base_url!r} (allowed: an http:// or https:// URL, e.g. http://host:8000/v1)"
+            )
+        if not self.model:
+            raise BenchError("model: empty (allowed: the model name the server serves)")
+        if not self.request_timeout_s > 0:
+            raise BenchError(f"request_timeout_s: {self.request_timeout_s!r} (allowed: a number > 0)")
+
+    def url(self, endpoint: Endpoint) -> str:
+        path = {"completions": "completions", "chat": "chat/completions"}[endpoint]
+        return f"{self.base_url.rstrip('/')}/{path}"
+
+    def payload(self, workload: Workload, prompt: BenchPrompt) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": workload.output_len,
+            "temperature": workload.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if workload.ignore_eos:
+            body["ignore_eos"] = True
+        if workload.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt.prompt}]
+        else:
+            body["prompt"] = list(prompt.prompt) if isinstance(prompt.prompt, tuple) else prompt.prompt
+        return body
+
+
+def run_http(target: HttpTarget, workload: Workload, progress: Progress | None = None) -> BenchReport:
+    """Replays ``workload`` against ``target`` with streaming requests."""
+    return asyncio.run(run_http_async(target, workload, progress))
+
+
+async def run_http_async(target: HttpTarget, workload: Workload, progress: Progress | None = None) -> BenchReport:
+    import aiohttp
+
+    prompts = workload.prompts()
+    offsets = workload.arrival_offsets()
+    tracker = _ProgressTracker(workload.num_prompts, progress)
+    cap = asyncio.Semaphore(workload.max_concurrency) if workload.max_concurrency else None
+    url = target.url(workload.endpoint)
+    timeout = aiohttp.ClientTimeout(total=target.request_timeout_s)
+    # limit=0: the workload's own cap decides concurrency, not the connection pool.
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+
+        async def one(index: int) -> RequestRecord:
+            async with cap or contextlib.nullcontext():
+                prompt = prompts[index]
+                record = await _stream_one(
+                    session, url, target.payload(workload, prompt), prompt, index, start, workload.endpoint
+                )
+            tracker.done(record)
+            return record
+
+        tasks = []
+        for index, offset in enumerate(offsets):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(index)))
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    target_json = {"base_url": target.base_url, "model": target.model, "endpoint": workload.endpoint}
+    return BenchReport.build("http", target_json, workload, records, duration)
+
+
+class _StreamState:
+    """What one streamed response has shown so far."""
+
+    def __init__(self, sent: float) -> None:
+        self.sent = sent
+        self.token_times: list[float] = []
+        self.usage: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.done = False
+        self.error = ""
+
+    def take(self, event: dict[str, Any], now: float, endpoint: Endpoint) -> None:
+        if "error" in event:
+            error = event["error"]
+            self.error = f"stream error: {error.get('message', error) if isinstance(error, dict) else error}"
+            return
+        if event.get("usage"):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            if _carries_output(choice, endpoint):
+                self.token_times.append(now)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+
+    def record(self, index: int, start: float, end: float, prompt: BenchPrompt) -> RequestRecord:
+        usage = self.usage or {}
+        completion_tokens = usage.get("completion_tokens")
+        prompt_tokens = usage.get("prompt_tokens")
+        error = self.error
+        if not error and not self.done:
+            error = "stream ended before data: [DONE]"
+        if not error and self.finish_reason in FAILED_FINISH_REASONS:
+            error = f"finish_reason: {self.finish_reason}"
+        if not error and not self.token_times:
+            error = "stream carried no output"
+        return RequestRecord(
+            index=index,
+            sent_s=self.sent - start,
+            success=not error,
+            latency_s=end - self.sent,
+            ttft_s=self.token_times[0] - self.sent if self.token_times else None,
+            itl_s=tuple(np.diff(self.token_times).tolist()),
+            input_tokens=prompt_tokens if isinstance(prompt_tokens, int) else prompt.num_tokens,
+            output_tokens=completion_tokens if isinstance(completion_tokens, int) else len(self.token_times),
+            output_tokens_source="usage" if isinstance(completion_tokens, int) else "chunks",
+            finish_reason=self.finish_reason,
+            error=error,
+        )
+
+
+def _carries_output(choice: dict[str, Any], endpoint: Endpoint) -> bool:
+    """Whether a streamed choice shows the user output. The role-only opening chunk of
+    a chat stream, the closing finish_reason chunk, and an empty-text chunk (a token
+    held back mid-character) show nothing, so none of them is a token event."""
+    if endpoint == "completions":
+        return bool(choice.get("text"))
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
+async def _stream_one(session: "aiohttp.ClientSession", url: str, payload: dict[str, Any], prompt: BenchPrompt,
+                      index: int, start: float, endpoint: Endpoint) -> RequestRecord:
+    import aiohttp
+
+    state = _StreamState(time.perf_counter())
+    try:
+        async with session.post(url, json=payload) as response:
+            if response.status != 200:
+                body = (await response.text())[:500]
+                state.error = f"HTTP {response.status}: {body}"
+            else:
+                async for raw in response.content:
+                    line = raw.decode("utf-8").strip()
+                    # Blank lines end SSE events; ':' lines are comments (keep-alives).
+                    if not line or line.startswith(":") or not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        state.done = True
+                        break
+                    state.take(json.loads(data), time.perf_counter(), endpoint)
+                    if state.error:
+                        break
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        state.error = f"{type(exc).__name__}: {exc}"
+    return state.record(index, start, time.perf_counter(), prompt)
+
+
+# -- the in-process driver ---------------------------------------------------------------
+
+
+def run_in_process(engine: "Engine", workload: Workload, progress: Progress | None = None) -> BenchReport:
+    """Replays ``workload`` on ``engine`` (idle, in this process), stepping it directly:
+    a request is added once its arrival time has come and the concurrency cap has room,
+    and its clock starts at that arrival (or at the moment a slot freed, when the cap
+    held it back), as a server's queue would count it."""
+    from cluster.request import SamplingParams
+
+    prompt_ids = [_engine_prompt(engine, workload.endpoint, p) for p in workload.prompts()]
+    offsets = workload.arrival_offsets()
+    params = SamplingParams(
+        max_tokens=workload.output_len, temperature=float(workload.temperature), ignore_eos=workload.ignore_eos
+    )
+    tracker = _ProgressTracker(workload.num_prompts, progress)
+    records: list[RequestRecord] = []
+    pending = deque(range(workload.num_prompts))
+    in_flight: dict[str, _EngineRequest] = {}
+    # When each free concurrency slot became free; a held-back request is sent then.
+    free_slots: list[float] | None = None
+    prefix = f"bench-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    if workload.max_concurrency is not None:
+        free_slots = [start] * workload.max_concurrency
+
+    def finish(record: RequestRecord, freed_at: float) -> None:
+        records.append(record)
+        tracker.done(record)
+        if free_slots is not None:
+            heapq.heappush(free_slots, freed_at)
+
+    while pending or in_flight:
+        now = time.perf_counter()
+        while pending and start + offsets[pending[0]] <= now and (free_slots is None or free_slots):
+            index = pending.popleft()
+            sent = max(start + offsets[index], heapq.heappop(free_slots) if free_slots is not None else 0.0)
+            request_id = f"{prefix}-{index}"
+            try:
+                engine.add_request(request_id, prompt_ids[index], params)
+            except ValueError as exc:  # EngineError / SamplingParamsError: nothing was queued
+                finish(RequestRecord(index, sent - start, False, now - sent, input_tokens=len(prompt_ids[index]),
+                                     error=f"{type(exc).__name__}: {exc}"), now)
+                continue
+            in_flight[request_id] = _EngineRequest(index, sent, len(prompt_ids[index]))
+        if not in_flight:
+            if pending:
+                time.sleep(max(start + offsets[pending[0]] - time.perf_counter(), 0.0))
+            continue
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"engine: idle with {len(in_flight)} benchmark request(s) unfinished")
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            state = in_flight.get(output.request_id)
+            if state is None:
+                continue
+            state.take(len(output.token_ids), now)
+            if output.finished:
+                del in_flight[output.request_id]
+                finish(state.record(start, now, str(output.finish_reason)), now)
+    duration = time.perf_counter() - start
+    target = {"engine": type(engine).__name__, "endpoint": workload.endpoint}
+    return BenchReport.build("in-process", target, workload, records, duration)
+
+
+def _engine_prompt(engine: "Engine", endpoint: Endpoint, prompt: BenchPrompt) -> list[int]:
+    """The token ids the server would run for ``prompt``: ids as given; text through the
+    chat template (chat) or the tokenizer alone (completions)."""
+    if isinstance(prompt.prompt, tuple):
+        return list(prompt.prompt)
+    if endpoint == "chat":
+        from deploy.chat_protocol import encode_chat
+
+        return encode_chat(engine.tokenizer, [{"role": "user", "content": prompt.prompt}])
+    # (?) Completions text is encoded with the tokenizer's own post-processing, as
+    # `dsv41 generate --prompt` does.
+    return engine.tokenizer.encode(prompt.prompt).ids
+
+
+class _EngineRequest:
+    """The token events one in-process request has produced so far."""
+
+    def __init__(self, index: int, sent: float, input_tokens: int) -> None:
+        self.index = index
+        self.sent = sent
+        self.input_tokens = input_tokens
+        self.num_tokens = 0
+        self.token_times: list[float] = []
+
+    def take(self, num_tokens: int, now: float) -> None:
+        if num_tokens > self.num_tokens:
+            self.num_tokens = num_tokens
+            self.token_times.append(now)
+
+    def record(self, start: float, end: float, finish_reason: str) -> RequestRecord:
+        error = ""
+        if finish_reason in FAILED_FINISH_REASONS:
+            error = f"finish_reason: {finish_reason}"
+        elif not self.token_times:
+            error = "finished without output"
+        return RequestRecord(
+            index=self.index,
+            sent_s=self.sent - start,
+            success=not error,
+            latency_s=end - self.sent,
+            ttft_s=self.token_times[0] - self.sent if self.token_times else None,
+            itl_s=tuple(np.diff(self.token_times).tolist()),
+            input_tokens=self.input_tokens,
+            output_tokens=self.num_tokens,
+            output_tokens_source="engine",
+            finish_reason=finish_reason,
+            error=error,
+        )
+
+
+# -- progress and the command line -----------------------------------------------------
+
+
+class _ProgressTracker:
+    """Reports finished requests about PROGRESS_STEPS times over a run."""
+
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.total = total
+        self.progress = progress
+        self.every = max(total // PROGRESS_STEPS, 1)
+        self.finished = 0
+        self.failed = 0
+
+    def done(self, record: RequestRecord) -> None:
+        self.finished += 1
+        self.failed += not record.success
+        if self.progress is not None and (self.finished % self.every == 0 or self.finished == self.total):
+            self.progress(f"bench: {self.finished}/{self.total} requests finished, {self.failed} failed")
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``dsv41 bench`` options."""
+    target = parser.add_argument_group("target")
+    target.add_argument("--base-url", help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1")
+    target.add_argument("--model", help="model name the server serves (HTTP mode)")
+    target.add_argument("--endpoint", choices=ENDPOINTS, default="completions")
+    target.add_argument("--in-process", action="store_true", help="drive cluster.engine.Engine in this process")
+    target.add_argument(
+        "--model-dir", help="checkpoint directory: the in-process engine; the vocabulary for --input-len"
+    )
+    target.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds per request")
+    load = parser.add_argument_group("workload")
+    source = load.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input-len", type=int, help="random token-id prompts of this many tokens")
+    source.add_argument("--prompt-text", help="send this text as every prompt")
+    load.add_argument("--vocab-size", type=int, help="random token ids are drawn from [0, N) (default: --model-dir's)")
+    load.add_argument("--num-prompts", type=int, default=100)
+    load.add_argument("--output-len", type=int, default=128)
+    load.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end a request early")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
+    )
+    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    parser.add_argument("--out", help="write the JSON report here")
+
+
+def run_bench_command(args: argparse.Namespace) -> BenchReport:
+    """``dsv41 bench``: runs the workload, prints the table, writes ``--out``."""
+    vocab_size = args.vocab_size
+    if args.input_len is not None and vocab_size is None:
+        if not args.model_dir:
+            raise SystemExit("--input-len: needs --vocab-size or --model-dir (random token ids need the vocabulary)")
+        from model.config import V41Config
+
+        vocab_size = V41Config.from_pretrained(args.model_dir, text_only=True).vocab_size
+    try:
+        workload = Workload(
+            endpoint=args.endpoint,
+            num_prompts=args.num_prompts,
+            output_len=args.output_len,
+            input_len=args.input_len,
+            vocab_size=vocab_size,
+            prompt_text=args.prompt_text,
+            seed=args.seed,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+        )
+        target = None if args.in_process else HttpTarget(args.base_url or "", args.model or "", args.request_timeout)
+    except BenchError as exc:
+        raise SystemExit(f"bench: {exc}") from exc
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    if args.in_process:
+        if not args.model_dir:
+            raise SystemExit("--in-process: needs --model-dir")
+        if args.base_url or args.model:
+            raise SystemExit("--base-url / --model: HTTP mode only (not used with --in-process)")
+        from cluster.engine import Engine
+
+        progress(f"bench: loading {args.model_dir} ...")
+        report = run_in_process(Engine.from_pretrained(args.model_dir), workload, progress)
+    else:
+        report = run_http(target, workload, progress)
+    print(report.table())
+    if args.out:
+        report.write_json(args.out)
+        print(f"wrote {args.out}")
+    return report
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

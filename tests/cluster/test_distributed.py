@@ -1,0 +1,137 @@
+"""DP execution in one process: the packed DP metadata, placement, the MoE exchange
+over gloo among threads, and DPEngine's greedy tokens against the one-rank Engine.
+
+Token equality is exact in fp32: the exchange adds fp32 partial sums of disjoint
+expert shards (EP) or intermediate slices (TP), which changes logits only by fp32
+rounding; the prompts here have no near-tie within the 8 greedy tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.batch import DP_METADATA_LAYOUT, DPMetadata, DPMetadataError, RankStepInfo
+from cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
+from cluster.dp_engine import DPEngine, DPLayout
+from cluster.engine import Engine
+from cluster.placement import RankLoad, place
+from cluster.request import SamplingParams
+from model.loader import ExpertShard
+from model.moe import moe_forward
+from model.params import load_model_params
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+OPTIONS = dict(block_size=32, state_transfer="copy", max_num_seqs=4, max_num_batched_tokens=64)
+
+request_ids = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
+rank_infos = st.builds(
+    RankStepInfo, st.integers(0, 10_000), st.booleans(), st.lists(request_ids, max_size=4).map(tuple)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**40), st.lists(rank_infos, min_size=1, max_size=8))
+def test_dp_metadata_wire_round_trips(step_id: int, ranks: list[RankStepInfo]) -> None:
+    """from_wire(to_wire(m)) == m for every metadata, as one flat int64 tensor."""
+    metadata = DPMetadata(step_id=step_id, ranks=tuple(ranks))
+    wire = metadata.to_wire()
+    assert wire.dtype == torch.int64 and wire.dim() == 1
+    assert DPMetadata.from_wire(wire) == metadata
+
+
+def test_dp_metadata_rejects_unknown_layouts_and_corrupt_tensors() -> None:
+    """Another layout version, a truncated tensor or trailing words are refused."""
+    wire = DPMetadata(step_id=3, ranks=(RankStepInfo(5, True, ("a",)), RankStepInfo(0, False))).to_wire()
+    other = wire.clone()
+    other[0] = DP_METADATA_LAYOUT + 1
+    with pytest.raises(DPMetadataError, match="layout"):
+        DPMetadata.from_wire(other)
+    with pytest.raises(DPMetadataError, match="truncated"):
+        DPMetadata.from_wire(wire[:-1])
+    with pytest.raises(DPMetadataError, match="after the last rank"):
+        DPMetadata.from_wire(torch.cat((wire, torch.zeros(1, dtype=torch.int64))))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 300)), min_size=1, max_size=6),
+    st.integers(1, 5),
+)
+def test_placement_prefers_the_longest_prefix_then_the_least_loaded(loads: list[tuple[int, int]], cap: int) -> None:
+    """The chosen rank has room if any rank has; among those, no rank has a longer
+    cached prefix, and none with an equal prefix has fewer requests."""
+    ranks = [RankLoad(unfinished=u, cached_prefix_tokens=c) for u, c in loads]
+    chosen = place(ranks, cap)
+    with_room = [r for r in ranks if r.unfinished < cap] or ranks
+    assert ranks[chosen] in with_room
+    for other in with_room:
+        assert other.cached_prefix_tokens <= ranks[chosen].cached_prefix_tokens
+        if other.cached_prefix_tokens == ranks[chosen].cached_prefix_tokens:
+            assert other.unfinished >= ranks[chosen].unfinished
+
+
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_exchange_equals_the_whole_layer_with_idle_ranks(tiny_dir: Path, mode: str) -> None:
+    """Two ranks with expert shards, one of them holding no rows (padding), give each
+    rank's rows the output of moe_forward over every expert (fp32 rounding only)."""
+    whole, _ = load_model_params(tiny_dir)
+    layer = whole.layers[1]
+    cfg = whole.config
+    rows = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = moe_forward(rows, layer.moe, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+    shards = [load_model_params(tiny_dir, shard=ExpertShard(mode, r, 2))[0] for r in range(2)]
+    split = {0: rows, 1: rows[:0]}
+    got: dict[int, torch.Tensor] = {}
+    store = dist.HashStore()
+
+    def run(rank: int) -> None:
+        group = open_process_group(GroupSpec("gloo", 2), rank, store)
+        exchange = DPExpertExchange(cfg, group, rank, "gloo")
+        exchange.begin_step([7, 0])
+        got[rank] = exchange(shards[rank].layers[1], split[rank])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+    assert got[1].shape == (0, cfg.hidden_size)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (40, 7, 70, 3, 25)]
+
+
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_threaded_dp2_gives_the_engines_tokens(tiny_dir: Path, mode: str) -> None:
+    """A DP2 replica in threads (own pools per rank, experts sharded) generates the
+    greedy tokens of the one-rank Engine for a staggered mixed batch: requests arrive
+    while others decode, so ranks prefill, decode and idle (pad) at different steps."""
+    engine = Engine.from_pretrained(tiny_dir, **OPTIONS)
+    prompts = _prompts(engine.config.vocab_size)
+    want = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    dp = DPEngine.in_process(tiny_dir, DPLayout(2, mode), **OPTIONS)
+    dp.add_request("r0", prompts[0], GREEDY)
+    got: dict[str, tuple[int, ...]] = {}
+    step = 0
+    while dp.has_unfinished_requests() or step < 3:
+        if step < len(prompts) and step > 0:
+            dp.add_request(f"r{step}", prompts[step], GREEDY)
+        for out in dp.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+        step += 1
+    assert [got[f"r{i}"] for i in range(len(prompts))] == want
+    for scheduler in dp.schedulers:
+        stats = scheduler.block_manager.stats()
+        assert stats.requests == 0 and stats.pages_used == stats.image_pages
