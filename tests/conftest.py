@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run in its interpreter where no GPU is present; the variable must be
+# set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from model.tiny import TINY_ALT, make_tiny
 
