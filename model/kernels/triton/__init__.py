@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -46,6 +48,22 @@ def _scales_or_values(plane: PlaneView) -> torch.Tensor:
     return plane.scales if plane.scales is not None else plane.values
 
 
+@dataclass(frozen=True)
+class PreparedLaunch:
+    """A kernel launch with its addresses already computed: ``run()`` is the kernel
+    alone (what a step could reuse across layers that share addresses)."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constants: dict[str, Any]
+    out: torch.Tensor
+
+    def run(self) -> torch.Tensor:
+        self.kernel[self.grid](*self.args, **self.constants)
+        return self.out
+
+
 class TritonKernels:
     name = "triton"
 
@@ -67,6 +85,23 @@ class TritonKernels:
         sink: torch.Tensor,
         softmax_scale: float,
     ) -> torch.Tensor:
+        return self.prepare_attention(
+            q, chunk_kv, chunk_rows, ring_rows, window_valid, ring, entry_rows, main, sink, softmax_scale
+        ).run()
+
+    def prepare_attention(
+        self,
+        q: torch.Tensor,
+        chunk_kv: torch.Tensor,
+        chunk_rows: torch.Tensor,
+        ring_rows: torch.Tensor,
+        window_valid: torch.Tensor,
+        ring: PlaneView,
+        entry_rows: torch.Tensor | None,
+        main: PlaneView | None,
+        sink: torch.Tensor,
+        softmax_scale: float,
+    ) -> PreparedLaunch:
         rows, heads, dim = q.shape
         q = q.contiguous()
         chunk_kv = chunk_kv.contiguous()
@@ -83,34 +118,43 @@ class TritonKernels:
             scale_offset = torch.cat((scale_offset, main_scale_off), dim=1)
         out = torch.empty_like(q)
         num_keys = source.shape[1]
-        block_h = max(16, min(64, triton.next_power_of_2(heads)))
-        sparse_attention_kernel[(rows, triton.cdiv(heads, block_h))](
-            q,
-            out,
-            sink.float().contiguous(),
-            chunk_kv,
-            ring.values,
-            _scales_or_values(ring),
-            main_plane.values,
-            _scales_or_values(main_plane),
-            source.to(torch.int32).contiguous(),
-            offset.contiguous(),
-            scale_offset.contiguous(),
-            num_keys,
-            heads,
-            softmax_scale,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=dim,
-            BLOCK_H=block_h,
-            BLOCK_N=32,
-            RING_FMT=FORMAT_CODES[ring.fmt],
-            MAIN_FMT=FORMAT_CODES[main_plane.fmt],
-            BF16_DOT=q.dtype == torch.bfloat16 and not INTERPRETED,
+        # 16 heads per program: a [16, head_dim] fp32 accumulator stays in registers at
+        # head_dim 512; the row's keys are re-read by each head block, from L2.
+        block_h = 16
+        return PreparedLaunch(
+            kernel=sparse_attention_kernel,
+            grid=(rows, triton.cdiv(heads, block_h)),
+            args=(
+                q,
+                out,
+                sink.float().contiguous(),
+                chunk_kv,
+                ring.values,
+                _scales_or_values(ring),
+                main_plane.values,
+                _scales_or_values(main_plane),
+                source.to(torch.int32).contiguous(),
+                offset.contiguous(),
+                scale_offset.contiguous(),
+                num_keys,
+                heads,
+                softmax_scale,
+                q.stride(0),
+                q.stride(1),
+                out.stride(0),
+                out.stride(1),
+            ),
+            constants=dict(
+                HEAD_DIM=dim,
+                BLOCK_H=block_h,
+                BLOCK_N=32,
+                RING_FMT=FORMAT_CODES[ring.fmt],
+                MAIN_FMT=FORMAT_CODES[main_plane.fmt],
+                BF16_DOT=q.dtype == torch.bfloat16 and not INTERPRETED,
+                num_warps=8,
+            ),
+            out=out,
         )
-        return out
 
     def score(
         self,
@@ -130,7 +174,7 @@ class TritonKernels:
         q = q.float().contiguous()
         head_weights = head_weights.float().contiguous()
         segments = row_segments.contiguous()
-        block_c = 64
+        block_c = 128
         # Each launch writes at most logits_budget_bytes of scores.
         rows_per_launch = max(1, self.logits_budget_bytes // (4 * entries))
         for start in range(0, rows, rows_per_launch):

@@ -16,20 +16,23 @@ import triton.language as tl
 @triton.jit
 def e4m3_to_f32(byte):
     """An E4M3 (fn) byte as float32: 1 sign, 4 exponent (bias 7), 3 mantissa bits;
-    exponent 0 is subnormal. The stored planes never hold NaN."""
+    exponent 0 is subnormal. The stored planes never hold NaN. Normal values are
+    assembled as float32 bits (exponent rebased to 127, mantissa shifted up)."""
     b = byte.to(tl.int32)
-    sign = tl.where((b & 0x80) != 0, -1.0, 1.0)
     exponent = (b >> 3) & 0xF
-    mantissa = (b & 0x7).to(tl.float32)
-    normal = (1.0 + mantissa * 0.125) * tl.exp2((exponent - 7).to(tl.float32))
-    subnormal = mantissa * 0.001953125  # mantissa / 8 * 2^-6
-    return sign * tl.where(exponent == 0, subnormal, normal)
+    mantissa = b & 0x7
+    normal = (((b & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa / 8 * 2^-6
+    subnormal = tl.where((b & 0x80) != 0, -subnormal, subnormal)
+    return tl.where(exponent == 0, subnormal, normal)
 
 
 @triton.jit
 def e8m0_to_f32(byte):
-    """A biased power-of-two exponent byte as its scale 2^(byte - 127)."""
-    return tl.exp2(byte.to(tl.int32).to(tl.float32) - 127.0)
+    """A biased power-of-two exponent byte as its scale 2^(byte - 127), built as
+    float32 bits (byte 0, 2^-127, is float32's one subnormal case here)."""
+    e = byte.to(tl.int32)
+    return tl.where(e == 0, 5.877471754111438e-39, (e << 23).to(tl.float32, bitcast=True))
 
 
 @triton.jit
