@@ -91,6 +91,7 @@ class EngineOptions:
     max_model_len: int | None = None  # default: what the config and the pools allow
     seed: int = 0
     kernel_backend: str = "torch"  # "torch" (reference, anywhere) | "triton" (GPU) | "aiter" (ROCm)
+    device: str = "cpu"  # where weights, pools and the forward live ("cuda", "cuda:1", ...)
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -316,13 +317,20 @@ class Engine(EngineFrontend):
     ) -> None:
         layout = RankLayout.build(params.config, options)
         super().__init__(params.config, tokenizer, options, layout)
+        params = params.to(options.device)
         self.params = params
         self.geometry = layout.geometry
         self.pool_size = layout.pool_size
         self.scheduler = layout.scheduler(params.config, options)
         self.block_manager = self.scheduler.block_manager
         self.executor = executor or InProcessExecutor(
-            ModelRunner(params, self.geometry, self.pool_size, kernels=load_kernels(options.kernel_backend))
+            ModelRunner(
+                params,
+                self.geometry,
+                self.pool_size,
+                device=options.device,
+                kernels=load_kernels(options.kernel_backend),
+            )
         )
         logger.info(
             "engine: %d PAGEs x %d tokens, %d STATE slots, layout %s",

@@ -23,6 +23,7 @@ from cache.plane_io import PlaneIO
 from cache.pools import PoolSize, V41Pools
 from cluster.batch import ScheduledBatch, ScheduledSegment
 from cluster.sampler import Sampler, SamplingMetadata
+from model.device import move_tensors
 from model.kernels.interface import PagedKernels
 from model.params import LayerParams, ModelParams
 from model.runtime import PagedRuntime
@@ -81,28 +82,35 @@ class ModelRunner:
         for seg in segments:
             self._ready_slot(seg)
         tokens = torch.tensor([t for seg in segments for t in seg.token_ids], dtype=torch.long)
+        # Engram n-grams are host work (the tables are on the host); the rest runs on
+        # the pools' device.
         compressed = self.params.token_map[tokens]
-        histories = self.pools.cursor[[seg.slot for seg in segments], CURSOR_POSITION + 1 :].clone()
+        histories = self.pools.cursor[[seg.slot for seg in segments], CURSOR_POSITION + 1 :].cpu()
         addresses = build_step_addresses(
             [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in segments],
             self.shape,
         )
         logit_rows, logit_ranges, sample_rows = self._logit_rows(segments)
+        device = self.pools.device
         output = self.runtime.forward(
-            tokens, self._ngrams(segments, compressed, histories), addresses, self.store, logit_rows
+            tokens.to(device),
+            self._ngrams(segments, compressed, histories),
+            move_tensors(addresses, device),
+            self.store,
+            logit_rows.to(device),
         )
         self._advance_cursors(segments, compressed, histories)
         for seg in segments:
             if seg.store_after is not None:
                 self.checkpoints.store(seg.slot, seg.store_after)
         sampled = self._sample(segments, output.logits, sample_rows)
-        row_logits = {rid: output.logits[a:b] for rid, (a, b) in logit_ranges.items()}
+        row_logits = {rid: output.logits[a:b].cpu() for rid, (a, b) in logit_ranges.items()}
         row_selections = {}
         base = 0
         for seg in segments:
             if seg.want_prompt_logits:
                 row_selections[seg.request_id] = {
-                    layer: picked[base : base + seg.length] for layer, picked in output.selections.items()
+                    layer: picked[base : base + seg.length].cpu() for layer, picked in output.selections.items()
                 }
             base += seg.length
         return StepResult(step_id=batch.step_id, sampled=sampled, row_logits=row_logits, row_selections=row_selections)
@@ -112,7 +120,9 @@ class ModelRunner:
         """An idle DP rank's step: every layer's MoE runs on zero rows, in the
         forward's layer order, so the collectives of the rank's exchange meet every
         peer; no PAGE or STATE is read or written."""
-        empty = torch.zeros(0, self.params.config.hidden_size, dtype=self.params.embed.dtype)
+        empty = torch.zeros(
+            0, self.params.config.hidden_size, dtype=self.params.embed.dtype, device=self.pools.device
+        )
         for layer in self.params.layers:
             self.runtime.moe(layer, empty)
         return StepResult(step_id=step_id)
@@ -188,7 +198,10 @@ class ModelRunner:
         if not sampling:
             return {}
         metadata = SamplingMetadata.from_params(
-            [s.params for s in sampling], [s.seed for s in sampling], [s.output_index for s in sampling]
+            [s.params for s in sampling],
+            [s.seed for s in sampling],
+            [s.output_index for s in sampling],
+            device=logits.device,
         )
         out = self.sampler(logits[sample_rows], metadata)
         return {

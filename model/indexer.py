@@ -75,7 +75,7 @@ def candidate_mask(
         return torch.zeros_like(scores, dtype=torch.bool)
     num_blocks = int(ids.max().item()) // block_size + 1
     block_of = torch.div(ids.clamp_min(0), block_size, rounding_mode="floor")
-    block_scores = torch.full((scores.shape[0], num_blocks), float("-inf"), dtype=torch.float32)
+    block_scores = torch.full((scores.shape[0], num_blocks), float("-inf"), dtype=torch.float32, device=scores.device)
     block_scores = block_scores.scatter_reduce(1, block_of, scores.float(), reduce="amax", include_self=True)
     newest = torch.div(visible - 1, block_size, rounding_mode="floor").clamp_min(0)
     has_visible = (visible > 0).unsqueeze(1)
@@ -121,7 +121,7 @@ class SelectionState:
         """Publishes a FULL or REINDEX layer's selection from its raw scores [T, C]
         over entries 0..C-1 (each row sees ``visible`` of them): the candidate source
         also publishes candidates; a Reindex layer is masked to them."""
-        entry_ids = torch.arange(scores.shape[1])
+        entry_ids = torch.arange(scores.shape[1], device=scores.device)
         scores = scores.masked_fill(entry_ids.unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
         if topology.is_candidate_source:
             self.candidates = candidate_mask(

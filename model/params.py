@@ -9,6 +9,7 @@ Must not import: cache, cluster, actors, deploy, ray.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -18,6 +19,7 @@ import torch
 from model.attention import AttentionWeights
 from model.compressor import CompressorWeights
 from model.config import LayerMode, LayerTopology, V41Config
+from model.device import move_tensors
 from model.engram import EngramHashing, EngramTable, engram_update
 from model.indexer import IndexerWeights
 from model.loader import ExpertShard, LoadedCheckpoint, LoadProgress, load_checkpoint
@@ -38,7 +40,10 @@ class EngramParams:
     ) -> torch.Tensor:
         """Updates the streams before the attention site from each row's compressed
         n-grams [R, max_ngram] (ids at t, t-1, ..., pad-substituted)."""
-        embeddings = self.table.lookup(hashing.row_ids(layer_id, ngrams)).to(streams.dtype)
+        # The tables live in host memory: rows are looked up on the CPU and only the
+        # gathered embeddings move to the streams' device.
+        rows = hashing.row_ids(layer_id, ngrams.cpu())
+        embeddings = self.table.lookup(rows).to(device=streams.device, dtype=streams.dtype)
         return engram_update(streams, embeddings, self.wkv, self.q_weight, self.k_weight, eps)
 
 
@@ -70,6 +75,12 @@ class ModelParams:
     layers: tuple[LayerParams, ...]  # the target layers
     engram_hashing: EngramHashing | None
     token_map: torch.Tensor  # [vocab] compressed Engram id of every token id
+
+    def to(self, device: torch.device | str) -> "ModelParams":
+        """The same weights on ``device``; Engram tables, their hashing and the token
+        map stay on the host, where the Engram lookup runs."""
+        moved = move_tensors(self, device, keep=(EngramTable, EngramHashing, Rope, V41Config))
+        return dataclasses.replace(moved, token_map=self.token_map)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: LoadedCheckpoint) -> "ModelParams":

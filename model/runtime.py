@@ -119,13 +119,14 @@ class PagedRuntime:
         store: PagedStore,
         logit_rows: torch.Tensor,
     ) -> StepOutput:
-        """token_ids [R]; engram_ngrams [R, max_ngram] compressed ids at t, t-1, ...
-        (pad-substituted); logit_rows: the rows whose next-token logits are wanted."""
+        """token_ids [R] (on the weights' device); engram_ngrams [R, max_ngram]
+        compressed ids at t, t-1, ... (pad-substituted; on the host, where the Engram
+        tables are); logit_rows: the rows whose next-token logits are wanted."""
         cfg = self.config
         rows = token_ids.numel()
         streams = self.params.embed[token_ids].to(self.dtype).unsqueeze(1)
         streams = streams.expand(rows, cfg.hc_mult, cfg.hidden_size).contiguous()
-        pre = first_pre(rows, cfg.hc_mult)
+        pre = first_pre(rows, cfg.hc_mult, device=token_ids.device)
         state = SelectionState()
         for layer in self.params.layers:
             if layer.engram is not None:

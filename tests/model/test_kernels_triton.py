@@ -1,6 +1,6 @@
 """The Triton kernels compute the torch backend's function on the paged planes, read
-in place (run under TRITON_INTERPRET=1 on a CPU; tests/conftest.py sets it when no GPU
-is present).
+in place: compiled on a GPU when one is present, else under TRITON_INTERPRET=1 on the
+CPU (tests/conftest.py sets it).
 
 Inputs are fresh random rows written through the pools' own write path, so the planes
 hold real packed formats (bf16 / FP8 rings, bf16 / NVFP4 main rows, FP8 / MXFP4 index
@@ -26,18 +26,22 @@ from model.kernels.triton import TritonKernels
 
 pytest.importorskip("triton")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _store(config: V41Config, kv: str, index: str, seed: int) -> tuple[PlaneIO, int, int]:
     geometry = pool_geometry(config, block_size=32, kv_cache_dtype=kv, index_cache_dtype=index)
-    store = PlaneIO(V41Pools(geometry, PoolSize(num_pages=12, num_slots=5)))
+    store = PlaneIO(V41Pools(geometry, PoolSize(num_pages=12, num_slots=5), device=DEVICE))
     g = torch.Generator().manual_seed(seed)
     layer, owner = 0, geometry.full_owners[0]
     ring_rows = torch.arange(5 * geometry.ring_rows)
-    store.write_window(layer, ring_rows, round_fp8(torch.randn(ring_rows.numel(), config.head_dim, generator=g)))
+    window_kv = round_fp8(torch.randn(ring_rows.numel(), config.head_dim, generator=g))
+    store.write_window(layer, ring_rows.to(DEVICE), window_kv.to(DEVICE))
     entry_rows = torch.arange(12 * geometry.rows_per_page(owner))
-    store.write_main(owner, entry_rows, torch.randn(entry_rows.numel(), config.head_dim, generator=g) * 3)
+    main_kv = torch.randn(entry_rows.numel(), config.head_dim, generator=g) * 3
+    store.write_main(owner, entry_rows.to(DEVICE), main_kv.to(DEVICE))
     keys = round_mxfp4(torch.randn(entry_rows.numel(), config.index_head_dim, generator=g))
-    store.write_index(owner, entry_rows, keys)
+    store.write_index(owner, entry_rows.to(DEVICE), keys.to(DEVICE))
     return store, layer, owner
 
 
@@ -61,6 +65,9 @@ def test_attention_matches_torch_on_a_ragged_batch(tiny_dir: Path, kv: str, inde
     entry_rows = torch.randint(0, main_total, (rows, topk), generator=g)
     entry_rows[torch.rand(rows, topk, generator=g) < 0.3] = -1
     sink = torch.randn(heads, generator=g)
+    q, chunk_kv, chunk_rows, ring_rows, valid, entry_rows, sink = (
+        t.to(DEVICE) for t in (q, chunk_kv, chunk_rows, ring_rows, valid, entry_rows, sink)
+    )
     args = (q, chunk_kv, chunk_rows, ring_rows, valid, store.window_plane(layer), entry_rows, store.main_plane(owner), sink, dim**-0.5)
     want = TorchKernels().attend(*args).float()
     got = TritonKernels().attend(*args).float()
@@ -83,6 +90,7 @@ def test_index_scorer_matches_torch_per_row_tile(tiny_dir: Path, index: str) -> 
     row_segments = torch.randint(0, segments, (rows,), generator=g)
     q = round_mxfp4(torch.randn(rows, config.index_n_heads, config.index_head_dim, generator=g))
     w = torch.randn(rows, config.index_n_heads, generator=g)
+    q, w, tile, row_segments = (t.to(DEVICE) for t in (q, w, tile, row_segments))
     plane = store.index_plane(owner)
     want = TorchKernels().score(q, w, tile, row_segments, plane)
     for kernels in (TritonKernels(), TritonKernels(logits_budget_bytes=4 * width)):
@@ -100,7 +108,8 @@ def test_the_paged_runtime_on_triton_reproduces_the_torch_tokens(tiny_dir: Path)
     tokens = {}
     for backend in ("torch", "triton"):
         engine = Engine.from_pretrained(
-            tiny_dir, block_size=32, max_num_batched_tokens=24, kernel_backend=backend, enable_prefix_caching=False
+            tiny_dir, block_size=32, max_num_batched_tokens=24, kernel_backend=backend, enable_prefix_caching=False,
+            device=DEVICE,
         )
         tokens[backend] = engine.generate([prompt], params)[0].token_ids
     assert tokens["triton"] == tokens["torch"]
