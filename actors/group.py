@@ -22,14 +22,15 @@ import ray
 import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tokenizers import Tokenizer
 
 from actors.rank import RankActor
 from cluster.batch import ScheduledBatch
 from cluster.distributed import GroupSpec
 from cluster.dp_engine import DPLayout, RankFailure
-from cluster.engine import EngineOptions
+from cluster.engine import EngineOptions, EngineStats
 from cluster.engine import engine_options as parse_engine_options
-from cluster.request import RequestOutput, SamplingParams
+from cluster.request import Request, RequestOutput, SamplingParams
 from cluster.runner import StepResult
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,8 @@ class EngineGroup:
             self.name, self.model_dir, self.options, self.dp, self.group_options
         )
         ray.get(self.actor.ready.remote())
+        self.config, tokenizer_json, self.max_model_len = ray.get(self.actor.describe.remote())
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -198,7 +201,16 @@ class EngineGroup:
     def has_unfinished_requests(self) -> bool:
         return ray.get(self.actor.has_unfinished_requests.remote())
 
-    def stats(self) -> dict[str, Any]:
+    def request(self, request_id: str) -> Request | None:
+        """A snapshot of an unfinished request's record (None once finished)."""
+        return ray.get(self.actor.request.remote(request_id))
+
+    def stats(self) -> EngineStats:
+        """Requests by queue and every rank's PAGE counters (EngineFrontend.stats)."""
+        return ray.get(self.actor.engine_stats.remote())
+
+    def group_stats(self) -> dict[str, Any]:
+        """The group's life: its generation, restarts and each rank's counters."""
         return ray.get(self.actor.stats.remote())
 
     def rank_names(self) -> list[str]:

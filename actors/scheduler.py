@@ -15,8 +15,9 @@ from typing import Any, Sequence
 
 from actors.group import GroupOptions, RankGroup, RankGroupFailure
 from cluster.dp_engine import DPEngine, DPLayout
-from cluster.engine import EngineOptions
-from cluster.request import RequestOutput, SamplingParams
+from cluster.engine import EngineOptions, EngineStats
+from cluster.request import Request, RequestOutput, SamplingParams
+from model.config import V41Config
 
 
 class SchedulerActor:
@@ -31,6 +32,17 @@ class SchedulerActor:
 
     def ready(self) -> int:
         return self.ranks.generation
+
+    def describe(self) -> tuple[V41Config, str, int]:
+        """What a client needs to validate and encode requests: the config, the
+        tokenizer (as its JSON) and the context limit."""
+        return self.engine.config, self.engine.tokenizer.to_str(), self.engine.max_model_len
+
+    def engine_stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def request(self, request_id: str) -> Request | None:
+        return self.engine.request(request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.add_request(request_id, prompt_token_ids, params)

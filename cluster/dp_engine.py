@@ -223,8 +223,8 @@ class DPEngine(EngineFrontend):
         super()._forget(request)
         self._rank_of.pop(request.request_id, None)
 
-    def has_unfinished_requests(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+    def _all_schedulers(self) -> Sequence[Scheduler]:
+        return self.schedulers
 
     # -- the step loop --------------------------------------------------------------------
 

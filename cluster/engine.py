@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from cache.block_manager import BlockManager, PrefixHit, StateTransfer
+from cache.block_manager import BlockManager, BlockManagerStats, PrefixHit, StateTransfer
 from cache.geometry import V41PoolGeometry
 from cache.pools import PoolSize
 from cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
@@ -171,6 +171,16 @@ def engine_options(options: dict[str, object]) -> EngineOptions:
     return EngineOptions(**options)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of what a replica holds: requests by queue, and each rank's PAGE
+    and prefix-cache counters."""
+
+    requests_running: int
+    requests_waiting: int
+    ranks: tuple[BlockManagerStats, ...]
+
+
 class EngineFrontend(abc.ABC):
     """What every replica shape shares: request validation and bookkeeping, applying
     a rank's step result (commit, stop checks, outputs), abort and generate. A
@@ -196,7 +206,19 @@ class EngineFrontend(abc.ABC):
         """The scheduler holding an unfinished request."""
 
     @abc.abstractmethod
-    def has_unfinished_requests(self) -> bool: ...
+    def _all_schedulers(self) -> Sequence[Scheduler]:
+        """Every scheduler of the replica (one per DP rank)."""
+
+    def has_unfinished_requests(self) -> bool:
+        return any(s.has_unfinished() for s in self._all_schedulers())
+
+    def stats(self) -> EngineStats:
+        schedulers = self._all_schedulers()
+        return EngineStats(
+            requests_running=sum(len(s.running) for s in schedulers),
+            requests_waiting=sum(len(s.waiting) for s in schedulers),
+            ranks=tuple(s.block_manager.stats() for s in schedulers),
+        )
 
     @abc.abstractmethod
     def step(self) -> list[RequestOutput]:
@@ -354,8 +376,8 @@ class Engine(EngineFrontend):
     def _scheduler_of(self, request_id: str) -> Scheduler:
         return self.scheduler
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+    def _all_schedulers(self) -> Sequence[Scheduler]:
+        return (self.scheduler,)
 
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the requests that got a token or

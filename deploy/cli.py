@@ -1,4 +1,4 @@
-"""The ``dsv41`` command line: make-tiny, logits, generate, geometry, validate, bench.
+"""The ``dsv41`` command line: make-tiny, logits, generate, geometry, validate, bench, serve.
 
 Owns argument parsing and printing only; every command calls the package's public
 Python interfaces (model.tiny, model.loader, cluster.engine, cluster.pool_layout).
@@ -173,6 +173,50 @@ def cmd_bench(args: argparse.Namespace) -> None:
     run_bench_command(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import signal
+    import threading
+
+    import ray
+    import yaml
+    from ray import serve
+    from ray.serve.schema import ServeDeploySchema
+
+    from deploy.app import AppArgs, build_app
+
+    host, port, route_prefix, app_args = "127.0.0.1", 8000, "/", {}
+    if args.config:
+        config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
+        if len(config.applications) != 1:
+            raise SystemExit(f"--config: {args.config} declares {len(config.applications)} applications (allowed: 1)")
+        application = config.applications[0]
+        host, port = config.http_options.host, config.http_options.port
+        route_prefix, app_args = application.route_prefix or "/", dict(application.args or {})
+    port = args.port if args.port is not None else port
+    # Made here, once, rather than by replicas racing to write the same directory.
+    app_args["model"] = args.model or app_args.get("model") or str(default_model_dir())
+    parsed = AppArgs.from_dict(app_args)
+
+    # Replicas import the project from this checkout, whatever else is installed.
+    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    # After ray.init, which installs its own SIGTERM handler (one that aborts the process).
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(parsed), name="dsv41", route_prefix=route_prefix)
+        base = f"http://{host}:{port}{route_prefix.rstrip('/')}/v1"
+        print(f"serving {parsed.model_name} at {base} (Ctrl-C to stop); try:", flush=True)
+        body = json.dumps({"model": parsed.model_name, "prompt": "hello", "max_tokens": 8})
+        print(f"  curl {base}/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+        stop.wait()
+        print("shutting down ...", file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1 on a paged runtime")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
@@ -225,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="serving benchmark: an OpenAI-compatible endpoint, or the engine in-process")
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve until Ctrl-C or SIGTERM")
+    p.add_argument("--model", help="checkpoint directory (default: the config's, else the embedded tiny model)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, else 8000)")
+    p.add_argument("--config", help="Serve YAML with one application of deploy.app:build_app")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

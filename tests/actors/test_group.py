@@ -11,6 +11,7 @@ EP at DP4.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ import ray
 from actors.group import EngineGroup, GroupOptions
 from cluster.engine import Engine
 from cluster.request import SamplingParams
+from deploy.async_engine import AsyncEngine
+from deploy.metrics import ServingMetrics
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 OPTIONS = dict(block_size=32, state_transfer="copy", max_num_seqs=4, max_num_batched_tokens=64)
@@ -55,7 +58,7 @@ def _staggered(group: EngineGroup, prompts: list[list[int]], tag: str) -> list[t
 
 
 def _no_page_held(group: EngineGroup) -> bool:
-    return all(r["requests"] == 0 and r["pages_used"] == r["image_pages"] for r in group.stats()["ranks"])
+    return all(r["requests"] == 0 and r["pages_used"] == r["image_pages"] for r in group.group_stats()["ranks"])
 
 
 def test_dp2_tp_experts_give_the_engines_tokens(ray_cluster: None, tiny_dir: Path, expected) -> None:
@@ -64,6 +67,26 @@ def test_dp2_tp_experts_give_the_engines_tokens(ray_cluster: None, tiny_dir: Pat
     with EngineGroup(str(tiny_dir), dp=2, expert_mode="tp", group_options=GROUP, name="tp2", **OPTIONS) as group:
         assert _staggered(group, prompts, "a") == want
         assert _no_page_held(group)
+        assert _serves_through_the_async_engine(group, prompts[0]) == want[0]
+        stats = group.stats()
+        assert len(stats.ranks) == 2 and stats.requests_running == stats.requests_waiting == 0
+
+
+def _serves_through_the_async_engine(group: EngineGroup, prompt: list[int]) -> tuple[int, ...]:
+    """What a Serve replica does with a group: the AsyncEngine's step loop over it."""
+    assert group.config.vocab_size == group.tokenizer.get_vocab_size() and group.max_model_len > len(prompt)
+    serving = AsyncEngine(group, ServingMetrics("tiny"))
+
+    async def last_output():
+        final = None
+        async for out in serving.generate("served", prompt, GREEDY):
+            final = out
+        return final
+
+    try:
+        return asyncio.run(last_output()).token_ids
+    finally:
+        serving.shutdown()
 
 
 def test_dp4_ep_tokens_and_rank_failure_recovery(ray_cluster: None, tiny_dir: Path, expected) -> None:
@@ -85,7 +108,7 @@ def test_dp4_ep_tokens_and_rank_failure_recovery(ray_cluster: None, tiny_dir: Pa
                     ended[out.request_id] = out.finish_reason
             assert time.monotonic() - started < 30
         assert set(ended.values()) == {"error"}
-        assert group.stats()["restarts"] == 1
+        assert group.group_stats()["restarts"] == 1
         assert not group.has_unfinished_requests()
         assert _staggered(group, prompts, "b") == want
         assert _no_page_held(group)

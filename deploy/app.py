@@ -1,0 +1,571 @@
+"""The Ray Serve application: an OpenAI-compatible HTTP ingress in front of LLM servers.
+
+Owns :class:`AppArgs` (the application's arguments, the same from Python and from a
+Serve YAML's ``args:``), :func:`make_engine` (the one place a replica's engine is built:
+``backend: local`` in process, ``backend: ray`` an ``actors.group`` engine group),
+:class:`LLMServer` (the deployment whose every replica owns one engine, driven by an
+``AsyncEngine``), :class:`OpenAIIngress` (the FastAPI deployment: ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``) and
+:func:`build_app`, the ``import_path`` of ``deploy/configs/*.yaml``.
+
+Overload is Serve's: each deployment has ``max_ongoing_requests`` and
+``max_queued_requests``; a full LLM server queue answers 429 with ``Retry-After``, a
+full ingress queue is answered 503 by Serve's proxy. Replicas scale through Serve's
+``autoscaling_config`` on ongoing requests; a replica is a whole engine.
+
+Must not import at module level: ``torch`` or ``actors`` (``make_engine`` imports the
+backend it builds). Must not be imported by ``model``, ``cache``, ``cluster``, ``actors``.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from contextlib import aclosing
+from typing import Any, AsyncGenerator, AsyncIterator, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.engine import EngineError, EngineFrontend, engine_options
+from cluster.request import RequestOutput, SamplingParams, SamplingParamsError
+from deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
+from deploy.chat_parser import ChatDelta, StreamingChatParser, parse_assistant_output
+from deploy.chat_protocol import ChatRequestError, encode_chat
+from deploy.metrics import METRICS_CONTENT_TYPE, ServingMetrics
+from deploy.openai_api import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    chat_chunk_choice,
+    chat_choice,
+    chat_finish_reason,
+    chat_logprobs,
+    chat_response,
+    chunk,
+    completion_choice,
+    completion_logprobs,
+    completion_response,
+    engine_unavailable,
+    error_for,
+    model_not_found,
+    now,
+    parse_body,
+    sse,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("local", "ray")
+EXPERT_MODES = ("ep", "tp")
+DTYPES = ("float32", "bfloat16")
+TINY_MODEL_NAME = "dsv41-tiny"
+# Seconds a client is told to wait when the LLM servers' queues are full.
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class AppArgs:
+    """The application's arguments (YAML ``args:`` or a dict), checked on construction.
+
+    ``model``: checkpoint directory (None: the embedded tiny checkpoint, made on first
+    use). ``engine``: EngineOptions fields (``dtype`` as ``"float32"``/``"bfloat16"``).
+    ``backend``: ``local`` (the replica's ranks in its own process) or ``ray`` (an
+    engine group of ``dp`` RankActors, experts split ``expert_mode``). Either
+    ``num_replicas`` or ``autoscaling_config`` (Serve's) sizes the LLM servers.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    backend: str = "local"
+    dp: int = 1
+    expert_mode: str = "ep"
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    num_replicas: int | None = None
+    autoscaling_config: Mapping[str, Any] | None = None
+    max_ongoing_requests: int = 64
+    max_queued_requests: int = 256
+    ray_actor_options: Mapping[str, Any] = field(default_factory=dict)
+    ingress_num_replicas: int = 1
+    ingress_max_ongoing_requests: int = 512
+    ingress_max_queued_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model: {self.model!r} (allowed: a checkpoint directory, or null for the tiny model)")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str) or not self.served_model_name):
+            raise ValueError(f"served_model_name: {self.served_model_name!r} (allowed: a non-empty string or null)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: {self.backend!r} (allowed: {', '.join(BACKENDS)})")
+        if self.expert_mode not in EXPERT_MODES:
+            raise ValueError(f"expert_mode: {self.expert_mode!r} (allowed: {', '.join(EXPERT_MODES)})")
+        if not _is_count(self.dp):
+            raise ValueError(f"dp: {self.dp!r} (allowed: an integer >= 1)")
+        if self.backend == "local" and self.dp != 1:
+            raise ValueError(f"dp: {self.dp} needs backend 'ray' (allowed with 'local': 1)")
+        if not isinstance(self.engine, Mapping):
+            raise ValueError(f"engine: {self.engine!r} (allowed: a mapping of EngineOptions fields)")
+        dtype = self.engine.get("dtype", "float32")
+        if dtype not in DTYPES:
+            raise ValueError(f"engine.dtype: {dtype!r} (allowed: {', '.join(DTYPES)})")
+        if (self.num_replicas is None) == (self.autoscaling_config is None):
+            if self.num_replicas is not None:
+                raise ValueError("num_replicas, autoscaling_config: give one, not both")
+            object.__setattr__(self, "num_replicas", 1)
+        if self.num_replicas is not None and not _is_count(self.num_replicas):
+            raise ValueError(f"num_replicas: {self.num_replicas!r} (allowed: an integer >= 1)")
+        if self.autoscaling_config is not None and not isinstance(self.autoscaling_config, Mapping):
+            raise ValueError(f"autoscaling_config: {self.autoscaling_config!r} (allowed: Serve's autoscaling_config)")
+        for name in ("max_ongoing_requests", "ingress_num_replicas", "ingress_max_ongoing_requests"):
+            if not _is_count(getattr(self, name)):
+                raise ValueError(f"{name}: {getattr(self, name)!r} (allowed: an integer >= 1)")
+        for name in ("max_queued_requests", "ingress_max_queued_requests"):
+            value = getattr(self, name)
+            if not (_is_count(value) or value == -1):
+                raise ValueError(f"{name}: {value!r} (allowed: an integer >= 1, or -1 for no limit)")
+        if not isinstance(self.ray_actor_options, Mapping):
+            raise ValueError(f"ray_actor_options: {self.ray_actor_options!r} (allowed: Ray actor options)")
+        # Refuse bad engine options here, before Serve starts a replica that would die on them.
+        engine_options(self.engine_options())
+
+    @classmethod
+    def from_dict(cls, args: Mapping[str, Any]) -> "AppArgs":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"args: unknown {unknown} (allowed: {sorted(known)})")
+        return cls(**args)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name is not None:
+            return self.served_model_name
+        return Path(self.model).name if self.model is not None else TINY_MODEL_NAME
+
+    def engine_options(self) -> dict[str, Any]:
+        """The engine options with ``dtype`` as a torch dtype."""
+        import torch
+
+        options = dict(self.engine)
+        options["dtype"] = {"float32": torch.float32, "bfloat16": torch.bfloat16}[options.get("dtype", "float32")]
+        return options
+
+    def model_dir(self) -> Path:
+        from deploy.cli import default_model_dir
+
+        return Path(self.model) if self.model is not None else default_model_dir()
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def make_engine(args: AppArgs) -> EngineFrontend:
+    """The engine of one replica: ``local`` loads it in this process, ``ray`` starts an
+    engine group of RankActors (``actors.group``) that lives as long as the replica."""
+    model_dir = args.model_dir()
+    options = args.engine_options()
+    if args.backend == "local":
+        from cluster.engine import Engine
+
+        return Engine.from_pretrained(model_dir, **options)
+    from actors.group import EngineGroup
+
+    group = EngineGroup(str(model_dir), dp=args.dp, expert_mode=args.expert_mode, **options)
+    return group.__enter__()
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The items of several streams as they come, tagged with the stream's index. When
+    the consumer stops, every stream is cancelled (which aborts its request)."""
+    items: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in stream:
+                items.put_nowait((index, item))
+            items.put_nowait((index, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            items.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await items.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sample_index(output: RequestOutput) -> int:
+    parent = parent_request_id(output.request_id)
+    return 0 if parent == output.request_id else int(output.request_id[len(parent) + 1 :])
+
+
+@serve.deployment
+class LLMServer:
+    """One engine per replica; the ingress calls it through a DeploymentHandle. Every
+    method answers a refused request with an :class:`OpenAIError` value (not raised:
+    the ingress turns it into the HTTP answer)."""
+
+    def __init__(self, args: AppArgs) -> None:
+        self.args = args
+        self.model_name = args.model_name
+        engine = make_engine(args)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.config.vocab_size
+        self.metrics = ServingMetrics(self.model_name)
+        self.engine = AsyncEngine(engine, self.metrics)
+
+    # -- Serve hooks ------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Serve's replica health check: a dead engine makes Serve replace the replica."""
+        self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    # -- endpoints --------------------------------------------------------------------
+
+    def health(self) -> OpenAIError | None:
+        try:
+            self.engine.check_health()
+        except EngineDeadError as exc:
+            return engine_unavailable(str(exc))
+        return None
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    async def completions(self, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
+        try:
+            request, prompts, params = self._completion_request(body)
+            finals: dict[int, RequestOutput] = {}
+            async for index, output in self._run(prompts, params):
+                if output.finished:
+                    finals[index] = output
+        except (OpenAIError, EngineError, SamplingParamsError) as exc:
+            return error_for(exc)
+        except EngineDeadError as exc:
+            return engine_unavailable(str(exc))
+        choices = []
+        for index in sorted(finals):
+            output = finals[index]
+            logprobs = (
+                None
+                if output.logprobs is None
+                else completion_logprobs(self.tokenizer, output.token_ids, output.logprobs, 0)
+            )
+            choices.append(completion_choice(index, output.text, logprobs, output.finish_reason.value))
+        generated = sum(len(o.token_ids) for o in finals.values())
+        return completion_response(
+            _response_id("cmpl"), self.model_name, now(), choices, usage(sum(map(len, prompts)), generated)
+        )
+
+    async def completions_stream(self, body: dict[str, Any]) -> AsyncIterator[str | OpenAIError]:
+        """SSE events; the first item is an OpenAIError instead when refused."""
+        try:
+            request, prompts, params = self._completion_request(body)
+            outputs = self._run(prompts, params)
+            first = await anext(outputs)
+        except (OpenAIError, EngineError, SamplingParamsError) as exc:
+            yield error_for(exc)
+            return
+        except EngineDeadError as exc:
+            yield engine_unavailable(str(exc))
+            return
+        response_id, created = _response_id("cmpl"), now()
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        try:
+            async for index, output in _starting_with(first, outputs):
+                text_from, tokens_from = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                delta = output.text[text_from:]
+                new_tokens = output.token_ids[tokens_from:]
+                sent_text[index], sent_tokens[index] = len(output.text), len(output.token_ids)
+                if not delta and not output.finished and not (new_tokens and output.logprobs is not None):
+                    continue
+                logprobs = (
+                    None
+                    if output.logprobs is None
+                    else completion_logprobs(self.tokenizer, new_tokens, output.logprobs[tokens_from:], text_from)
+                )
+                finish = None if output.finish_reason is None else output.finish_reason.value
+                choice = completion_choice(index, delta, logprobs, finish)
+                yield chunk("text_completion", response_id, self.model_name, created, [choice])
+        except (EngineDeadError, EngineError, SamplingParamsError) as exc:
+            yield _stream_error(exc)
+            return
+        if request.include_usage:
+            counts = usage(sum(map(len, prompts)), sum(sent_tokens.values()))
+            yield chunk("text_completion", response_id, self.model_name, created, [], counts)
+        yield SSE_DONE
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
+        try:
+            request, prompt, params = self._chat_request(body)
+            finals: dict[int, RequestOutput] = {}
+            async for index, output in self._run([prompt], params):
+                if output.finished:
+                    finals[index] = output
+        except (OpenAIError, EngineError, SamplingParamsError, ChatRequestError) as exc:
+            return error_for(exc)
+        except EngineDeadError as exc:
+            return engine_unavailable(str(exc))
+        choices = []
+        top = params.logprobs or 0
+        for index in sorted(finals):
+            output = finals[index]
+            message = parse_assistant_output(output.text, thinking=request.thinking, tools_enabled=request.tools_enabled)
+            logprobs = None if output.logprobs is None else chat_logprobs(self.tokenizer, output.token_ids, output.logprobs, top)
+            choices.append(chat_choice(index, message, logprobs, chat_finish_reason(output, message, False)))
+        generated = sum(len(o.token_ids) for o in finals.values())
+        return chat_response(_response_id("chatcmpl"), self.model_name, now(), choices, usage(len(prompt), generated))
+
+    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[str | OpenAIError]:
+        """SSE events; the first item is an OpenAIError instead when refused."""
+        try:
+            request, prompt, params = self._chat_request(body)
+            outputs = self._run([prompt], params)
+            first = await anext(outputs)
+        except (OpenAIError, EngineError, SamplingParamsError, ChatRequestError) as exc:
+            yield error_for(exc)
+            return
+        except EngineDeadError as exc:
+            yield engine_unavailable(str(exc))
+            return
+        response_id, created = _response_id("chatcmpl"), now()
+        kind = "chat.completion.chunk"
+        top = params.logprobs or 0
+        for index in range(params.n):
+            yield chunk(kind, response_id, self.model_name, created, [chat_chunk_choice(index, None, None, None, first=True)])
+        parsers = {
+            i: StreamingChatParser(thinking=request.thinking, tools_enabled=request.tools_enabled) for i in range(params.n)
+        }
+        sent_text = dict.fromkeys(range(params.n), 0)
+        sent_tokens = dict.fromkeys(range(params.n), 0)
+        called_tools = dict.fromkeys(range(params.n), False)
+        try:
+            async for index, output in _starting_with(first, outputs):
+                parser = parsers[index]
+                deltas = parser.feed(output.text[sent_text[index] :])
+                if output.finished:
+                    deltas += parser.finish()
+                new_tokens = output.token_ids[sent_tokens[index] :]
+                logprobs = (
+                    None
+                    if output.logprobs is None or not new_tokens
+                    else chat_logprobs(self.tokenizer, new_tokens, output.logprobs[sent_tokens[index] :], top)
+                )
+                sent_text[index], sent_tokens[index] = len(output.text), len(output.token_ids)
+                called_tools[index] |= any(d.tool_call is not None for d in deltas)
+                # Token logprobs ride on the first piece of their step (or an empty delta).
+                pieces: list[ChatDelta | None] = list(deltas) or ([None] if logprobs is not None else [])
+                for position, delta in enumerate(pieces):
+                    choice = chat_chunk_choice(index, delta, logprobs if position == 0 else None, None)
+                    yield chunk(kind, response_id, self.model_name, created, [choice])
+                if output.finished:
+                    choice = chat_chunk_choice(index, None, None, chat_finish_reason(output, None, called_tools[index]))
+                    yield chunk(kind, response_id, self.model_name, created, [choice])
+        except (EngineDeadError, EngineError, SamplingParamsError) as exc:
+            yield _stream_error(exc)
+            return
+        if request.include_usage:
+            yield chunk(kind, response_id, self.model_name, created, [], usage(len(prompt), sum(sent_tokens.values())))
+        yield SSE_DONE
+
+    # -- internals --------------------------------------------------------------------
+
+    def _check_model(self, body: Mapping[str, Any]) -> None:
+        model = body.get("model")
+        if isinstance(model, str) and model and model != self.model_name:
+            raise model_not_found(model, self.model_name)
+
+    def _completion_request(self, body: dict[str, Any]) -> tuple[CompletionRequest, list[tuple[int, ...]], SamplingParams]:
+        self._check_model(body)
+        request = CompletionRequest.from_json(body)
+        params = request.params()
+        prompts = [p if isinstance(p, tuple) else tuple(self.tokenizer.encode(p).ids) for p in request.prompts]
+        for prompt in prompts:
+            self._check_prompt(prompt, params)
+        return request, prompts, params
+
+    def _chat_request(self, body: dict[str, Any]) -> tuple[ChatCompletionRequest, tuple[int, ...], SamplingParams]:
+        self._check_model(body)
+        request = ChatCompletionRequest.from_json(body)
+        prompt = tuple(
+            encode_chat(
+                self.tokenizer,
+                request.messages,
+                tools=request.tools,
+                tool_choice=request.tool_choice,
+                thinking=request.thinking,
+                reasoning_effort=request.reasoning_effort,
+                response_format=request.response_format,
+            )
+        )
+        params = request.params(len(prompt), self.max_model_len)
+        self._check_prompt(prompt, params)
+        return request, prompt, params
+
+    def _check_prompt(self, prompt: tuple[int, ...], params: SamplingParams) -> None:
+        """What the engine would refuse, refused before anything streams."""
+        if not prompt:
+            raise OpenAIError(400, "prompt: encodes to no tokens (allowed: at least one token)", param="prompt")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(400, f"prompt: token ids {bad[:8]} outside the vocabulary 0..{self.vocab_size - 1}", param="prompt")
+        params.validate_for(self.vocab_size, self.max_model_len, len(prompt))
+
+    def _run(
+        self, prompts: list[tuple[int, ...]], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Every prompt's outputs; index = prompt * n + sample (OpenAI's choice order)."""
+        request_id = uuid.uuid4().hex
+        streams = [self.engine.generate(f"{request_id}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
+
+        async def indexed() -> AsyncGenerator[tuple[int, RequestOutput], None]:
+            async with aclosing(_merged(streams)) as merged:
+                async for prompt_index, output in merged:
+                    yield prompt_index * params.n + _sample_index(output), output
+
+        return indexed()
+
+
+
+async def _starting_with(
+    first: tuple[int, RequestOutput], rest: AsyncGenerator[tuple[int, RequestOutput], None]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async with aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
+
+
+def _stream_error(exc: Exception) -> str:
+    """The SSE event that ends a stream which failed after it started (the status
+    line is already sent)."""
+    error = engine_unavailable(str(exc)) if isinstance(exc, EngineDeadError) else error_for(exc)
+    return sse(error.body())
+
+
+def _response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# -- the HTTP ingress ---------------------------------------------------------------------
+
+api = FastAPI(title="dsv41", description="DeepSeek-V4.1 on a paged runtime: OpenAI-compatible API")
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _overloaded() -> OpenAIError:
+    return OpenAIError(
+        429, "the server is overloaded: every LLM server queue is full; retry later", error_type="server_error", code="overloaded"
+    )
+
+
+async def _forward(first: str, events: Any) -> AsyncIterator[str]:
+    """The LLM server's events; a client that goes away cancels the call, which
+    aborts the request and frees its cache."""
+    try:
+        yield first
+        async for event in events:
+            yield event
+    finally:
+        events.cancel()
+
+
+@serve.deployment
+@serve.ingress(api)
+class OpenAIIngress:
+    """The OpenAI-compatible HTTP surface; every request is answered by an LLMServer
+    replica through ``llm`` (streams through ``.options(stream=True)``)."""
+
+    def __init__(self, llm: DeploymentHandle, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._answer(request, "completions", "completions_stream")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._answer(request, "chat", "chat_stream")
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        card = {"id": self.model_name, "object": "model", "created": now(), "owned_by": "dsv41"}
+        return {"object": "list", "data": [card]}
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        error = await self.llm.health.remote()
+        return Response(status_code=200) if error is None else _error_response(error)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        return Response(content=await self.llm.metrics_text.remote(), media_type=METRICS_CONTENT_TYPE)
+
+    async def _answer(self, request: Request, method: str, stream_method: str) -> Response:
+        try:
+            body = parse_body(await request.body())
+        except OpenAIError as error:
+            return _error_response(error)
+        try:
+            if body.get("stream") is True:
+                events = getattr(self.llm.options(stream=True), stream_method).remote(body)
+                first = await anext(events)
+                if isinstance(first, OpenAIError):
+                    return _error_response(first)
+                return StreamingResponse(_forward(first, events), media_type="text/event-stream")
+            result = await getattr(self.llm, method).remote(body)
+        except BackPressureError:
+            return _error_response(_overloaded())
+        return _error_response(result) if isinstance(result, OpenAIError) else JSONResponse(result)
+
+
+def build_app(args: Mapping[str, Any] | AppArgs) -> serve.Application:
+    """The application (``import_path: deploy.app:build_app``): the ingress bound to
+    the LLM servers, each deployment with its own queue limits."""
+    parsed = args if isinstance(args, AppArgs) else AppArgs.from_dict(args)
+    sizing: dict[str, Any] = (
+        {"autoscaling_config": dict(parsed.autoscaling_config)}
+        if parsed.autoscaling_config is not None
+        else {"num_replicas": parsed.num_replicas}
+    )
+    llm = LLMServer.options(
+        max_ongoing_requests=parsed.max_ongoing_requests,
+        max_queued_requests=parsed.max_queued_requests,
+        ray_actor_options=dict(parsed.ray_actor_options),
+        **sizing,
+    ).bind(parsed)
+    return OpenAIIngress.options(
+        num_replicas=parsed.ingress_num_replicas,
+        max_ongoing_requests=parsed.ingress_max_ongoing_requests,
+        max_queued_requests=parsed.ingress_max_queued_requests,
+    ).bind(llm, parsed.model_name)

@@ -1,0 +1,267 @@
+"""The engine of one replica driven for asyncio: one step-loop thread, one stream per request.
+
+Owns :class:`AsyncEngine`: the only thread that ever calls the wrapped engine (an
+``EngineFrontend``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
+``request``), the thread-safe command queue that carries adds and aborts to it, and
+the per-request asyncio queues its ``RequestOutput`` snapshots are delivered to with
+``loop.call_soon_threadsafe``. A consumer that stops early (cancellation, a client
+disconnect, ``aclose``) aborts its request, which frees its PAGEs and STATE slot. An
+exception from ``step`` ends every in-flight request with :class:`EngineDeadError` and
+marks the engine dead for good (a replica's health check then fails and Serve replaces
+it). It also measures each sequence's TTFT, inter-token and end-to-end latency.
+
+Must not import: ``ray``, ``torch``, ``model``, ``actors``, or the HTTP modules of
+``deploy`` (``openai_api``, ``app``); from ``deploy`` only ``deploy.metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from cluster.engine import EngineError, EngineFrontend
+from cluster.request import RequestOutput, SamplingParams, SamplingParamsError
+from deploy.metrics import EngineLoad, ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+# Sample ids of an ``n`` > 1 request are ``{request_id}#{i}`` (EngineFrontend.add_request).
+SAMPLE_ID_SEPARATOR = "#"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step loop failed; no request can run on this replica any more."""
+
+
+class _End:
+    """Delivered after the last snapshot of a request whose samples all finished."""
+
+
+_END = _End()
+
+
+@dataclass
+class _SampleTiming:
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Stream:
+    """The engine thread's record of one request: where its snapshots go and when
+    its sequences produced tokens. Touched only on the engine thread."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput | BaseException | _End]
+    num_samples: int
+    arrival_time: float
+    admitted: bool = False
+    num_finished: int = 0
+    samples: dict[str, _SampleTiming] = field(default_factory=dict)
+
+    def deliver(self, item: RequestOutput | BaseException | _End) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+        except RuntimeError:
+            # The consumer's loop is closed: nobody reads this stream any more; the
+            # consumer's exit already queued (or will queue) the abort.
+            logger.debug("dropping an output for a closed event loop")
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    stream: _Stream
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Shutdown:
+    pass
+
+
+_Command = _Add | _Abort | _Shutdown
+
+
+def parent_request_id(sample_id: str) -> str:
+    """The request id a sample id belongs to (itself for ``n`` == 1)."""
+    parent, separator, _ = sample_id.rpartition(SAMPLE_ID_SEPARATOR)
+    return parent if separator else sample_id
+
+
+def engine_load(engine: EngineFrontend) -> EngineLoad:
+    """What the engine holds now, summed over its DP ranks. Runs on the engine thread."""
+    stats = engine.stats()
+    return EngineLoad(
+        requests_running=stats.requests_running,
+        requests_waiting=stats.requests_waiting,
+        num_pages=sum(s.num_pages for s in stats.ranks),
+        pages_used=sum(s.pages_used for s in stats.ranks),
+        prefix_lookup_tokens=sum(s.lookup_tokens for s in stats.ranks),
+        prefix_hit_tokens=sum(s.hit_tokens for s in stats.ranks),
+    )
+
+
+class AsyncEngine:
+    """An EngineFrontend for asyncio callers (see the module docstring).
+
+    ``generate`` yields cumulative ``RequestOutput`` snapshots of every sample of the
+    request (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished.
+    A request the engine refuses raises its ``EngineError`` / ``SamplingParamsError``
+    from the first iteration, with nothing queued."""
+
+    def __init__(self, engine: EngineFrontend, metrics: ServingMetrics, *, name: str = "dsv41-engine") -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._dead_reason: str | None = None
+        # Held while deciding death and while queueing an add, so that no add is
+        # queued after the engine thread's final drain of the command queue.
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- the asyncio side -------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_reason is not None
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError once the step loop has failed or stopped."""
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread is not running")
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if SAMPLE_ID_SEPARATOR in request_id:
+            raise EngineError(f"request_id: {request_id!r} contains {SAMPLE_ID_SEPARATOR!r} (sample ids use it)")
+        outputs: asyncio.Queue[RequestOutput | BaseException | _End] = asyncio.Queue()
+        stream = _Stream(asyncio.get_running_loop(), outputs, params.n, time.monotonic())
+        with self._lock:
+            self.check_health()
+            self._commands.put(_Add(request_id, tuple(prompt_token_ids), params, stream))
+        completed = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, _End):
+                    completed = True
+                    return
+                if isinstance(item, BaseException):
+                    completed = True
+                    raise item
+                yield item
+        finally:
+            if not completed:
+                self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops the step loop; in-flight requests end with EngineDeadError."""
+        if not self._closed:
+            self._closed = True
+            self._commands.put(_Shutdown())
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise EngineDeadError(f"the engine thread did not stop within {timeout_s} s (a step is stuck)")
+
+    # -- the engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                for command in self._take_commands(block=not self.engine.has_unfinished_requests()):
+                    if isinstance(command, _Shutdown):
+                        self._die("the engine was shut down")
+                        return
+                    if isinstance(command, _Add):
+                        self._add(command)
+                    else:
+                        self._abort(command.request_id)
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step(), time.monotonic())
+                self.metrics.observe_load(engine_load(self.engine))
+        except BaseException as exc:  # noqa: BLE001 - any failure of the engine ends every request
+            logger.exception("the engine step loop failed")
+            self._die(f"the engine step loop failed: {type(exc).__name__}: {exc}")
+
+    def _take_commands(self, *, block: bool) -> list[_Command]:
+        """Every queued command; waits for the first one only when the engine is idle."""
+        commands: list[_Command] = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+        except (EngineError, SamplingParamsError) as exc:
+            command.stream.deliver(exc)
+            return
+        self._streams[command.request_id] = command.stream
+        self.metrics.observe_admitted(len(command.prompt_token_ids))
+
+    def _abort(self, request_id: str) -> None:
+        # A request that finished (or was refused) before the abort arrived has no stream.
+        if self._streams.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            self.metrics.observe_aborted()
+
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        for output in outputs:
+            request_id = parent_request_id(output.request_id)
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            timing = stream.samples.setdefault(output.request_id, _SampleTiming())
+            new_tokens = len(output.token_ids) - timing.num_tokens
+            if new_tokens > 0:
+                first = timing.last_token_time is None
+                self.metrics.observe_tokens(
+                    new_tokens,
+                    first_token_latency=now - stream.arrival_time if first else None,
+                    gap=None if timing.last_token_time is None else now - timing.last_token_time,
+                )
+                timing.num_tokens = len(output.token_ids)
+                timing.last_token_time = now
+            if output.finished:
+                assert output.finish_reason is not None
+                self.metrics.observe_finished(output.finish_reason.value, now - stream.arrival_time)
+                stream.num_finished += 1
+            stream.deliver(output)
+            if output.finished and stream.num_finished == stream.num_samples:
+                del self._streams[request_id]
+                stream.deliver(_END)
+
+    def _die(self, reason: str) -> None:
+        """Marks the engine dead and ends every in-flight and queued request."""
+        with self._lock:
+            self._dead_reason = reason
+        # Metrics before deliveries: a consumer woken by its error may read them at once.
+        for stream in self._streams.values():
+            self.metrics.observe_failed()
+            stream.deliver(EngineDeadError(reason))
+        self._streams.clear()
+        for command in self._take_commands(block=False):
+            if isinstance(command, _Add):
+                self.metrics.observe_failed()
+                command.stream.deliver(EngineDeadError(reason))
+

@@ -1,0 +1,522 @@
+"""The OpenAI HTTP API's shapes: requests read and validated, responses and chunks written.
+
+Owns :class:`OpenAIError` (an error answer: HTTP status and the OpenAI error body
+``{"error": {"message", "type", "param", "code"}}``) and :func:`error_for` (the one
+mapping of the project's validation errors onto it), :class:`CompletionRequest` and
+:class:`ChatCompletionRequest` (a request body read field by field, every unknown or
+unsupported field refused with a 400 that names it, turned into ``SamplingParams``),
+and the writers of completion and chat responses, stream chunks, usage and logprobs.
+Nothing here runs a request.
+
+Must not import: ``ray``, ``fastapi``, ``torch``, ``model``, ``cache``, ``actors``,
+``deploy.app``, ``deploy.async_engine``. From ``cluster`` only ``cluster.request`` and
+``cluster.engine``'s error type.
+
+Choices where the docs are unsure, each made in one place (marked (?) where made):
+- a chat request without ``max_tokens`` gets the rest of the context (vLLM's rule); a
+  completion request gets OpenAI's 16.
+- thinking mode is asked for with ``chat_template_kwargs.thinking`` (vLLM's and
+  SGLang's way for DeepSeek models); ``reasoning_effort`` alone turns it on.
+- completion text and chat content keep special tokens as the engine decodes them
+  (the chat parser needs them; EOS is never decoded).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from cluster.engine import EngineError
+from cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError
+from deploy.chat_protocol import ChatRequestError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from deploy.chat_parser import ChatDelta, ParsedMessage
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+SSE_DONE = "data: [DONE]\n\n"
+
+# Fields the OpenAI API defines that this server does not implement: accepted only at
+# the value that means "off", so a request never silently gets less than it asked for.
+_OFF_VALUES: Mapping[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None,),
+    "best_of": (None, 1),
+    "parallel_tool_calls": (None, True),
+}
+_COMMON_FIELDS = (
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "ignore_eos",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
+COMPLETION_FIELDS = (*_COMMON_FIELDS, "prompt", "logprobs", "echo", "suffix", "best_of")
+CHAT_FIELDS = (
+    *_COMMON_FIELDS,
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "chat_template_kwargs",
+    "response_format",
+)
+CHAT_TEMPLATE_KWARGS = ("thinking",)
+
+
+class OpenAIError(Exception):
+    """An answer other than 200: ``status`` and the OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        error_type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.error_type = error_type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only arguments do not survive the default pickling (Ray moves these).
+        return (_rebuild_error, (self.status, self.message, self.param, self.error_type, self.code))
+
+
+def _rebuild_error(status: int, message: str, param: str | None, error_type: str, code: str | None) -> OpenAIError:
+    return OpenAIError(status, message, param=param, error_type=error_type, code=code)
+
+
+def bad_request(param: str | None, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+def model_not_found(model: str, served: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"model: {model!r} does not exist (served: {served!r})",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def engine_unavailable(reason: str) -> OpenAIError:
+    return OpenAIError(503, f"the engine is unavailable: {reason}", error_type="server_error", code="engine_dead")
+
+
+def error_for(exc: Exception) -> OpenAIError:
+    """The 400 for a request the protocol, the sampling parameters or the engine
+    refused; their messages start with the field they name."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, ChatRequestError):
+        return bad_request(exc.field, str(exc))
+    if isinstance(exc, (SamplingParamsError, EngineError)):
+        field, separator, _ = str(exc).partition(":")
+        param = field if separator and field.isidentifier() else None
+        if param == "prompt_token_ids":
+            param = "prompt"
+        return bad_request(param, str(exc))
+    raise TypeError(f"error_for: {type(exc).__name__} is not a request error") from exc
+
+
+# -- reading a request ------------------------------------------------------------------
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body (400 for anything else)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(None, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_fields(body: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise bad_request(unknown[0], f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(allowed))})")
+    for name, off in _OFF_VALUES.items():
+        if name in body and body[name] not in off:
+            raise bad_request(name, f"{name}: {body[name]!r} is not supported (allowed: {off[-1]!r} or absent)")
+
+
+def _optional(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is an int in Python, not in JSON.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        allowed = " or ".join(k.__name__ for k in kinds)
+        raise bad_request(name, f"{name}: {value!r} (allowed: {allowed})")
+    return value
+
+
+def _model(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model", f"model: {model!r} (allowed: a served model name)")
+    return model
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    options = _optional(body, "stream_options", (dict,), {})
+    if options and not stream:
+        raise bad_request("stream_options", "stream_options: only allowed with stream: true")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise bad_request("stream_options", f"stream_options.{unknown[0]}: unknown (allowed: include_usage)")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("stream_options", f"stream_options.include_usage: {include!r} (allowed: true, false)")
+    return include
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """The sampling fields both endpoints share, read but not yet bound to a prompt."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    n: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    seed: int | None
+    ignore_eos: bool
+    logprobs: int | None
+
+    def params(self, default_max_tokens: int) -> SamplingParams:
+        """SamplingParams (400 naming the field when out of range)."""
+        try:
+            return SamplingParams(
+                max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                n=self.n,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                seed=self.seed,
+                ignore_eos=self.ignore_eos,
+                logprobs=self.logprobs,
+            )
+        except SamplingParamsError as exc:
+            raise error_for(exc) from None
+
+
+def _read_sampling(body: Mapping[str, Any], max_tokens_field: str, logprobs: int | None) -> _Sampling:
+    stop = body.get("stop")
+    stop_strings = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    stop_token_ids = body.get("stop_token_ids") or ()
+    if not isinstance(stop_strings, (list, tuple)) or not isinstance(stop_token_ids, (list, tuple)):
+        name = "stop" if not isinstance(stop_strings, (list, tuple)) else "stop_token_ids"
+        raise bad_request(name, f"{name}: {body.get(name)!r} (allowed: a list)")
+    numbers = (int, float)
+    sampling = _Sampling(
+        max_tokens=body.get(max_tokens_field),
+        temperature=_optional(body, "temperature", numbers, 1.0),
+        top_p=_optional(body, "top_p", numbers, 1.0),
+        top_k=_optional(body, "top_k", (int,), -1),
+        n=_optional(body, "n", (int,), 1),
+        stop=tuple(stop_strings),
+        stop_token_ids=tuple(stop_token_ids),
+        seed=_optional(body, "seed", (int,), None),
+        ignore_eos=_optional(body, "ignore_eos", (bool,), False),
+        logprobs=logprobs,
+    )
+    max_tokens = sampling.max_tokens
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise bad_request(max_tokens_field, f"{max_tokens_field}: {max_tokens!r} (allowed: an integer >= 1)")
+    # Every other range check is SamplingParams' own, run now so nothing is tokenized
+    # for a request that cannot run.
+    sampling.params(DEFAULT_COMPLETION_MAX_TOKENS)
+    return sampling
+
+
+Prompt = str | tuple[int, ...]
+
+
+def _read_prompts(prompt: Any) -> tuple[Prompt, ...]:
+    """``prompt`` as OpenAI allows it: a string, a list of strings, a list of token
+    ids, or a list of token-id lists; one engine request per prompt."""
+
+    def is_ids(value: Any) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        )
+
+    if isinstance(prompt, str):
+        prompts: list[Prompt] = [prompt]
+    elif is_ids(prompt):
+        prompts = [tuple(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
+        prompts = [tuple(p) for p in prompt]
+    else:
+        raise bad_request(
+            "prompt",
+            "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists "
+            "(none empty)",
+        )
+    if any(p == "" for p in prompts):
+        raise bad_request("prompt", "prompt: an empty string (allowed: at least one token)")
+    return tuple(prompts)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A ``/v1/completions`` body. ``logprobs`` is OpenAI's integer (top alternatives)."""
+
+    model: str
+    prompts: tuple[Prompt, ...]
+    sampling: _Sampling
+    stream: bool
+    include_usage: bool
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "CompletionRequest":
+        _check_fields(body, COMPLETION_FIELDS)
+        stream = _optional(body, "stream", (bool,), False)
+        logprobs = _optional(body, "logprobs", (int,), None)
+        if "prompt" not in body:
+            raise bad_request("prompt", "prompt: required")
+        return cls(
+            model=_model(body),
+            prompts=_read_prompts(body["prompt"]),
+            sampling=_read_sampling(body, "max_tokens", logprobs),
+            stream=stream,
+            include_usage=_include_usage(body, stream),
+        )
+
+    def params(self) -> SamplingParams:
+        return self.sampling.params(DEFAULT_COMPLETION_MAX_TOKENS)
+
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    """A ``/v1/chat/completions`` body: the conversation and its protocol options
+    (rendered by ``deploy.chat_protocol.encode_chat``) and the sampling fields."""
+
+    model: str
+    messages: list[Any]
+    tools: list[Any] | None
+    tool_choice: str
+    thinking: bool
+    reasoning_effort: str | int | None
+    response_format: Mapping[str, Any] | None
+    sampling: _Sampling
+    stream: bool
+    include_usage: bool
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "ChatCompletionRequest":
+        _check_fields(body, CHAT_FIELDS)
+        stream = _optional(body, "stream", (bool,), False)
+        if "max_tokens" in body and "max_completion_tokens" in body:
+            raise bad_request("max_tokens", "max_tokens: give max_tokens or max_completion_tokens, not both")
+        max_tokens_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        want_logprobs = _optional(body, "logprobs", (bool,), False)
+        top_logprobs = _optional(body, "top_logprobs", (int,), None)
+        if top_logprobs is not None and not want_logprobs:
+            raise bad_request("top_logprobs", "top_logprobs: only allowed with logprobs: true")
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+            raise bad_request("top_logprobs", f"top_logprobs: {top_logprobs} (allowed: 0..{MAX_LOGPROBS})")
+        kwargs = _optional(body, "chat_template_kwargs", (dict,), {})
+        unknown = sorted(set(kwargs) - set(CHAT_TEMPLATE_KWARGS))
+        if unknown:
+            raise bad_request(
+                "chat_template_kwargs",
+                f"chat_template_kwargs.{unknown[0]}: unknown (allowed: {', '.join(CHAT_TEMPLATE_KWARGS)})",
+            )
+        reasoning_effort = body.get("reasoning_effort")
+        # (?) reasoning_effort alone asks for thinking; an explicit thinking: false with
+        # it is refused by the protocol (effort without thinking).
+        thinking = kwargs.get("thinking", reasoning_effort is not None)
+        if not isinstance(thinking, bool):
+            raise bad_request("chat_template_kwargs", f"chat_template_kwargs.thinking: {thinking!r} (allowed: true, false)")
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise bad_request("messages", "messages: required, a non-empty list of messages")
+        tool_choice = body.get("tool_choice", "auto")
+        return cls(
+            model=_model(body),
+            messages=messages,
+            tools=body.get("tools"),
+            tool_choice=tool_choice,
+            thinking=thinking,
+            reasoning_effort=reasoning_effort,
+            response_format=body.get("response_format"),
+            sampling=_read_sampling(body, max_tokens_field, (top_logprobs or 0) if want_logprobs else None),
+            stream=stream,
+            include_usage=_include_usage(body, stream),
+        )
+
+    @property
+    def tools_enabled(self) -> bool:
+        """Whether the output is read for tool calls (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        # (?) vLLM's rule: without max_tokens a chat answer may use the rest of the context.
+        return self.sampling.params(max(max_model_len - prompt_len, 1))
+
+
+# -- writing a response -------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: tuple[int, ...], entries: tuple[dict[int, float], ...], text_offset: int
+) -> dict[str, Any]:
+    """OpenAI's completion ``logprobs`` object for these tokens; ``text_offset`` is
+    where the first one starts in the choice's text."""
+    tokens = [token_text(tokenizer, t) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry[t] for t, entry in zip(token_ids, entries)],
+        "top_logprobs": [
+            {token_text(tokenizer, alt): lp for alt, lp in sorted(entry.items(), key=lambda kv: -kv[1])}
+            for entry in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, token_ids: tuple[int, ...], entries: tuple[dict[int, float], ...], top: int
+) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs`` object: per token its logprob and the ``top`` best."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {
+                **item(t, entry[t]),
+                "top_logprobs": [item(alt, lp) for alt, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top]],
+            }
+            for t, entry in zip(token_ids, entries)
+        ]
+    }
+
+
+def completion_response(
+    response_id: str, model: str, created: int, choices: list[dict[str, Any]], usage_counts: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_counts,
+    }
+
+
+def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(
+    response_id: str, model: str, created: int, choices: list[dict[str, Any]], usage_counts: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_counts,
+    }
+
+
+def chat_finish_reason(output: RequestOutput, message: ParsedMessage | None, called_tools: bool) -> str | None:
+    """OpenAI's finish_reason: ``tool_calls`` when a stopped answer called tools."""
+    if output.finish_reason is None:
+        return None
+    if output.finish_reason.value == "stop" and (called_tools or (message is not None and message.tool_calls)):
+        return "tool_calls"
+    return output.finish_reason.value
+
+
+def chat_choice(
+    index: int, message: ParsedMessage, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {"index": index, "message": message.to_openai(), "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk_choice(
+    index: int, delta: ChatDelta | None, logprobs: dict[str, Any] | None, finish_reason: str | None, *, first: bool = False
+) -> dict[str, Any]:
+    content: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+    if delta is not None:
+        content.update(delta.to_openai())
+    return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chunk(kind: str, response_id: str, model: str, created: int, choices: list[dict[str, Any]], usage_counts: dict[str, int] | None = None) -> str:
+    """One SSE event of a stream: ``kind`` is ``text_completion`` or ``chat.completion.chunk``."""
+    payload: dict[str, Any] = {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage_counts is not None:
+        payload["usage"] = usage_counts
+    return sse(payload)
+
+
+def sse(payload: Mapping[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,135 @@
+"""AsyncEngine (no Ray): one step-loop thread driving a real tiny Engine for asyncio callers."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from cluster.engine import Engine
+from cluster.request import RequestOutput, SamplingParams, SamplingParamsError
+from deploy.async_engine import AsyncEngine, EngineDeadError
+from deploy.metrics import ServingMetrics
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 200, 17, 3], [40, 41, 42], list(range(60, 100))]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path) -> Iterator[AsyncEngine]:
+    async_engine = AsyncEngine(Engine.from_pretrained(tiny_dir, block_size=32, max_model_len=256), ServingMetrics("t"))
+    yield async_engine
+    async_engine.shutdown()
+
+
+async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    return [output async for output in engine.generate(request_id, prompt, params)]
+
+
+def _pages_used(engine: AsyncEngine) -> int:
+    return engine.engine.scheduler.block_manager.stats().pages_used
+
+
+def test_concurrent_streams_are_in_order_and_equal_uninterrupted_runs(engine: AsyncEngine, tiny_dir: Path) -> None:
+    """Each stream's snapshots grow one token at a time (each a prefix of the next),
+    the last one is finished, and concurrent requests end with exactly the tokens of
+    an uninterrupted greedy run of the same engine configuration."""
+    async def run_all() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(_collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
+
+    streams = asyncio.run(run_all())
+    want = Engine.from_pretrained(tiny_dir, block_size=32, max_model_len=256).generate(PROMPTS, GREEDY)
+    for stream, expected in zip(streams, want):
+        assert [len(o.token_ids) for o in stream] == list(range(1, GREEDY.max_tokens + 1))
+        for before, after in zip(stream, stream[1:]):
+            assert after.token_ids[: len(before.token_ids)] == before.token_ids
+            assert after.text.startswith(before.text)
+        assert [o.finished for o in stream] == [False] * (len(stream) - 1) + [True]
+        assert stream[-1].token_ids == expected.token_ids
+    assert not engine.engine.has_unfinished_requests() and _pages_used(engine) == 0
+
+
+def test_n_samples_share_one_stream_and_each_finishes(engine: AsyncEngine) -> None:
+    """With n > 1 the stream carries every sample ({id}#{i}) and ends once all finished;
+    an explicit seed reproduces the samples."""
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=7, n=3)
+
+    def finals() -> dict[str, tuple[int, ...]]:
+        outputs = asyncio.run(_collect(engine, "n", PROMPTS[0], params))
+        return {o.request_id: o.token_ids for o in outputs if o.finished}
+
+    first = finals()
+    assert sorted(first) == ["n#0", "n#1", "n#2"] and all(len(t) == 4 for t in first.values())
+    assert finals() == first
+
+
+def test_consumer_exit_aborts_the_request_and_frees_its_pages(engine: AsyncEngine) -> None:
+    """Closing the stream after its first token (a client disconnect) aborts the
+    request: the engine holds no request and no PAGE afterwards, and the abort is counted."""
+    aborted_before = engine.metrics.requests_aborted._value.get()
+
+    async def first_then_leave() -> RequestOutput:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        async with aclosing(engine.generate("leaver", PROMPTS[2], params)) as stream:
+            async for output in stream:
+                return output
+        raise AssertionError("no output")
+
+    async def cancelled() -> None:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        task = asyncio.create_task(_collect(engine, "cancelled", PROMPTS[1], params))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    assert len(asyncio.run(first_then_leave()).token_ids) >= 1
+    asyncio.run(cancelled())
+    # The aborts travel through the command queue; one more request drains it.
+    asyncio.run(_collect(engine, "after", PROMPTS[1], GREEDY))
+    assert not engine.engine.has_unfinished_requests() and _pages_used(engine) == 0
+    assert engine.metrics.requests_aborted._value.get() == aborted_before + 2
+
+
+def test_refused_request_raises_from_the_stream_and_queues_nothing(engine: AsyncEngine) -> None:
+    """A prompt beyond the context limit raises the engine's SamplingParamsError from
+    the first iteration; nothing stays queued."""
+    with pytest.raises(SamplingParamsError, match="max_model_len"):
+        asyncio.run(_collect(engine, "long", list(range(1, 300)), GREEDY))
+    assert not engine.engine.has_unfinished_requests()
+
+
+class _DyingEngine(Engine):
+    """A real engine whose fourth step fails, as a lost device would."""
+
+    steps = 0
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        if self.steps == 4:
+            raise RuntimeError("device lost")
+        return super().step()
+
+
+def test_engine_death_ends_every_request_and_fails_health(tiny_dir: Path) -> None:
+    """A step that raises ends every in-flight request with EngineDeadError, marks the
+    engine dead (check_health raises) and refuses later requests at once."""
+    engine = AsyncEngine(_DyingEngine.from_pretrained(tiny_dir, block_size=32), ServingMetrics("t"))
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def run_two() -> list[object]:
+        return await asyncio.gather(
+            _collect(engine, "a", PROMPTS[0], params), _collect(engine, "b", PROMPTS[1], params), return_exceptions=True
+        )
+
+    results = asyncio.run(run_two())
+    assert all(isinstance(r, EngineDeadError) and "device lost" in str(r) for r in results)
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_collect(engine, "c", PROMPTS[0], params))
+    assert engine.metrics.requests_failed._value.get() == 2
+    engine.shutdown()
