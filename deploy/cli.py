@@ -175,7 +175,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     import signal
-    import threading
+    import time
 
     import ray
     import yaml
@@ -200,9 +200,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # Replicas import the project from this checkout, whatever else is installed.
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
     # After ray.init, which installs its own SIGTERM handler (one that aborts the process).
-    stop = threading.Event()
+    # The handler only appends to a list: taking a lock there (Event.set) deadlocks when a
+    # second signal lands while the first handler holds it (seen with Ctrl-C twice).
+    received: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, lambda signum, _frame: received.append(signum))
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(parsed), name="dsv41", route_prefix=route_prefix)
@@ -210,7 +212,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         print(f"serving {parsed.model_name} at {base} (Ctrl-C to stop); try:", flush=True)
         body = json.dumps({"model": parsed.model_name, "prompt": "hello", "max_tokens": 8})
         print(f"  curl {base}/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
-        stop.wait()
+        while not received:
+            time.sleep(0.2)
         print("shutting down ...", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
