@@ -5,7 +5,8 @@ Serve YAML's ``args:``), :func:`make_engine` (the one place a replica's engine i
 ``backend: local`` in process, ``backend: ray`` an ``actors.group`` engine group),
 :class:`LLMServer` (the deployment whose every replica owns one engine, driven by an
 ``AsyncEngine``), :class:`OpenAIIngress` (the FastAPI deployment: ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``) and
+``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``, and the gRPC
+``Generate`` of ``deploy.grpc_service``) and
 :func:`build_app`, the ``import_path`` of ``deploy/configs/*.yaml``.
 
 Overload is Serve's: each deployment has ``max_ongoing_requests`` and
@@ -37,12 +38,14 @@ from cluster.request import RequestOutput, SamplingParams, SamplingParamsError
 from deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
 from deploy.chat_parser import ChatDelta, StreamingChatParser, parse_assistant_output
 from deploy.chat_protocol import ChatRequestError, encode_chat
+from deploy.grpc_service import GenerateServicer
 from deploy.metrics import METRICS_CONTENT_TYPE, ServingMetrics
 from deploy.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    bad_request,
     chat_chunk_choice,
     chat_choice,
     chat_finish_reason,
@@ -320,6 +323,45 @@ class LLMServer:
             yield chunk("text_completion", response_id, self.model_name, created, [], counts)
         yield SSE_DONE
 
+    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any] | OpenAIError]:
+        """The token deltas of one prompt (a completions body with one prompt, ``n`` 1, no
+        logprobs), for the gRPC ingress and ``deploy.client``: ``{"token_ids", "text",
+        "finish_reason", "usage"}`` per step, the last with ``finish_reason`` and
+        ``usage`` set. An OpenAIError item ends the stream (the first item when refused)."""
+        try:
+            # The served model is implied: a token stream's callers address a deployment.
+            _, prompts, params = self._completion_request({"model": self.model_name, **body})
+            if len(prompts) != 1:
+                raise bad_request("prompt", f"prompt: {len(prompts)} prompts (allowed: one per token stream)")
+            if params.n != 1 or params.logprobs is not None:
+                name = "n" if params.n != 1 else "logprobs"
+                raise bad_request(name, f"{name}: {body[name]!r} (allowed: absent on a token stream)")
+            outputs = self._run(prompts, params)
+            first = await anext(outputs)
+        except (OpenAIError, EngineError, SamplingParamsError) as exc:
+            yield error_for(exc)
+            return
+        except EngineDeadError as exc:
+            yield engine_unavailable(str(exc))
+            return
+        sent_text = sent_tokens = 0
+        try:
+            async for _, output in _starting_with(first, outputs):
+                new_tokens, delta = output.token_ids[sent_tokens:], output.text[sent_text:]
+                sent_tokens, sent_text = len(output.token_ids), len(output.text)
+                if not new_tokens and not delta and not output.finished:
+                    continue
+                yield {
+                    "token_ids": list(new_tokens),
+                    "text": delta,
+                    "finish_reason": None if output.finish_reason is None else output.finish_reason.value,
+                    "usage": usage(len(prompts[0]), sent_tokens) if output.finished else None,
+                }
+        except (EngineError, SamplingParamsError) as exc:
+            yield error_for(exc)
+        except EngineDeadError as exc:
+            yield engine_unavailable(str(exc))
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
         try:
             request, prompt, params = self._chat_request(body)
@@ -501,9 +543,11 @@ async def _forward(first: str, events: Any) -> AsyncIterator[str]:
 
 @serve.deployment
 @serve.ingress(api)
-class OpenAIIngress:
-    """The OpenAI-compatible HTTP surface; every request is answered by an LLMServer
-    replica through ``llm`` (streams through ``.options(stream=True)``)."""
+class OpenAIIngress(GenerateServicer):
+    """The OpenAI-compatible HTTP surface and, through :class:`GenerateServicer`, the gRPC
+    ``Generate`` call (Serve routes both protocols to an application's one ingress);
+    every request is answered by an LLMServer replica through ``llm`` (streams through
+    ``.options(stream=True)``)."""
 
     def __init__(self, llm: DeploymentHandle, model_name: str) -> None:
         self.llm = llm

@@ -182,17 +182,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from ray import serve
     from ray.serve.schema import ServeDeploySchema
 
-    from deploy.app import AppArgs, build_app
+    from ray.serve.config import gRPCOptions
 
-    host, port, route_prefix, app_args = "127.0.0.1", 8000, "/", {}
+    from deploy.app import AppArgs, build_app
+    from deploy.grpc_service import GRPC_SERVICER_FUNCTIONS
+
+    host, port, grpc_port, route_prefix, app_args = "127.0.0.1", 8000, 9000, "/", {}
     if args.config:
         config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
         if len(config.applications) != 1:
             raise SystemExit(f"--config: {args.config} declares {len(config.applications)} applications (allowed: 1)")
         application = config.applications[0]
-        host, port = config.http_options.host, config.http_options.port
+        host, port, grpc_port = config.http_options.host, config.http_options.port, config.grpc_options.port
         route_prefix, app_args = application.route_prefix or "/", dict(application.args or {})
     port = args.port if args.port is not None else port
+    grpc_port = args.grpc_port if args.grpc_port is not None else grpc_port
     # Made here, once, rather than by replicas racing to write the same directory.
     app_args["model"] = args.model or app_args.get("model") or str(default_model_dir())
     parsed = AppArgs.from_dict(app_args)
@@ -206,12 +210,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, _frame: received.append(signum))
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(
+            http_options={"host": host, "port": port},
+            grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
+        )
         serve.run(build_app(parsed), name="dsv41", route_prefix=route_prefix)
         base = f"http://{host}:{port}{route_prefix.rstrip('/')}/v1"
         print(f"serving {parsed.model_name} at {base} (Ctrl-C to stop); try:", flush=True)
         body = json.dumps({"model": parsed.model_name, "prompt": "hello", "max_tokens": 8})
         print(f"  curl {base}/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+        print(f"gRPC (dsv41.GenerateService/Generate) on {host}:{grpc_port}; try:", flush=True)
+        print(f"  python -m deploy.examples.grpc_client --address {host}:{grpc_port} --prompt hello", flush=True)
         while not received:
             time.sleep(0.2)
         print("shutting down ...", file=sys.stderr, flush=True)
@@ -276,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve until Ctrl-C or SIGTERM")
     p.add_argument("--model", help="checkpoint directory (default: the config's, else the embedded tiny model)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, else 8000)")
+    p.add_argument("--grpc-port", type=int, default=None, help="gRPC port of dsv41.GenerateService (default: the config's, else 9000)")
     p.add_argument("--config", help="Serve YAML with one application of deploy.app:build_app")
     p.set_defaults(func=cmd_serve)
     return parser

@@ -13,6 +13,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
+
+from deploy.proto.generate_pb2 import GenerateRequest
+from deploy.proto.generate_pb2_grpc import GenerateServiceStub
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -47,12 +52,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_serve_cli_serves_the_tiny_yaml_and_sigterm_leaves_nothing(tiny_dir: Path) -> None:
-    """The tiny-cpu YAML serves completions through `dsv41 serve`; after SIGTERM the
-    command exits 0 and every process it started (Ray's included) is gone."""
-    port = _free_port()
+def test_serve_cli_serves_the_tiny_yaml_and_ctrl_c_leaves_nothing(tiny_dir: Path) -> None:
+    """The tiny-cpu YAML serves completions over HTTP and the token stream over gRPC
+    through `dsv41 serve`; after Ctrl-C pressed twice (SIGINT, SIGINT: the handler must
+    not deadlock on the second) the command exits 0 and every process it started
+    (Ray's included) is gone. SIGTERM takes the same handler."""
+    port, grpc_port = _free_port(), _free_port()
     command = [sys.executable, "-m", "deploy.cli", "serve", "--config", "deploy/configs/tiny-cpu.yaml",
-               "--port", str(port), "--model", str(tiny_dir)]
+               "--port", str(port), "--grpc-port", str(grpc_port), "--model", str(tiny_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -65,9 +72,13 @@ def test_serve_cli_serves_the_tiny_yaml_and_sigterm_leaves_nothing(tiny_dir: Pat
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
         assert answer["usage"]["completion_tokens"] == 3
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            chunks = list(GenerateServiceStub(channel).Generate(GenerateRequest(text="hello", max_tokens=3)))
+        assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finish_reason == "length"
         started = _descendants(server.pid)
         assert started, "no Ray process was started"
-        server.send_signal(signal.SIGTERM)
+        server.send_signal(signal.SIGINT)
+        server.send_signal(signal.SIGINT)
         assert server.wait(timeout=120) == 0
         deadline = time.monotonic() + 30
         while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
