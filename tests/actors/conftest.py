@@ -1,5 +1,5 @@
-"""One local Ray cluster for every actor test module of the session's run of this
-directory (starting Ray takes ~10 s on the 2-core box)."""
+"""A local Ray cluster per actor test module, shut down after it, so the Serve tests
+of other packages can start their own (starting Ray takes ~10 s on the 2-core box)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     ray = pytest.importorskip("ray")
     # Workers import the project from the checkout, like the driver.
