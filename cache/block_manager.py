@@ -5,9 +5,10 @@ several requests' prefixes counts once per holder); the prefix index, a chain ha
 full PAGE (the PAGE is the hash block) naming the PAGE that holds those rows; the LRU
 of unreferenced cached PAGEs and their eviction; the checkpoint images attached to
 hash entries under ``StateTransfer.COPY``, or where a hit's forward starts under
-``StateTransfer.REPLAY`` (``replay_start``); the counters. It moves no bytes: copying
-a STATE in or out of PAGEs is ``cache.checkpoints``', resetting a slot
-``cache.pools``'.
+``StateTransfer.REPLAY`` (``replay_start``); hits extended by PAGEs and images fetched
+from an offload store (registered at allocation, filled by the rank before the
+forward); the counters. It moves no bytes: copying a STATE in or out of PAGEs is
+``cache.checkpoints``', resetting a slot ``cache.pools``', fetching ``cache.offload``'s.
 
 Must not import: torch, anything of this project, the scheduler, ray. The keys are
 blake2b digests, never Python's ``hash()``, so every process and node computes the
@@ -16,6 +17,7 @@ same key for the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import struct
@@ -89,12 +91,16 @@ class StateImage:
 class PrefixHit:
     """What a prompt reuses from the prefix cache, under either state transfer.
 
-    ``pages`` hold the prompt's first ``hit_tokens`` tokens (whole PAGEs, never the
-    prompt's last PAGE). The runtime's forward starts at ``forward_start`` in a slot
-    that is either restored from ``restore_image`` (COPY, taken at ``forward_start``)
-    or reset (REPLAY, or COPY with no image: "replay from a recoverable boundary").
-    Rows in ``[forward_start, hit_tokens)`` are recomputed for the rings only; the
-    cached global KV is not rewritten (the runtime's write_from is ``hit_tokens``).
+    ``pages`` hold the prompt's first tokens (whole PAGEs, never the prompt's last
+    PAGE); ``fetched_pages`` more PAGEs after them come from an offload store: the
+    allocation takes fresh PAGEs for them and the rank writes their bytes before the
+    forward, so ``hit_tokens`` covers both. The runtime's forward starts at
+    ``forward_start`` in a slot that is either restored from ``restore_image`` (COPY,
+    taken at ``forward_start``; ``fetched_image`` when its PAGEs come from
+    ``allocate_pages`` and are filled from the offload store) or reset (REPLAY, or
+    COPY with no image: "replay from a recoverable boundary"). Rows in
+    ``[forward_start, hit_tokens)`` are recomputed for the rings only; the cached
+    global KV is not rewritten (the runtime's write_from is ``hit_tokens``).
     ``prompt_hashes`` are the chain hashes of all the prompt's full PAGEs, kept for
     publishing them.
     """
@@ -104,18 +110,28 @@ class PrefixHit:
     restore_image: StateImage | None
     pages: tuple[int, ...]
     prompt_hashes: tuple[bytes, ...]
+    fetched_pages: int = 0
+    fetched_image: bool = False
+
+    @property
+    def num_hit_pages(self) -> int:
+        return len(self.pages) + self.fetched_pages
 
     def __post_init__(self) -> None:
         if not 0 <= self.forward_start <= self.hit_tokens:
             raise BlockManagerError(
                 f"forward_start: {self.forward_start} (allowed: 0..hit_tokens={self.hit_tokens})"
             )
-        if (self.hit_tokens == 0) != (not self.pages):
-            raise BlockManagerError(f"pages: {len(self.pages)} PAGEs for hit_tokens={self.hit_tokens}")
-        if len(self.pages) > len(self.prompt_hashes):
+        if self.fetched_pages < 0:
+            raise BlockManagerError(f"fetched_pages: {self.fetched_pages} (allowed: >= 0)")
+        if (self.hit_tokens == 0) != (self.num_hit_pages == 0):
+            raise BlockManagerError(f"pages: {self.num_hit_pages} PAGEs for hit_tokens={self.hit_tokens}")
+        if self.num_hit_pages > len(self.prompt_hashes):
             raise BlockManagerError(
-                f"prompt_hashes: {len(self.prompt_hashes)} for {len(self.pages)} hit PAGEs (allowed: >= pages)"
+                f"prompt_hashes: {len(self.prompt_hashes)} for {self.num_hit_pages} hit PAGEs (allowed: >= pages)"
             )
+        if self.fetched_image and self.restore_image is None:
+            raise BlockManagerError("fetched_image: True without a restore_image")
         if self.restore_image is not None and self.restore_image.num_tokens != self.forward_start:
             raise BlockManagerError(
                 f"restore_image: taken at {self.restore_image.num_tokens} tokens, "
@@ -143,6 +159,8 @@ class BlockManagerStats:
     lookup_tokens: int
     hit_tokens: int
     evictions: int
+    fetched_pages: int  # PAGEs of hits taken from an offload store
+    fetched_images: int
 
     @property
     def hit_rate(self) -> float:
@@ -205,6 +223,8 @@ class BlockManager:
         self._lookup_tokens = 0
         self._hit_tokens = 0
         self._evictions = 0
+        self._fetched_pages = 0
+        self._fetched_images = 0
 
     # -- prefix lookup ----------------------------------------------------------------
 
@@ -248,6 +268,40 @@ class BlockManager:
             prompt_hashes=tuple(hashes),
         )
 
+    def has_hash(self, chain_hash: bytes) -> bool:
+        """Whether a PAGE with this chain hash is in the prefix index."""
+        return chain_hash in self._page_of_hash
+
+    def extend_hit(self, hit: PrefixHit, fetched_pages: int, image: StateImage | None) -> PrefixHit:
+        """``hit`` (from ``lookup`` in this step) followed by ``fetched_pages`` PAGEs an
+        offload store holds, resuming from ``image`` when given (its PAGEs from
+        ``allocate_pages``, filled from the store; taken at a boundary inside the
+        fetched range) or else as ``hit`` would: under REPLAY from ``replay_start`` of
+        the longer hit, under COPY from the hit's own image."""
+        if fetched_pages <= 0:
+            raise BlockManagerError(f"fetched_pages: {fetched_pages} (allowed: > 0)")
+        if hit.fetched_pages:
+            raise BlockManagerError("hit: already extended")
+        hit_tokens = (len(hit.pages) + fetched_pages) * self.block_size
+        if image is not None:
+            if self.state_transfer is StateTransfer.REPLAY:
+                raise BlockManagerError("image: state_transfer is 'replay', which restores no images")
+            if not hit.hit_tokens < image.num_tokens <= hit_tokens:
+                raise BlockManagerError(
+                    f"image: taken at {image.num_tokens} tokens (allowed: {hit.hit_tokens + 1}..{hit_tokens}, "
+                    "a boundary of the fetched PAGEs)"
+                )
+            return dataclasses.replace(
+                hit,
+                hit_tokens=hit_tokens,
+                forward_start=image.num_tokens,
+                restore_image=image,
+                fetched_pages=fetched_pages,
+                fetched_image=True,
+            )
+        forward_start = self.replay_start(hit_tokens) if self.state_transfer is StateTransfer.REPLAY else hit.forward_start
+        return dataclasses.replace(hit, hit_tokens=hit_tokens, forward_start=forward_start, fetched_pages=fetched_pages)
+
     def replay_start(self, resume_tokens: int) -> int:
         """Where a forward resuming at ``resume_tokens`` starts under bounded replay:
         one whole hash block below the PAGE boundary at or below it (never below 0), so
@@ -260,9 +314,12 @@ class BlockManager:
 
     def allocate_prompt(self, request_id: str, token_ids: Sequence[int], hit: PrefixHit) -> bool:
         """PAGEs for the whole prompt (the hit's shared, the rest fresh) and a STATE
-        slot. ``hit`` must come from ``lookup(token_ids)`` in this step. False, with
-        nothing changed, when the pools cannot hold it. The caller then readies the
-        slot: restore ``hit.restore_image`` into it, or reset it."""
+        slot. ``hit`` must come from ``lookup(token_ids)`` in this step (or its
+        ``extend_hit``). False, with nothing changed, when the pools cannot hold it.
+        The fetched PAGEs of an extended hit enter the prefix index at once, and a
+        fetched image is attached to it: the caller must fill both before any forward
+        reads them (the rank does, first thing in the step). The caller then readies
+        the slot: restore ``hit.restore_image`` into it, or reset it."""
         if request_id in self._requests:
             raise BlockManagerError(f"request_id: {request_id!r} already holds PAGEs (free it first)")
         self._check_hit(token_ids, hit)
@@ -275,11 +332,20 @@ class BlockManager:
         for page in hit.pages:
             self._reference(page)
         pages = list(hit.pages) + self._take_fresh(fresh)
+        for i in range(len(hit.pages), hit.num_hit_pages):
+            self._page_of_hash[hit.prompt_hashes[i]] = pages[i]
+            self._hash_of_page[pages[i]] = hit.prompt_hashes[i]
+        self._fetched_pages += hit.fetched_pages
+        if hit.fetched_image and hit.restore_image is not None:
+            image = hit.restore_image
+            self._private_pages.difference_update(image.pages)
+            self._images[hit.prompt_hashes[image.num_tokens // self.block_size - 1]] = image
+            self._fetched_images += 1
         self._requests[request_id] = _RequestBlocks(
             pages=pages,
             slot=self._free_slots.popleft(),
             hashes=list(hit.prompt_hashes),
-            num_published=len(hit.pages),
+            num_published=hit.num_hit_pages,
         )
         return True
 
@@ -312,14 +378,25 @@ class BlockManager:
             )
         if not self.enable_prefix_caching or full <= blocks.num_published:
             return
-        if len(blocks.hashes) < full:
-            blocks.hashes = prefix_hashes(token_ids[: full * self.block_size], self.block_size, blocks.hashes)
+        self.page_hashes(request_id, token_ids, full)
         for i in range(blocks.num_published, full):
             h, page = blocks.hashes[i], blocks.pages[i]
             if h not in self._page_of_hash:
                 self._page_of_hash[h] = page
                 self._hash_of_page[page] = h
         blocks.num_published = full
+
+    def page_hashes(self, request_id: str, token_ids: Sequence[int], num_pages: int) -> list[bytes]:
+        """The chain hashes of the request's first ``num_pages`` PAGEs (``token_ids``
+        are all its tokens so far and must fill them); computed once per PAGE."""
+        blocks = self._request(request_id)
+        if num_pages * self.block_size > len(token_ids):
+            raise BlockManagerError(
+                f"num_pages: {num_pages} PAGEs need {num_pages * self.block_size} tokens, {len(token_ids)} given"
+            )
+        if len(blocks.hashes) < num_pages:
+            blocks.hashes = prefix_hashes(token_ids[: num_pages * self.block_size], self.block_size, blocks.hashes)
+        return blocks.hashes[:num_pages]
 
     def free(self, request_id: str) -> None:
         """Drops the request's PAGE references (last PAGE first, so a prefix's tail is
@@ -430,6 +507,8 @@ class BlockManager:
             lookup_tokens=self._lookup_tokens,
             hit_tokens=self._hit_tokens,
             evictions=self._evictions,
+            fetched_pages=self._fetched_pages,
+            fetched_images=self._fetched_images,
         )
 
     # -- internals --------------------------------------------------------------------
@@ -445,16 +524,22 @@ class BlockManager:
         expected_hashes = len(token_ids) // b if self.enable_prefix_caching else 0
         if len(token_ids) == 0 or len(hit.prompt_hashes) != expected_hashes:
             raise BlockManagerError("hit: not the lookup() of these token_ids")
-        if hit.hit_tokens != len(hit.pages) * b or len(hit.pages) > (len(token_ids) - 1) // b:
-            raise BlockManagerError(f"hit: {len(hit.pages)} PAGEs for hit_tokens={hit.hit_tokens}")
+        if hit.hit_tokens != hit.num_hit_pages * b or hit.num_hit_pages > (len(token_ids) - 1) // b:
+            raise BlockManagerError(f"hit: {hit.num_hit_pages} PAGEs for hit_tokens={hit.hit_tokens}")
         for i, page in enumerate(hit.pages):
             if self._page_of_hash.get(hit.prompt_hashes[i]) != page:
                 raise BlockManagerError(
                     f"hit: PAGE {page} was evicted since lookup() (look up and allocate in the same step)"
                 )
+        for h in hit.prompt_hashes[len(hit.pages) : hit.num_hit_pages]:
+            if h in self._page_of_hash:
+                raise BlockManagerError("hit: a fetched PAGE's hash is cached here (use the cached PAGE)")
         if self.state_transfer is StateTransfer.REPLAY:
             if hit.restore_image is not None or hit.forward_start != self.replay_start(hit.hit_tokens):
                 raise BlockManagerError("hit: not a replay hit (state_transfer is 'replay')")
+        elif hit.fetched_image and hit.restore_image is not None:
+            if not all(page in self._private_pages for page in hit.restore_image.pages):
+                raise BlockManagerError("hit: a fetched image's PAGEs must come from allocate_pages")
         elif hit.restore_image is not None:
             if self._images.get(hit.prompt_hashes[hit.forward_start // b - 1]) != hit.restore_image:
                 raise BlockManagerError("hit: its restore_image was evicted since lookup()")

@@ -15,6 +15,7 @@ manager's business; this module only holds bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -161,3 +162,22 @@ class V41Pools:
             raise PoolError(f"slot: {slot} (allowed: 0..{self.num_slots - 1})")
         self.state_rows[slot].zero_()
         self.cursor[slot, CURSOR_POSITION + 1 :] = DEAD_ENGRAM_ID
+
+    def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
+        """A host copy of whole PAGEs' bytes, uint8 [len(pages), page_bytes] (what an
+        offload store keeps of them)."""
+        return self.page_rows[self._page_index(pages)].cpu()
+
+    def write_pages(self, pages: Sequence[int], rows: torch.Tensor) -> None:
+        """Overwrites whole PAGEs with ``rows`` (uint8 [len(pages), page_bytes])."""
+        index = self._page_index(pages)
+        if rows.dtype != torch.uint8 or tuple(rows.shape) != (len(pages), self.geometry.page_bytes):
+            raise PoolError(
+                f"rows: {rows.dtype} {tuple(rows.shape)} (allowed: uint8 [{len(pages)}, {self.geometry.page_bytes}])"
+            )
+        self.page_rows.index_copy_(0, index, rows.to(self.device))
+
+    def _page_index(self, pages: Sequence[int]) -> torch.Tensor:
+        if not pages or min(pages) < 0 or max(pages) >= self.num_pages:
+            raise PoolError(f"pages: {list(pages)} (allowed: at least one PAGE id in 0..{self.num_pages - 1})")
+        return torch.tensor(list(pages), dtype=torch.long, device=self.device)

@@ -2,8 +2,9 @@
 
 Owns the step's declaration — per request: which positions run, on which STATE slot
 and PAGEs, what the slot must hold before the forward (reset with an Engram history,
-or a checkpoint image restored) and what is stored after it (an image at a PAGE
-boundary), and how its next token is sampled; and ``DPMetadata``, what every DP rank
+or a checkpoint image restored; PAGEs filled from the offload store) and what is
+stored after it (an image at a PAGE boundary; PAGEs and images published to the
+offload store), and how its next token is sampled; and ``DPMetadata``, what every DP rank
 learns of the others in a step, packed into one flat tensor. It holds only plain
 values, so one scheduler can drive ranks in other processes.
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.block_manager import StateImage
+from cluster.offload_connector import PageFill, PagePublish
 from cluster.request import SamplingParams
 
 
@@ -46,6 +48,8 @@ class ScheduledSegment:
     reset: SlotReset | None = None
     restore: StateImage | None = None
     store_after: StateImage | None = None  # write the slot's image here after the forward
+    fetch: tuple[PageFill, ...] = ()  # offloaded PAGEs/images to write before the forward
+    publish: tuple[PagePublish, ...] = ()  # PAGEs/images to send to the offload store after it
     want_prompt_logits: bool = False  # return logits of every row (prompt logprobs, parity)
 
     def __post_init__(self) -> None:

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from cluster.batch import DPMetadata, ScheduledBatch
 from cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
 from cluster.engine import EngineFrontend, EngineOptions, RankLayout, engine_options
+from cluster.offload_connector import LocalOffload, OffloadConnector
 from cluster.placement import RankLoad, place
 from cluster.request import Request, RequestOutput, RequestStatus
 from cluster.runner import ModelRunner, StepResult
@@ -84,10 +85,17 @@ class DPRank:
     """One DP rank's execution: its pools and runner, and its side of the MoE
     exchange (None when the replica has one rank and holds every expert)."""
 
-    def __init__(self, params: ModelParams, layout: RankLayout, rank: int, exchange: DPExpertExchange | None) -> None:
+    def __init__(
+        self,
+        params: ModelParams,
+        layout: RankLayout,
+        rank: int,
+        exchange: DPExpertExchange | None,
+        offload: OffloadConnector | None = None,
+    ) -> None:
         self.rank = rank
         self.exchange = exchange
-        self.runner = ModelRunner(params, layout.geometry, layout.pool_size, moe=exchange)
+        self.runner = ModelRunner(params, layout.geometry, layout.pool_size, moe=exchange, offload=offload)
 
     @classmethod
     def load(
@@ -97,16 +105,18 @@ class DPRank:
         dp: DPLayout,
         rank: int,
         group: dist.ProcessGroup | None,
+        offload: OffloadConnector | None = None,
     ) -> "DPRank":
         """Loads the rank's expert shard (and everything else whole) and joins
-        ``group`` (required when ``dp.world`` > 1)."""
+        ``group`` (required when ``dp.world`` > 1); ``offload`` is the replica's
+        offload store, shared by every rank."""
         params, _ = load_model_params(model_dir, dtype=options.dtype, shard=dp.shard(rank), text_only=True)
         exchange = None
         if dp.world > 1:
             if group is None:
                 raise DPError(f"group: None for rank {rank} of a {dp.world}-rank replica (allowed: its process group)")
             exchange = DPExpertExchange(params.config, group, rank, dp.backend)
-        return cls(params, RankLayout.build(params.config, options), rank, exchange)
+        return cls(params, RankLayout.build(params.config, options), rank, exchange, offload)
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor) -> StepResult:
         """Runs this rank's batch of a step (padding when it has no rows)."""
@@ -126,10 +136,13 @@ class DPRank:
 class ThreadedRanks:
     """The DP ranks of a replica in threads of this process, gloo among them."""
 
-    def __init__(self, model_dir: str | Path, options: EngineOptions, dp: DPLayout) -> None:
+    def __init__(
+        self, model_dir: str | Path, options: EngineOptions, dp: DPLayout, offload: OffloadConnector | None = None
+    ) -> None:
         self.model_dir = model_dir
         self.options = options
         self.dp = dp
+        self.offload = offload
         self._threads = ThreadPoolExecutor(max_workers=dp.world, thread_name_prefix="dp-rank")
         self.ranks = self._load()
 
@@ -140,7 +153,7 @@ class ThreadedRanks:
 
         def load_rank(rank: int) -> DPRank:
             group = open_process_group(spec, rank, dist.PrefixStore("dp", store)) if dp.world > 1 else None
-            return DPRank.load(self.model_dir, self.options, dp, rank, group)
+            return DPRank.load(self.model_dir, self.options, dp, rank, group, self.offload)
 
         # Every rank must be in its rendezvous at once: one thread each.
         return tuple(self._threads.map(load_rank, range(dp.world)))
@@ -161,7 +174,13 @@ class DPEngine(EngineFrontend):
     placement of each request on one rank, and one step of every rank at a time."""
 
     def __init__(
-        self, config: V41Config, tokenizer: Tokenizer, options: EngineOptions, world: int, executor: DPStepExecutor
+        self,
+        config: V41Config,
+        tokenizer: Tokenizer,
+        options: EngineOptions,
+        world: int,
+        executor: DPStepExecutor,
+        offload: OffloadConnector | None = None,
     ) -> None:
         if not isinstance(world, int) or world < 1:
             raise DPError(f"world: {world!r} (allowed: an int >= 1)")
@@ -169,27 +188,40 @@ class DPEngine(EngineFrontend):
         super().__init__(config, tokenizer, options, self.layout)
         self.world = world
         self.executor = executor
+        self.offload = offload
         self.schedulers = self._fresh_schedulers()
         self._rank_of: dict[str, int] = {}
         self._step_id = 0
         self.num_restarts = 0
 
     @classmethod
-    def over(cls, model_dir: str | Path, dp: DPLayout, executor: DPStepExecutor, options: EngineOptions) -> "DPEngine":
-        """The engine of ranks already running ``model_dir`` under ``dp``; it reads the
-        config and tokenizer only, never a weight."""
+    def over(
+        cls,
+        model_dir: str | Path,
+        dp: DPLayout,
+        executor: DPStepExecutor,
+        options: EngineOptions,
+        offload: OffloadConnector | None = None,
+    ) -> "DPEngine":
+        """The engine of ranks already running ``model_dir`` under ``dp`` (with
+        ``offload``, the store its ranks publish to); it reads the config and
+        tokenizer only, never a weight."""
         config = V41Config.from_pretrained(model_dir, text_only=True)
         tokenizer = Tokenizer.from_file(str(Path(model_dir) / TOKENIZER_FILE))
-        return cls(config, tokenizer, options, dp.world, executor)
+        return cls(config, tokenizer, options, dp.world, executor, offload)
 
     @classmethod
     def in_process(cls, model_dir: str | Path, dp: DPLayout, **options: object) -> "DPEngine":
-        """A replica whose ranks are threads of this process (tests, one-box runs)."""
+        """A replica whose ranks are threads of this process (tests, one-box runs),
+        sharing one in-process offload store when ``offload_host_bytes`` asks."""
         parsed = engine_options(options)
-        return cls.over(model_dir, dp, ThreadedRanks(model_dir, parsed, dp), parsed)
+        config = V41Config.from_pretrained(model_dir, text_only=True)
+        store = RankLayout.build(config, parsed).offload_store(parsed)
+        offload = LocalOffload(store) if store is not None else None
+        return cls.over(model_dir, dp, ThreadedRanks(model_dir, parsed, dp, offload), parsed, offload)
 
     def _fresh_schedulers(self) -> list[Scheduler]:
-        return [self.layout.scheduler(self.config, self.options) for _ in range(self.world)]
+        return [self.layout.scheduler(self.config, self.options, self.offload) for _ in range(self.world)]
 
     # -- requests -----------------------------------------------------------------------
 

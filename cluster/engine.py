@@ -25,8 +25,10 @@ from tokenizers import Tokenizer
 
 from cache.block_manager import BlockManager, BlockManagerStats, PrefixHit, StateTransfer
 from cache.geometry import V41PoolGeometry
+from cache.offload import TieredStore
 from cache.pools import PoolSize
 from cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
+from cluster.offload_connector import LocalOffload, OffloadConnector
 from cluster.pool_layout import pool_geometry
 from cluster.request import Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
 from cluster.runner import ModelRunner, StepResult
@@ -92,6 +94,11 @@ class EngineOptions:
     seed: int = 0
     kernel_backend: str = "torch"  # "torch" (reference, anywhere) | "triton" (GPU) | "aiter" (ROCm)
     device: str = "cpu"  # where weights, pools and the forward live ("cuda", "cuda:1", ...)
+    # Offload store of PAGE units and STATE images (0: none): host bytes, then an
+    # optional disk tier.
+    offload_host_bytes: int = 0
+    offload_disk_dir: str | None = None
+    offload_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -104,6 +111,15 @@ class EngineOptions:
             raise EngineError(f"kernel_backend: {self.kernel_backend!r} (allowed: {', '.join(KERNEL_BACKENDS)})")
         if self.state_transfer not in ("replay", "copy"):
             raise EngineError(f"state_transfer: {self.state_transfer!r} (allowed: 'replay', 'copy')")
+        if self.offload_host_bytes < 0 or self.offload_disk_bytes < 0:
+            raise EngineError(
+                f"offload_host_bytes / offload_disk_bytes: {self.offload_host_bytes} / {self.offload_disk_bytes} "
+                "(allowed: >= 0)"
+            )
+        if (self.offload_disk_dir is not None or self.offload_disk_bytes) and not self.offload_host_bytes:
+            raise EngineError("offload_disk_dir / offload_disk_bytes: set without offload_host_bytes (allowed: a disk tier behind a host tier)")
+        if self.offload_host_bytes and not self.enable_prefix_caching:
+            raise EngineError("offload_host_bytes: needs enable_prefix_caching (offloaded units are prefix-cache PAGEs)")
         for name in ("num_pages", "num_state_slots", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -136,7 +152,20 @@ class RankLayout:
         )
         return cls(geometry=geometry, pool_size=pool_size, num_slots=slots)
 
-    def scheduler(self, config: V41Config, options: EngineOptions) -> Scheduler:
+    def offload_store(self, options: EngineOptions) -> TieredStore | None:
+        """The offload store ``options`` ask for (None: no offload), serving this
+        layout."""
+        if not options.offload_host_bytes:
+            return None
+        return TieredStore(
+            self.geometry.layout_id,
+            self.geometry.page_bytes,
+            options.offload_host_bytes,
+            disk_dir=options.offload_disk_dir,
+            disk_budget_bytes=options.offload_disk_bytes,
+        )
+
+    def scheduler(self, config: V41Config, options: EngineOptions, offload: OffloadConnector | None = None) -> Scheduler:
         """A fresh scheduler over a fresh block manager of these pools."""
         block_manager = BlockManager(
             num_pages=self.pool_size.num_pages,
@@ -159,6 +188,7 @@ class RankLayout:
             layout_id=self.geometry.layout_id,
             image_pages=self.geometry.image_pages,
             image_bytes=self.geometry.image_bytes,
+            offload=offload,
         )
 
 
@@ -343,7 +373,9 @@ class Engine(EngineFrontend):
         self.params = params
         self.geometry = layout.geometry
         self.pool_size = layout.pool_size
-        self.scheduler = layout.scheduler(params.config, options)
+        store = layout.offload_store(options)
+        self.offload = LocalOffload(store) if store is not None else None
+        self.scheduler = layout.scheduler(params.config, options, self.offload)
         self.block_manager = self.scheduler.block_manager
         self.executor = executor or InProcessExecutor(
             ModelRunner(
@@ -352,6 +384,7 @@ class Engine(EngineFrontend):
                 self.pool_size,
                 device=options.device,
                 kernels=load_kernels(options.kernel_backend),
+                offload=self.offload,
             )
         )
         logger.info(

@@ -4,7 +4,9 @@ Owns the rank's pools and what happens to them around a forward: readying slots
 (reset with an Engram history, or a checkpoint image restored), the step's addresses
 (cache/addressing), the Engram n-grams of every row from the slots' cursors, the
 forward (model/runtime), sampling, advancing each slot's cursor after the forward
-(position and Engram history), and storing checkpoint images at PAGE boundaries.
+(position and Engram history), storing checkpoint images at PAGE boundaries, and the
+offload traffic its segments name: fetched PAGEs and images written before anything
+else of the step, completed ones published after the forward.
 
 Must not import: actors, deploy, ray.
 """
@@ -22,6 +24,7 @@ from cache.geometry import CURSOR_POSITION, V41PoolGeometry
 from cache.plane_io import PlaneIO
 from cache.pools import PoolSize, V41Pools
 from cluster.batch import ScheduledBatch, ScheduledSegment
+from cluster.offload_connector import OffloadConnector
 from cluster.sampler import Sampler, SamplingMetadata
 from model.device import move_tensors
 from model.kernels.interface import PagedKernels
@@ -57,8 +60,10 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         moe: Callable[[LayerParams, torch.Tensor], torch.Tensor] | None = None,
         kernels: PagedKernels | None = None,
+        offload: OffloadConnector | None = None,
     ) -> None:
         config = params.config
+        self.offload = offload
         self.params = params
         self.geometry = geometry
         self.pools = V41Pools(geometry, size, device)
@@ -79,6 +84,11 @@ class ModelRunner:
         if batch.is_empty:
             return StepResult(step_id=batch.step_id)
         segments = batch.segments
+        # Fills first: a segment later in the batch may restore or read what an
+        # earlier one fetched.
+        for seg in segments:
+            for fill in seg.fetch:
+                self.pools.write_pages(fill.pages, self._connector().fetch(fill.handle))
         for seg in segments:
             self._ready_slot(seg)
         tokens = torch.tensor([t for seg in segments for t in seg.token_ids], dtype=torch.long)
@@ -103,6 +113,9 @@ class ModelRunner:
         for seg in segments:
             if seg.store_after is not None:
                 self.checkpoints.store(seg.slot, seg.store_after)
+        for seg in segments:
+            for unit in seg.publish:
+                self._connector().publish(unit.key, self.pools.read_pages(unit.pages))
         sampled = self._sample(segments, output.logits, sample_rows)
         row_logits = {rid: output.logits[a:b].cpu() for rid, (a, b) in logit_ranges.items()}
         row_selections = {}
@@ -128,6 +141,11 @@ class ModelRunner:
         return StepResult(step_id=step_id)
 
     # -- around the forward -------------------------------------------------------------
+
+    def _connector(self) -> OffloadConnector:
+        if self.offload is None:
+            raise RuntimeError("a segment names offload traffic, but this rank has no offload store")
+        return self.offload
 
     def _ready_slot(self, seg: ScheduledSegment) -> None:
         if seg.reset is not None:

@@ -4,7 +4,9 @@ Owns the waiting and running queues and each request's progress through its prom
 admission under ``max_num_seqs`` and the token budget, chunked prefill mixed with
 decodes in one ragged batch, continuous decode, preemption by recompute when PAGEs run
 out, cancellation at any point, and prefix hits through the block manager (a restored
-checkpoint image under ``copy``, a replay from ``replay_start`` under ``replay``).
+checkpoint image under ``copy``, a replay from ``replay_start`` under ``replay``),
+extended on admission by the PAGEs and images an offload store holds past the local
+hit, and which completed PAGEs and stored images each forward publishes to it.
 It moves no bytes: each ``ScheduledSegment`` tells the rank what to do to the slot
 before and after the forward. A request resumes only where its state is exact (a
 restored image, or a reset slot at the hit's forward start), so a scheduled run
@@ -22,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from cache.block_manager import BlockManager, PrefixHit, StateImage, StateTransfer
+from cache.offload import OffloadKey, UnitKind
 from cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
+from cluster.offload_connector import OffloadConnector, PageFill, PagePublish
 from cluster.request import Request, RequestStatus
 
 
@@ -60,6 +64,7 @@ class _Progress:
     window_start: int  # the first position the request's windows may read
     prep: SlotReset | StateImage | None  # applied to the slot before its next forward
     image_cut: int  # COPY: the prompt's last shareable PAGE boundary, where a chunk ends
+    fills: tuple[PageFill, ...] = ()  # offloaded units the first forward writes first
 
 
 @dataclass
@@ -81,8 +86,17 @@ class Scheduler:
         layout_id: str,
         image_pages: int,
         image_bytes: int,
+        offload: OffloadConnector | None = None,
     ) -> None:
+        if offload is not None:
+            if not config.enable_prefix_caching:
+                raise SchedulerError("offload: needs enable_prefix_caching (units are keyed by prefix hashes)")
+            if offload.layout_id != layout_id:
+                raise SchedulerError(
+                    f"offload: its store serves layout {offload.layout_id!r} (allowed: {layout_id!r}, these pools')"
+                )
         self.config = config
+        self.offload = offload
         self.block_manager = block_manager
         self.layout_id = layout_id
         self.image_pages = image_pages
@@ -156,11 +170,21 @@ class Scheduler:
     def _admit(self, request: Request) -> bool:
         tokens = request.all_token_ids
         hit = self.block_manager.lookup(tokens)
+        page_handles: list[object] = []
+        image_handle = None
         if request.params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt row computed: take no hit.
             hit = dataclasses.replace(hit, hit_tokens=0, forward_start=0, restore_image=None, pages=())
+        elif self.offload is not None:
+            hit, page_handles, image_handle = self._extend_from_offload(self.offload, hit, len(tokens))
         if not self.block_manager.allocate_prompt(request.request_id, tokens, hit):
+            if hit.fetched_image and hit.restore_image is not None:
+                self.block_manager.free_pages(hit.restore_image.pages)
             return False
+        table = self.block_manager.page_table(request.request_id)
+        fills = [PageFill(pages=(page,), handle=h) for page, h in zip(table[len(hit.pages) :], page_handles)]
+        if image_handle is not None and hit.restore_image is not None:
+            fills.append(PageFill(pages=hit.restore_image.pages, handle=image_handle))
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = hit.forward_start
         self._progress[request.request_id] = _Progress(
@@ -170,8 +194,50 @@ class Scheduler:
             window_start=0 if hit.restore_image is not None else hit.forward_start,
             prep=self._slot_prep(hit, tokens),
             image_cut=(len(tokens) - 1) // self.config.block_size * self.config.block_size,
+            fills=tuple(fills),
         )
         return True
+
+    def _extend_from_offload(
+        self, offload: OffloadConnector, hit: PrefixHit, num_tokens: int
+    ) -> tuple[PrefixHit, list[object], object]:
+        """``hit`` extended by the PAGEs the offload store holds right after it (up to
+        the first one cached here or missing there), resuming under COPY from the
+        newest offloaded image among them when PAGEs for it are free. Returns the
+        hit, a handle per fetched PAGE and the image's handle (or None)."""
+        bm = self.block_manager
+        limit = (num_tokens - 1) // self.config.block_size
+        wanted: list[bytes] = []
+        for h in hit.prompt_hashes[len(hit.pages) : limit]:
+            if bm.has_hash(h):
+                break
+            wanted.append(h)
+        if not wanted:
+            return hit, [], None
+        kinds = (UnitKind.PAGE, UnitKind.IMAGE) if self.copies_images else (UnitKind.PAGE,)
+        handles = offload.lookup([OffloadKey(self.layout_id, h, kind) for kind in kinds for h in wanted])
+        page_handles: list[object] = []
+        for handle in handles[: len(wanted)]:
+            if handle is None:
+                break
+            page_handles.append(handle)
+        if not page_handles:
+            return hit, [], None
+        image_handles = handles[len(wanted) : len(wanted) + len(page_handles)]
+        for j in reversed(range(len(image_handles))):
+            if image_handles[j] is None:
+                continue
+            pages = bm.allocate_pages(self.image_pages)
+            if pages is None:
+                break
+            image = StateImage(
+                layout_id=self.layout_id,
+                pages=tuple(pages),
+                image_bytes=self.image_bytes,
+                num_tokens=(len(hit.pages) + j + 1) * self.config.block_size,
+            )
+            return bm.extend_hit(hit, len(page_handles), image), page_handles, image_handles[j]
+        return bm.extend_hit(hit, len(page_handles), None), page_handles, None
 
     def _slot_prep(self, hit: PrefixHit, tokens: Iterable[int]) -> SlotReset | StateImage:
         if hit.restore_image is not None:
@@ -184,6 +250,7 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + count
         prep, progress.prep = progress.prep, None
+        fills, progress.fills = progress.fills, ()
         store_after = None
         if self.copies_images and end % self.config.block_size == 0:
             pages = self.block_manager.allocate_pages(self.image_pages)
@@ -206,8 +273,34 @@ class Scheduler:
             reset=prep if isinstance(prep, SlotReset) else None,
             restore=prep if isinstance(prep, StateImage) else None,
             store_after=store_after,
+            fetch=fills,
+            publish=self._publications(request, start, end, progress.write_from, store_after),
             want_prompt_logits=request.params.prompt_logprobs is not None and start < request.num_prompt_tokens,
         )
+
+    def _publications(
+        self, request: Request, start: int, end: int, write_from: int, store_after: StateImage | None
+    ) -> tuple[PagePublish, ...]:
+        """What the forward of positions [start, end) completes for the offload store:
+        each PAGE whose last row it computes and whose KV it writes (PAGEs below
+        ``write_from`` were cached already), and the image it stores."""
+        if self.offload is None:
+            return ()
+        b = self.config.block_size
+        first = max(start, write_from) // b
+        if end // b <= first and store_after is None:
+            return ()
+        rid = request.request_id
+        hashes = self.block_manager.page_hashes(rid, request.all_token_ids, end // b)
+        table = self.block_manager.page_table(rid)
+        out = [
+            PagePublish(pages=(table[i],), key=OffloadKey(self.layout_id, hashes[i], UnitKind.PAGE))
+            for i in range(first, end // b)
+        ]
+        if store_after is not None:
+            key = OffloadKey(self.layout_id, hashes[end // b - 1], UnitKind.IMAGE)
+            out.append(PagePublish(pages=store_after.pages, key=key))
+        return tuple(out)
 
     # -- results ------------------------------------------------------------------------
 

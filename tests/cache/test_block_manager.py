@@ -231,3 +231,64 @@ def test_contract_breaches_are_refused() -> None:
         StateTransfer("swap")
     with pytest.raises(BlockManagerError, match="boundary: 3"):
         bm.wants_image("a", 3)
+
+
+@pytest.mark.parametrize("state_transfer", list(StateTransfer))
+def test_extended_hit_registers_fetched_pages_and_a_failed_allocation_changes_nothing(
+    state_transfer: StateTransfer,
+) -> None:
+    """An offload-extended hit covers the local PAGEs and the fetched ones; its
+    allocation puts the fetched PAGEs (and, under copy, the fetched image) in the
+    prefix index, so the next lookup hits them locally; when the pools cannot hold
+    the prompt the allocation answers False with the counters and index untouched."""
+    bm = _manager(state_transfer, num_pages=16)
+    tokens = list(range(5 * B + 1))
+    _run(bm, "a", tokens[: 2 * B])
+    bm.free("a")
+    hit = bm.lookup(tokens)
+    assert len(hit.pages) == 2
+    image = None
+    if state_transfer is StateTransfer.COPY:
+        pages = bm.allocate_pages(2)
+        assert pages is not None
+        image = StateImage(layout_id="L", pages=tuple(pages), image_bytes=100, num_tokens=4 * B)
+    extended = bm.extend_hit(hit, 2, image)
+    assert extended.hit_tokens == 4 * B and extended.num_hit_pages == 4
+    expected_start = bm.replay_start(4 * B) if state_transfer is StateTransfer.REPLAY else 4 * B
+    assert extended.forward_start == expected_start
+
+    before = bm.stats()
+    hog = bm.allocate_pages(bm.stats().pages_free)
+    assert hog is not None
+    assert not bm.allocate_prompt("b", tokens, extended)
+    assert bm.stats().fetched_pages == before.fetched_pages == 0
+    bm.free_pages(hog)
+
+    assert bm.allocate_prompt("b", tokens, extended)
+    stats = bm.stats()
+    assert stats.fetched_pages == 2 and stats.fetched_images == (1 if image else 0)
+    bm.free("b")
+    again = bm.lookup(tokens)
+    assert again.num_hit_pages == 4 and again.fetched_pages == 0 and len(again.pages) == 4
+    if image is not None:
+        assert again.restore_image == image
+
+
+def test_extended_hit_refusals() -> None:
+    """A fetched PAGE whose hash is cached locally, an image outside the fetched
+    PAGEs, and an image under replay are refused."""
+    bm = _manager(StateTransfer.COPY)
+    tokens = list(range(4 * B + 1))
+    hit = bm.lookup(tokens)
+    pages = bm.allocate_pages(2)
+    assert pages is not None
+    with pytest.raises(BlockManagerError, match="image"):
+        bm.extend_hit(hit, 2, StateImage(layout_id="L", pages=tuple(pages), image_bytes=1, num_tokens=3 * B))
+    with pytest.raises(BlockManagerError, match="replay"):
+        _manager(StateTransfer.REPLAY).extend_hit(
+            hit, 1, StateImage(layout_id="L", pages=tuple(pages), image_bytes=1, num_tokens=B)
+        )
+    extended = bm.extend_hit(hit, 2, None)
+    _run(bm, "x", tokens[:B])
+    with pytest.raises(BlockManagerError, match="cached here"):
+        bm.allocate_prompt("y", tokens, extended)
