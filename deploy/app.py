@@ -6,13 +6,19 @@ Serve YAML's ``args:``), :func:`make_engine` (the one place a replica's engine i
 :class:`LLMServer` (the deployment whose every replica owns one engine, driven by an
 ``AsyncEngine``), :class:`OpenAIIngress` (the FastAPI deployment: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``, and the gRPC
-``Generate`` of ``deploy.grpc_service``) and
-:func:`build_app`, the ``import_path`` of ``deploy/configs/*.yaml``.
+``Generate`` of ``deploy.grpc_service``), :func:`build_app`, the ``import_path`` of
+``deploy/configs/*.yaml``, and :func:`run_app`, ``serve.run`` with a deadline.
 
 Overload is Serve's: each deployment has ``max_ongoing_requests`` and
 ``max_queued_requests``; a full LLM server queue answers 429 with ``Retry-After``, a
 full ingress queue is answered 503 by Serve's proxy. Replicas scale through Serve's
 ``autoscaling_config`` on ongoing requests; a replica is a whole engine.
+
+Resources: an LLM server replica reserves what ``ray_actor_options`` asks (Serve's
+default: one CPU, which its engine's step loop uses); the ingress, which only relays,
+reserves no CPU unless ``ingress_ray_actor_options`` says so. With Serve's default of a
+whole CPU for it, an application on a 2-CPU node held both CPUs, and a second
+application's replicas waited forever to be placed.
 
 Must not import at module level: ``torch`` or ``actors`` (``make_engine`` imports the
 backend it builds). Must not be imported by ``model``, ``cache``, ``cluster``, ``actors``.
@@ -21,7 +27,9 @@ backend it builds). Must not be imported by ``model``, ``cache``, ``cluster``, `
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
 import asyncio
 import logging
+import threading
 import uuid
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from contextlib import aclosing
@@ -33,29 +41,25 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from cluster.engine import EngineError, EngineFrontend, engine_options
-from cluster.request import RequestOutput, SamplingParams, SamplingParamsError
-from deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
-from deploy.chat_parser import ChatDelta, StreamingChatParser, parse_assistant_output
-from deploy.chat_protocol import ChatRequestError, encode_chat
+from cluster.engine import EngineFrontend, engine_options
+from cluster.request import RequestOutput, SamplingParams
+from deploy.async_engine import AsyncEngine, parent_request_id
+from deploy.chat_protocol import encode_chat
 from deploy.grpc_service import GenerateServicer
 from deploy.metrics import METRICS_CONTENT_TYPE, ServingMetrics
 from deploy.openai_api import (
+    REFUSALS,
     SSE_DONE,
     ChatCompletionRequest,
+    ChatStreamWriter,
     CompletionRequest,
     OpenAIError,
     bad_request,
-    chat_chunk_choice,
-    chat_choice,
-    chat_finish_reason,
-    chat_logprobs,
-    chat_response,
+    chat_completion_response,
     chunk,
     completion_choice,
     completion_logprobs,
     completion_response,
-    engine_unavailable,
     error_for,
     model_not_found,
     now,
@@ -72,6 +76,9 @@ DTYPES = ("float32", "bfloat16")
 TINY_MODEL_NAME = "dsv41-tiny"
 # Seconds a client is told to wait when the LLM servers' queues are full.
 RETRY_AFTER_S = 1
+# The ingress parses JSON and relays: like Serve's own proxy it reserves no CPU, so
+# every CPU of a node is left to the engines.
+INGRESS_NUM_CPUS = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,9 @@ class AppArgs:
     ``backend``: ``local`` (the replica's ranks in its own process) or ``ray`` (an
     engine group of ``dp`` RankActors, experts split ``expert_mode``). Either
     ``num_replicas`` or ``autoscaling_config`` (Serve's) sizes the LLM servers.
+    ``ray_actor_options`` are an LLM server replica's (Serve's defaults: one CPU);
+    ``ingress_ray_actor_options`` the ingress's, ``num_cpus`` defaulting to
+    :data:`INGRESS_NUM_CPUS`.
     """
 
     model: str | None = None
@@ -99,6 +109,7 @@ class AppArgs:
     ingress_num_replicas: int = 1
     ingress_max_ongoing_requests: int = 512
     ingress_max_queued_requests: int = 1024
+    ingress_ray_actor_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -133,8 +144,9 @@ class AppArgs:
             value = getattr(self, name)
             if not (_is_count(value) or value == -1):
                 raise ValueError(f"{name}: {value!r} (allowed: an integer >= 1, or -1 for no limit)")
-        if not isinstance(self.ray_actor_options, Mapping):
-            raise ValueError(f"ray_actor_options: {self.ray_actor_options!r} (allowed: Ray actor options)")
+        for name in ("ray_actor_options", "ingress_ray_actor_options"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise ValueError(f"{name}: {getattr(self, name)!r} (allowed: Ray actor options)")
         # Refuse bad engine options here, before Serve starts a replica that would die on them.
         engine_options(self.engine_options())
 
@@ -252,8 +264,8 @@ class LLMServer:
     def health(self) -> OpenAIError | None:
         try:
             self.engine.check_health()
-        except EngineDeadError as exc:
-            return engine_unavailable(str(exc))
+        except REFUSALS as exc:
+            return error_for(exc)
         return None
 
     def metrics_text(self) -> bytes:
@@ -266,10 +278,8 @@ class LLMServer:
             async for index, output in self._run(prompts, params):
                 if output.finished:
                     finals[index] = output
-        except (OpenAIError, EngineError, SamplingParamsError) as exc:
+        except REFUSALS as exc:
             return error_for(exc)
-        except EngineDeadError as exc:
-            return engine_unavailable(str(exc))
         choices = []
         for index in sorted(finals):
             output = finals[index]
@@ -290,11 +300,8 @@ class LLMServer:
             request, prompts, params = self._completion_request(body)
             outputs = self._run(prompts, params)
             first = await anext(outputs)
-        except (OpenAIError, EngineError, SamplingParamsError) as exc:
+        except REFUSALS as exc:
             yield error_for(exc)
-            return
-        except EngineDeadError as exc:
-            yield engine_unavailable(str(exc))
             return
         response_id, created = _response_id("cmpl"), now()
         sent_text: dict[int, int] = {}
@@ -315,8 +322,9 @@ class LLMServer:
                 finish = None if output.finish_reason is None else output.finish_reason.value
                 choice = completion_choice(index, delta, logprobs, finish)
                 yield chunk("text_completion", response_id, self.model_name, created, [choice])
-        except (EngineDeadError, EngineError, SamplingParamsError) as exc:
-            yield _stream_error(exc)
+        except REFUSALS as exc:
+            # The status line is already sent: the error ends the stream as an event.
+            yield sse(error_for(exc).body())
             return
         if request.include_usage:
             counts = usage(sum(map(len, prompts)), sum(sent_tokens.values()))
@@ -338,11 +346,8 @@ class LLMServer:
                 raise bad_request(name, f"{name}: {body[name]!r} (allowed: absent on a token stream)")
             outputs = self._run(prompts, params)
             first = await anext(outputs)
-        except (OpenAIError, EngineError, SamplingParamsError) as exc:
+        except REFUSALS as exc:
             yield error_for(exc)
-            return
-        except EngineDeadError as exc:
-            yield engine_unavailable(str(exc))
             return
         sent_text = sent_tokens = 0
         try:
@@ -357,10 +362,8 @@ class LLMServer:
                     "finish_reason": None if output.finish_reason is None else output.finish_reason.value,
                     "usage": usage(len(prompts[0]), sent_tokens) if output.finished else None,
                 }
-        except (EngineError, SamplingParamsError) as exc:
+        except REFUSALS as exc:
             yield error_for(exc)
-        except EngineDeadError as exc:
-            yield engine_unavailable(str(exc))
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
         try:
@@ -369,19 +372,11 @@ class LLMServer:
             async for index, output in self._run([prompt], params):
                 if output.finished:
                     finals[index] = output
-        except (OpenAIError, EngineError, SamplingParamsError, ChatRequestError) as exc:
+        except REFUSALS as exc:
             return error_for(exc)
-        except EngineDeadError as exc:
-            return engine_unavailable(str(exc))
-        choices = []
-        top = params.logprobs or 0
-        for index in sorted(finals):
-            output = finals[index]
-            message = parse_assistant_output(output.text, thinking=request.thinking, tools_enabled=request.tools_enabled)
-            logprobs = None if output.logprobs is None else chat_logprobs(self.tokenizer, output.token_ids, output.logprobs, top)
-            choices.append(chat_choice(index, message, logprobs, chat_finish_reason(output, message, False)))
-        generated = sum(len(o.token_ids) for o in finals.values())
-        return chat_response(_response_id("chatcmpl"), self.model_name, now(), choices, usage(len(prompt), generated))
+        return chat_completion_response(
+            request, _response_id("chatcmpl"), self.model_name, now(), finals, len(prompt), self.tokenizer
+        )
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[str | OpenAIError]:
         """SSE events; the first item is an OpenAIError instead when refused."""
@@ -389,51 +384,22 @@ class LLMServer:
             request, prompt, params = self._chat_request(body)
             outputs = self._run([prompt], params)
             first = await anext(outputs)
-        except (OpenAIError, EngineError, SamplingParamsError, ChatRequestError) as exc:
+        except REFUSALS as exc:
             yield error_for(exc)
             return
-        except EngineDeadError as exc:
-            yield engine_unavailable(str(exc))
-            return
-        response_id, created = _response_id("chatcmpl"), now()
-        kind = "chat.completion.chunk"
-        top = params.logprobs or 0
-        for index in range(params.n):
-            yield chunk(kind, response_id, self.model_name, created, [chat_chunk_choice(index, None, None, None, first=True)])
-        parsers = {
-            i: StreamingChatParser(thinking=request.thinking, tools_enabled=request.tools_enabled) for i in range(params.n)
-        }
-        sent_text = dict.fromkeys(range(params.n), 0)
-        sent_tokens = dict.fromkeys(range(params.n), 0)
-        called_tools = dict.fromkeys(range(params.n), False)
+        writer = ChatStreamWriter(request, _response_id("chatcmpl"), self.model_name, now(), self.tokenizer)
+        for event in writer.opening():
+            yield event
         try:
             async for index, output in _starting_with(first, outputs):
-                parser = parsers[index]
-                deltas = parser.feed(output.text[sent_text[index] :])
-                if output.finished:
-                    deltas += parser.finish()
-                new_tokens = output.token_ids[sent_tokens[index] :]
-                logprobs = (
-                    None
-                    if output.logprobs is None or not new_tokens
-                    else chat_logprobs(self.tokenizer, new_tokens, output.logprobs[sent_tokens[index] :], top)
-                )
-                sent_text[index], sent_tokens[index] = len(output.text), len(output.token_ids)
-                called_tools[index] |= any(d.tool_call is not None for d in deltas)
-                # Token logprobs ride on the first piece of their step (or an empty delta).
-                pieces: list[ChatDelta | None] = list(deltas) or ([None] if logprobs is not None else [])
-                for position, delta in enumerate(pieces):
-                    choice = chat_chunk_choice(index, delta, logprobs if position == 0 else None, None)
-                    yield chunk(kind, response_id, self.model_name, created, [choice])
-                if output.finished:
-                    choice = chat_chunk_choice(index, None, None, chat_finish_reason(output, None, called_tools[index]))
-                    yield chunk(kind, response_id, self.model_name, created, [choice])
-        except (EngineDeadError, EngineError, SamplingParamsError) as exc:
-            yield _stream_error(exc)
+                for event in writer.events(index, output):
+                    yield event
+        except REFUSALS as exc:
+            # The status line is already sent: the error ends the stream as an event.
+            yield sse(error_for(exc).body())
             return
-        if request.include_usage:
-            yield chunk(kind, response_id, self.model_name, created, [], usage(len(prompt), sum(sent_tokens.values())))
-        yield SSE_DONE
+        for event in writer.closing(len(prompt)):
+            yield event
 
     # -- internals --------------------------------------------------------------------
 
@@ -501,13 +467,6 @@ async def _starting_with(
         yield first
         async for item in rest:
             yield item
-
-
-def _stream_error(exc: Exception) -> str:
-    """The SSE event that ends a stream which failed after it started (the status
-    line is already sent)."""
-    error = engine_unavailable(str(exc)) if isinstance(exc, EngineDeadError) else error_for(exc)
-    return sse(error.body())
 
 
 def _response_id(prefix: str) -> str:
@@ -612,4 +571,45 @@ def build_app(args: Mapping[str, Any] | AppArgs) -> serve.Application:
         num_replicas=parsed.ingress_num_replicas,
         max_ongoing_requests=parsed.ingress_max_ongoing_requests,
         max_queued_requests=parsed.ingress_max_queued_requests,
+        ray_actor_options={"num_cpus": INGRESS_NUM_CPUS, **parsed.ingress_ray_actor_options},
     ).bind(llm, parsed.model_name)
+
+
+class AppStartTimeout(TimeoutError):
+    """An application whose deployments were not all running in time."""
+
+
+def run_app(application: serve.Application, *, name: str, route_prefix: str | None, timeout_s: float) -> DeploymentHandle:
+    """``serve.run(application, name=..., route_prefix=...)`` that gives up after
+    ``timeout_s`` seconds. Serve waits without limit for replicas it cannot place (a
+    deployment asking for more CPUs than the cluster has free stays pending, said only
+    in the controller's log); this raises :class:`AppStartTimeout` instead, naming each
+    deployment not yet healthy with Serve's status message, which states the resources
+    it waits for. The deploy itself goes on: ``serve.delete(name)`` or
+    ``serve.shutdown()`` withdraws it."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s: {timeout_s!r} (allowed: > 0)")
+    started: Future[DeploymentHandle] = Future()
+
+    def deploy() -> None:
+        try:
+            started.set_result(serve.run(application, name=name, route_prefix=route_prefix))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller (or, after its timeout, to nobody)
+            started.set_exception(exc)
+
+    threading.Thread(target=deploy, name=f"serve-run-{name}", daemon=True).start()
+    if not wait([started], timeout=timeout_s).done:
+        raise AppStartTimeout(f"application {name!r} not running after {timeout_s} s: {_unready_deployments(name)}")
+    return started.result()
+
+
+def _unready_deployments(app_name: str) -> str:
+    application = serve.status().applications.get(app_name)
+    if application is None:
+        return "not deployed"
+    unready = [
+        f"{deployment} {status.status.value} {dict(status.replica_states)}: {status.message}"
+        for deployment, status in application.deployments.items()
+        if status.status != "HEALTHY"
+    ]
+    return "; ".join(unready) or f"{application.status.value}: {application.message}"

@@ -110,6 +110,7 @@ def engine_load(engine: EngineFrontend) -> EngineLoad:
         pages_used=sum(s.pages_used for s in stats.ranks),
         prefix_lookup_tokens=sum(s.lookup_tokens for s in stats.ranks),
         prefix_hit_tokens=sum(s.hit_tokens for s in stats.ranks),
+        offload_fetched_pages=sum(s.fetched_pages for s in stats.ranks),
     )
 
 

@@ -40,6 +40,7 @@ class EngineLoad:
     pages_used: int
     prefix_lookup_tokens: int
     prefix_hit_tokens: int
+    offload_fetched_pages: int = 0  # PAGEs of prefix hits restored from the offload store
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -93,6 +94,9 @@ class ServingMetrics:
         )
         self.prefix_lookup_tokens = gauge("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hit_tokens = gauge("prefix_cache_hits_tokens", "Prompt tokens served by the prefix cache.")
+        self.offload_fetched_pages = gauge(
+            "offload_fetched_pages", "PAGEs of prefix hits restored from the offload store (cumulative)."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.requests_finished = Counter(
@@ -123,6 +127,7 @@ class ServingMetrics:
         self.prefix_hit_rate.set(load.prefix_hit_rate)
         self.prefix_lookup_tokens.set(load.prefix_lookup_tokens)
         self.prefix_hit_tokens.set(load.prefix_hit_tokens)
+        self.offload_fetched_pages.set(load.offload_fetched_pages)
 
     def observe_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

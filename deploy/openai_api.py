@@ -1,16 +1,18 @@
 """The OpenAI HTTP API's shapes: requests read and validated, responses and chunks written.
 
 Owns :class:`OpenAIError` (an error answer: HTTP status and the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``) and :func:`error_for` (the one
-mapping of the project's validation errors onto it), :class:`CompletionRequest` and
+``{"error": {"message", "type", "param", "code"}}``), :func:`error_for` (the one
+mapping of every refusal, :data:`REFUSALS`, onto it), :class:`CompletionRequest` and
 :class:`ChatCompletionRequest` (a request body read field by field, every unknown or
 unsupported field refused with a 400 that names it, turned into ``SamplingParams``),
-and the writers of completion and chat responses, stream chunks, usage and logprobs.
-Nothing here runs a request.
+and the writers of completion and chat responses, stream chunks, usage and logprobs:
+:func:`chat_completion_response` and :class:`ChatStreamWriter` assemble a chat answer
+(reasoning, content, ``tool_calls``, finish reason) from the engine's outputs, read by
+``deploy.chat_parser``. Nothing here runs a request.
 
 Must not import: ``ray``, ``fastapi``, ``torch``, ``model``, ``cache``, ``actors``,
-``deploy.app``, ``deploy.async_engine``. From ``cluster`` only ``cluster.request`` and
-``cluster.engine``'s error type.
+``deploy.app``. From ``cluster`` only ``cluster.request`` and ``cluster.engine``'s error
+type; from ``deploy.async_engine`` only its error type.
 
 Choices where the docs are unsure, each made in one place (marked (?) where made):
 - a chat request without ``max_tokens`` gets the rest of the context (vLLM's rule); a
@@ -30,12 +32,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from cluster.engine import EngineError
 from cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError
+from deploy.async_engine import EngineDeadError
+from deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, parse_assistant_output
 from deploy.chat_protocol import ChatRequestError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-    from deploy.chat_parser import ChatDelta, ParsedMessage
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 SSE_DONE = "data: [DONE]\n\n"
@@ -134,11 +136,20 @@ def engine_unavailable(reason: str) -> OpenAIError:
     return OpenAIError(503, f"the engine is unavailable: {reason}", error_type="server_error", code="engine_dead")
 
 
+# Every exception error_for answers: a request refused (by this module, the chat
+# protocol, the sampling parameters or the engine) or an engine that died under it.
+REFUSALS: tuple[type[Exception], ...] = (OpenAIError, ChatRequestError, SamplingParamsError, EngineError, EngineDeadError)
+
+
 def error_for(exc: Exception) -> OpenAIError:
-    """The 400 for a request the protocol, the sampling parameters or the engine
-    refused; their messages start with the field they name."""
+    """The answer to one of :data:`REFUSALS`: an OpenAIError is its own; a dead engine
+    is a 503 ``engine_dead`` (the HTTP layer adds ``Retry-After``: another replica, or
+    this one's replacement, can take the retry); anything the protocol, the sampling
+    parameters or the engine refused is a 400 naming the field its message starts with."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_unavailable(str(exc))
     if isinstance(exc, ChatRequestError):
         return bad_request(exc.field, str(exc))
     if isinstance(exc, (SamplingParamsError, EngineError)):
@@ -504,6 +515,99 @@ def chat_chunk_choice(
     if delta is not None:
         content.update(delta.to_openai())
     return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_completion_response(
+    request: ChatCompletionRequest,
+    response_id: str,
+    model: str,
+    created: int,
+    finals: Mapping[int, RequestOutput],
+    prompt_tokens: int,
+    tokenizer: Tokenizer,
+) -> dict[str, Any]:
+    """The non-streamed chat answer from each choice's finished output: the text read
+    back as an assistant message (reasoning, content, ``tool_calls``; a malformed call
+    block stays content), ``finish_reason`` ``tool_calls`` when a stopped answer called
+    tools, token logprobs when asked for, and usage."""
+    top = request.sampling.logprobs or 0
+    choices = []
+    for index in sorted(finals):
+        output = finals[index]
+        message = parse_assistant_output(output.text, thinking=request.thinking, tools_enabled=request.tools_enabled)
+        logprobs = None if output.logprobs is None else chat_logprobs(tokenizer, output.token_ids, output.logprobs, top)
+        choices.append(chat_choice(index, message, logprobs, chat_finish_reason(output, message, False)))
+    generated = sum(len(o.token_ids) for o in finals.values())
+    return chat_response(response_id, model, created, choices, usage(prompt_tokens, generated))
+
+
+class ChatStreamWriter:
+    """The SSE events of one streamed chat answer, written from the engine's cumulative
+    output snapshots of each choice (in any interleaving of the choices).
+
+    Per choice: :meth:`opening`'s role chunk, then reasoning and content deltas as the
+    streaming parser makes them certain, each tool call whole (id, type, function name
+    and JSON arguments) as its invoke closes, token logprobs on the first piece of
+    their step, and a last chunk with the finish reason (``tool_calls`` when a stopped
+    answer called tools). :meth:`closing` adds the usage chunk when asked for and
+    ``[DONE]``. Joining the deltas gives :func:`chat_completion_response`'s message."""
+
+    _KIND = "chat.completion.chunk"
+
+    def __init__(self, request: ChatCompletionRequest, response_id: str, model: str, created: int, tokenizer: Tokenizer) -> None:
+        self._request = request
+        self._response_id = response_id
+        self._model = model
+        self._created = created
+        self._tokenizer = tokenizer
+        self._top = request.sampling.logprobs or 0
+        choices = range(request.sampling.n)
+        self._parsers = {
+            i: StreamingChatParser(thinking=request.thinking, tools_enabled=request.tools_enabled) for i in choices
+        }
+        self._sent_text = dict.fromkeys(choices, 0)
+        self._sent_tokens = dict.fromkeys(choices, 0)
+        self._called_tools = dict.fromkeys(choices, False)
+
+    def opening(self) -> list[str]:
+        """Each choice's first chunk: the assistant role with empty content."""
+        return [self._chunk([chat_chunk_choice(i, None, None, None, first=True)]) for i in self._parsers]
+
+    def events(self, index: int, output: RequestOutput) -> list[str]:
+        """The chunks a new snapshot of choice ``index`` adds (none while its new text
+        could still start a marker and no logprobs are due)."""
+        parser = self._parsers[index]
+        deltas = parser.feed(output.text[self._sent_text[index] :])
+        if output.finished:
+            deltas += parser.finish()
+        new_tokens = output.token_ids[self._sent_tokens[index] :]
+        logprobs = (
+            None
+            if output.logprobs is None or not new_tokens
+            else chat_logprobs(self._tokenizer, new_tokens, output.logprobs[self._sent_tokens[index] :], self._top)
+        )
+        self._sent_text[index], self._sent_tokens[index] = len(output.text), len(output.token_ids)
+        self._called_tools[index] |= any(d.tool_call is not None for d in deltas)
+        # Token logprobs ride on the first piece of their step (or an empty delta).
+        pieces: list[ChatDelta | None] = list(deltas) or ([None] if logprobs is not None else [])
+        events = [
+            self._chunk([chat_chunk_choice(index, delta, logprobs if position == 0 else None, None)])
+            for position, delta in enumerate(pieces)
+        ]
+        if output.finished:
+            finish = chat_finish_reason(output, None, self._called_tools[index])
+            events.append(self._chunk([chat_chunk_choice(index, None, None, finish)]))
+        return events
+
+    def closing(self, prompt_tokens: int) -> list[str]:
+        """The usage chunk (with ``stream_options.include_usage``) and ``[DONE]``."""
+        events = []
+        if self._request.include_usage:
+            events.append(self._chunk([], usage(prompt_tokens, sum(self._sent_tokens.values()))))
+        return [*events, SSE_DONE]
+
+    def _chunk(self, choices: list[dict[str, Any]], usage_counts: dict[str, int] | None = None) -> str:
+        return chunk(self._KIND, self._response_id, self._model, self._created, choices, usage_counts)
 
 
 def chunk(kind: str, response_id: str, model: str, created: int, choices: list[dict[str, Any]], usage_counts: dict[str, int] | None = None) -> str:

@@ -1,5 +1,7 @@
 """The Ray Serve app end to end: a live local Serve app on the tiny model, driven by the
-official ``openai`` client and plain HTTP (started once for the module)."""
+official ``openai`` client and plain HTTP (started once for the module, only for the
+tests that use it); and the chat answer's assembly from engine outputs (tool calls,
+finish reasons, stream chunks), which the random tiny model cannot reach over HTTP."""
 
 from __future__ import annotations
 
@@ -15,12 +17,28 @@ from typing import Any, Iterator
 import openai
 import pytest
 import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from ray import serve
+from tokenizers import Tokenizer
 
+from cluster.engine import EngineError
+from cluster.request import FinishReason, RequestOutput, SamplingParamsError
 from deploy.app import build_app
+from deploy.async_engine import EngineDeadError
+from deploy.chat_protocol import ChatRequestError, encode_chat, format_call_block
+from deploy.openai_api import (
+    REFUSALS,
+    ChatCompletionRequest,
+    ChatStreamWriter,
+    OpenAIError,
+    chat_completion_response,
+    error_for,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_MODEL_LEN = 256
+# Room for a prompt that declares tools (the tools section alone is ~750 tiny-tokenizer tokens).
+MAX_MODEL_LEN = 2048
 
 
 def _free_port() -> int:
@@ -170,3 +188,219 @@ def test_models_and_health(base_url: str, client: openai.OpenAI) -> None:
     """/v1/models lists the served name; /health answers 200 while the engine lives."""
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert urllib.request.urlopen(f"{base_url}/health", timeout=30).status == 200
+
+
+# -- chat tools over HTTP -------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+    },
+}
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+# A finished tool round: the assistant's call, its result, and the user's next turn.
+TOOL_ROUND = [
+    *CONVERSATION,
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_tools_are_rendered_into_the_prompt(client: openai.OpenAI, tokenizer: Tokenizer, stream: bool) -> None:
+    """The prompt the server runs is deploy.chat_protocol's rendering: usage counts
+    exactly ``encode_chat``'s tokens for tools declared (longer than without them), for
+    ``tool_choice: "none"`` (the tools left out: as long as no tools) and for a
+    conversation carrying a past call and its result. With ``"none"`` the answer has no
+    tool calls."""
+
+    def prompt_tokens(messages: list[dict[str, Any]], **options: Any) -> int:
+        kwargs = {"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0, **options}
+        if not stream:
+            answer = client.chat.completions.create(**kwargs)
+            assert options.get("tool_choice") != "none" or not answer.choices[0].message.tool_calls
+            return answer.usage.prompt_tokens
+        chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        if options.get("tool_choice") == "none":
+            assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+        return chunks[-1].usage.prompt_tokens
+
+    with_tools = prompt_tokens(CONVERSATION, tools=[WEATHER_TOOL])
+    assert with_tools == len(encode_chat(tokenizer, CONVERSATION, tools=[WEATHER_TOOL]))
+    none = prompt_tokens(CONVERSATION, tools=[WEATHER_TOOL], tool_choice="none")
+    assert none == len(encode_chat(tokenizer, CONVERSATION)) < with_tools
+    assert prompt_tokens(TOOL_ROUND, tools=[WEATHER_TOOL]) == len(encode_chat(tokenizer, TOOL_ROUND, tools=[WEATHER_TOOL]))
+
+
+def test_bad_tools_get_400_naming_the_field(client: openai.OpenAI) -> None:
+    """A tool the protocol cannot render and an unsupported tool_choice are refused
+    with 400, the error's param naming the offending field."""
+    bad_name = {"type": "function", "function": {"name": "get weather"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=CONVERSATION, tools=[bad_name], max_tokens=2)
+    assert refused.value.body["param"] == "tools[0].function.name"
+    with pytest.raises(openai.BadRequestError) as required:
+        client.chat.completions.create(model="tiny", messages=CONVERSATION, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=2)
+    assert required.value.body["param"] == "tool_choice"
+
+
+# -- the chat answer assembled from engine outputs ----------------------------------------------
+
+_PLAIN_TEXT = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="<｜\n"), max_size=12)
+_JSON_VALUES = (
+    _PLAIN_TEXT
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.booleans()
+    | st.none()
+    | st.lists(st.integers(0, 9), max_size=3)
+)
+_CALLS = st.lists(
+    st.tuples(
+        st.from_regex(r"[A-Za-z_][A-Za-z0-9_-]{0,11}", fullmatch=True),
+        st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), _JSON_VALUES, max_size=3),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+def _chat_request(*, stream: bool, **fields: Any) -> ChatCompletionRequest:
+    body = {"model": "tiny", "messages": CONVERSATION, "tools": [WEATHER_TOOL], **fields}
+    return ChatCompletionRequest.from_json({**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body)
+
+
+def _snapshots(text: str, cuts: list[int], finish: FinishReason) -> list[RequestOutput]:
+    """The engine's cumulative outputs of one choice whose text grows through ``cuts``
+    (one token per snapshot), the last one finished."""
+    ends = [*sorted({c for c in cuts if 0 < c < len(text)}), len(text)]
+    return [
+        RequestOutput("r", tuple(range(i + 1)), i + 1 == len(ends), finish if i + 1 == len(ends) else None, text=text[:end])
+        for i, end in enumerate(ends)
+    ]
+
+
+def _whole(request: ChatCompletionRequest, output: RequestOutput, tokenizer: Tokenizer) -> dict[str, Any]:
+    response = chat_completion_response(request, "chatcmpl-1", "tiny", 0, {0: output}, 7, tokenizer)
+    assert response["object"] == "chat.completion" and response["usage"]["completion_tokens"] == len(output.token_ids)
+    (choice,) = response["choices"]
+    return choice
+
+
+def _streamed(request: ChatCompletionRequest, outputs: list[RequestOutput], tokenizer: Tokenizer) -> tuple[dict[str, Any], str]:
+    """The message the stream's deltas add up to (tool calls as whole OpenAI objects,
+    which the writer sends in one delta each) and the stream's finish reason; checks
+    the stream's frame: role first, one finish reason last, usage, ``[DONE]``."""
+    writer = ChatStreamWriter(request, "chatcmpl-1", "tiny", 0, tokenizer)
+    events = writer.opening() + [event for output in outputs for event in writer.events(0, output)] + writer.closing(7)
+    assert events[-1] == "data: [DONE]\n\n"
+    payloads = [json.loads(event[len("data: ") :]) for event in events[:-1]]
+    assert all(p["object"] == "chat.completion.chunk" and p["id"] == "chatcmpl-1" for p in payloads)
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == len(outputs[-1].token_ids)
+    choices = [p["choices"][0] for p in payloads[:-1]]
+    assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+    finishes = [c["finish_reason"] for c in choices]
+    assert finishes[:-1] == [None] * (len(choices) - 1) and choices[-1]["delta"] == {}
+    deltas = [c["delta"] for c in choices[1:-1]]
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [call.pop("index") for call in calls] == list(range(len(calls)))
+    content = "".join(d.get("content") or "" for d in deltas)
+    message = {"role": "assistant", "content": None if calls and not content else content}
+    if calls:
+        message["tool_calls"] = calls
+    return message, finishes[-1]
+
+
+def _without_ids(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if calls is None:
+        return message
+    for call in calls:
+        assert call["id"].startswith("call_") and len(call["id"]) > len("call_")
+    return {**message, "tool_calls": [{k: v for k, v in call.items() if k != "id"} for call in calls]}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=_PLAIN_TEXT, calls=_CALLS, cuts=st.lists(st.integers(0, 2000), max_size=8))
+def test_tool_calls_are_answered_as_openai_tool_calls(
+    tokenizer: Tokenizer, content: str, calls: list[tuple[str, dict[str, Any]]], cuts: list[int]
+) -> None:
+    """A stopped answer that ends in a call block comes back, whole and streamed
+    however the text is cut, as OpenAI ``tool_calls``: each with a ``call_`` id, type
+    ``function``, the function's name and its arguments as a JSON string that parses to
+    the arguments written; the text before the block is the content (null when empty);
+    the finish reason is ``tool_calls``. Both ways give the same message."""
+    text = content + format_call_block(calls)
+    outputs = _snapshots(text, cuts, FinishReason.STOP)
+    whole = _whole(_chat_request(stream=False), outputs[-1], tokenizer)
+    assert whole["finish_reason"] == "tool_calls"
+    message = whole["message"]
+    assert message["content"] == (content or None)
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("function", name, arguments) for name, arguments in calls
+    ]
+    streamed, finish = _streamed(_chat_request(stream=True), outputs, tokenizer)
+    assert finish == "tool_calls"
+    assert _without_ids(streamed) == _without_ids(message)
+
+
+_MALFORMED = format_call_block([("get_weather", {"days": 2})]).replace('string="false">2<', 'string="false">2x<')
+
+
+@pytest.mark.parametrize(
+    ("text", "fields"),
+    [
+        ("Let me check." + _MALFORMED, {}),
+        ("Let me check." + format_call_block([("get_weather", {"city": "Paris"})]), {"tool_choice": "none"}),
+    ],
+    ids=["malformed block", "tool_choice none"],
+)
+@pytest.mark.parametrize("finish", [FinishReason.STOP, FinishReason.LENGTH])
+def test_a_block_not_read_as_calls_is_content(
+    tokenizer: Tokenizer, text: str, fields: dict[str, Any], finish: FinishReason
+) -> None:
+    """A malformed call block, or any block when ``tool_choice`` is "none", comes back
+    as content, whole and streamed: the whole text, no ``tool_calls``, the engine's own
+    finish reason."""
+    outputs = _snapshots(text, list(range(0, len(text), 5)), finish)
+    whole = _whole(_chat_request(stream=False, **fields), outputs[-1], tokenizer)
+    assert whole["message"] == {"role": "assistant", "content": text} and whole["finish_reason"] == finish.value
+    assert _streamed(_chat_request(stream=True, **fields), outputs, tokenizer) == (whole["message"], finish.value)
+
+
+def test_every_refusal_has_one_answer() -> None:
+    """error_for answers every exception of REFUSALS: the request errors with a 400
+    naming their field, a dead engine with 503 ``engine_dead`` (which the HTTP layer
+    sends with ``Retry-After``), an OpenAIError with itself; anything else is not a
+    refusal and raises."""
+    own = OpenAIError(404, "model: 'x' does not exist", param="model", code="model_not_found")
+    cases = {
+        own: (404, "model", "model_not_found"),
+        ChatRequestError("messages[0].role", "'robot' (allowed: ...)"): (400, "messages[0].role", None),
+        SamplingParamsError("top_p: 2.0 (allowed: 0 < top_p <= 1)"): (400, "top_p", None),
+        EngineError("prompt_token_ids: empty"): (400, "prompt", None),
+        EngineDeadError("the engine step loop failed: RuntimeError: device lost"): (503, None, "engine_dead"),
+    }
+    assert {type(exc) for exc in cases} == set(REFUSALS)
+    for exc, (status, param, code) in cases.items():
+        answer = error_for(exc)
+        assert (answer.status, answer.param, answer.code) == (status, param, code)
+        assert str(exc) in answer.message
+    assert error_for(own) is own
+    with pytest.raises(TypeError):
+        error_for(RuntimeError("not a refusal"))
