@@ -1,50 +1,102 @@
 """Paged kernel benchmarks on a GPU at V4.1-Flash dims, against ceilings measured in the
 same run: decode sparse attention (64 heads x 512, window 128 + top-512 entries) and the
 paged index scorer (32 heads x 128, FP8 and FP4 planes), batch 1..256, context 4k..128k,
-on real pool planes (the V4.1-Flash geometry at block 128), read in place.
+on real pool planes (the V4.1-Flash geometry at block 128), read in place; and the routed
+experts' grouped GEMMs (hidden 5120, moe_intermediate 2304, top-6 of 64 or 256 held
+experts, bf16 and MXFP4-packed weights, 1..256 decode tokens and a 4096-token prefill);
+and the compression path's kernels (a ratio-2 owner's pair pooling with its STATE tails,
+its main and index row stores, and the step's window-ring stores: head_dim 512, index
+128, 1..256 decode rows and a 4096-row prefill), as time and bytes/s against the copy
+bandwidth.
 
-Prints a table and writes JSON. Usage (on the GPU machine, from the repo root):
-    PYTHONPATH=. python3 bench/kernels.py --out kernels.json
+Prints tables and writes JSON. Usage (on the GPU machine, from the repo root):
+    python3 bench/kernels.py --out kernels.json
+The attention/scorer table compares each kernel with the rows of a baseline JSON (by
+default bench/results/kernels.json as it was before this run: the first Triton
+baseline), and a tiling sweep at 32k context times other AttentionTiling / ScorerTiling
+choices than the defaults (GPU only; --no-sweep skips it).
+A smoke run on a CPU (small batches and contexts, the Triton kernels in their
+interpreter, no MoE section: its Flash-size expert weights are GBs):
+    TRITON_INTERPRET=1 python3 bench/kernels.py --small --out /tmp/kernels-small.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import platform
+import statistics
+import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import triton.testing
+from triton.runtime.errors import OutOfResources
 
-from cache.pools import PoolSize, V41Pools
-from cache.plane_io import PlaneIO
-from cluster.pool_layout import pool_geometry
-from model.config import V41Config
-from model.formats import round_mxfp4
-from model.kernels.torch_backend import TorchKernels
-from model.kernels.triton import TritonKernels
+# The repo root, so the script runs as `python3 bench/kernels.py` without PYTHONPATH.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.ceilings import ceilings  # noqa: E402
+from cache.addressing import PoolShape, SegmentSpec, build_step_addresses  # noqa: E402
+from cache.pools import PoolSize, V41Pools  # noqa: E402
+from cache.plane_io import PlaneIO  # noqa: E402
+from cluster.pool_layout import pool_geometry  # noqa: E402
+from model.config import V41Config  # noqa: E402
+from model.device import move_tensors  # noqa: E402
+from model.formats import round_fp8, round_mxfp4  # noqa: E402
+from model.kernels.torch_backend import TorchKernels  # noqa: E402
+from model.kernels.triton import TritonKernels  # noqa: E402
+from model.kernels.triton.attention import AttentionTiling  # noqa: E402
+from model.kernels.triton.index_scorer import ScorerTiling  # noqa: E402
+from model.moe import ExpertWeights, route, routed_experts  # noqa: E402
 
 FLASH = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "flash"
 BATCHES = (1, 8, 32, 128, 256)
 CONTEXTS = (4096, 32768, 131072)
 MAX_POOL_BYTES = 48 << 30
+MOE_EXPERTS = (64, 256)
+MOE_TOKENS = (1, 8, 32, 128, 256, 4096)
+MOE_CHECK_TOKENS = 32
+COMPRESSION_PREFILL_ROWS = 4096
+# --small: what a CPU runs in minutes with the kernels interpreted.
+SMALL_BATCHES = (1, 2)
+SMALL_CONTEXTS = (4096,)
+SMALL_COMPRESSION_PREFILL_ROWS = 128
+# The tiling sweep: shapes, and the variants of the defaults it times.
+SWEEP_CONTEXT = 32768
+SWEEP_BATCHES = (8, 32, 128)
+ATTENTION_SWEEP = {
+    "default": AttentionTiling(),
+    "block_n=16": AttentionTiling(block_n=16),
+    "block_n=64": AttentionTiling(block_n=64),
+    "num_stages=2": AttentionTiling(num_stages=2),
+    "no key split": AttentionTiling(programs_per_wave=1),
+}
+SCORER_SWEEP = {
+    "default": ScorerTiling(),
+    "block_c=64": ScorerTiling(block_c=64),
+    "block_c=256 warps=8": ScorerTiling(block_c=256, num_warps=8),
+    "num_stages=2": ScorerTiling(num_stages=2),
+    "num_stages=4": ScorerTiling(num_stages=4),
+}
 
 
 def median_ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def ceilings() -> dict:
-    """Device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate."""
-    src = torch.randn(1 << 29, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src))
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = median_ms(lambda: a @ b)
-    return {"copy_bytes_per_s": 2 * src.numel() * 4 / (copy_ms * 1e-3), "bf16_flop_per_s": 2 * 8192**3 / (mm_ms * 1e-3)}
+    """Median milliseconds of ``fn``: do_bench's CUDA-event timing on a GPU, else the
+    wall clock over a few calls (the --small smoke run on a CPU)."""
+    if torch.cuda.is_available():
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times) * 1e3
 
 
 def fill_random(pools: V41Pools) -> None:
@@ -69,8 +121,8 @@ def fill_random(pools: V41Pools) -> None:
 
 
 def attention_case(config: V41Config, store: PlaneIO, batch: int, context: int, pages_per_req: int):
-    g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
-    dev = "cuda"
+    dev = store.pools.device
+    g = torch.Generator(device=dev).manual_seed(batch * 7 + context)
     heads, dim, window, topk = config.num_attention_heads, config.head_dim, config.sliding_window, config.index_topk
     owner = config.topology.decoder_start  # the ratio-1 owner the decoder reads
     per_page = store.geometry.rows_per_page(owner)
@@ -91,47 +143,324 @@ def attention_case(config: V41Config, store: PlaneIO, batch: int, context: int, 
 
 
 def scorer_case(config: V41Config, store: PlaneIO, batch: int, context: int, pages_per_req: int):
-    g = torch.Generator(device="cuda").manual_seed(batch * 11 + context)
+    dev = store.pools.device
+    g = torch.Generator(device=dev).manual_seed(batch * 11 + context)
     owner = config.topology.full_owners[0]  # a ratio-2 owner
     per_page = store.geometry.rows_per_page(owner)
     width = context // store.geometry.ratio_of(owner)
-    j = torch.arange(width, device="cuda")
-    tile = (torch.arange(batch, device="cuda")[:, None] * pages_per_req + j // per_page) * per_page + j % per_page
-    q = round_mxfp4(torch.randn(batch, config.index_n_heads, config.index_head_dim, device="cuda", generator=g))
-    w = torch.randn(batch, config.index_n_heads, device="cuda", generator=g)
-    return (q, w, tile, torch.arange(batch, device="cuda"), store.index_plane(owner))
+    j = torch.arange(width, device=dev)
+    tile = (torch.arange(batch, device=dev)[:, None] * pages_per_req + j // per_page) * per_page + j % per_page
+    q = round_mxfp4(torch.randn(batch, config.index_n_heads, config.index_head_dim, device=dev, generator=g))
+    w = torch.randn(batch, config.index_n_heads, device=dev, generator=g)
+    return (q, w, tile, torch.arange(batch, device=dev), store.index_plane(owner))
+
+
+def attention_bytes(config: V41Config, kv: str, batch: int) -> float:
+    """Bytes a decode attention launch must move: each row's W - 1 ring rows, its own
+    step's key row and its K main rows once (the head groups that share a row read it
+    through L2), q read and out written (bf16), and its addresses: 8-byte flat rows
+    (chunk, ring) and a 1-byte valid flag per window key, an 8-byte flat row per main
+    entry. Split partials, an overhead, are not counted."""
+    heads, dim, window, topk = config.num_attention_heads, config.head_dim, config.sliding_window, config.index_topk
+    main_row = dim * 2 if kv == "bf16" else dim / 2 + dim / 16  # bf16, or NVFP4 + E4M3 scales
+    ring_row = dim * 2 if kv == "bf16" else dim + dim / 32  # bf16, or FP8 + E8M0 scales
+    per_row = (window - 1) * ring_row + dim * 2 + topk * main_row + 2 * heads * dim * 2 + window * 17 + topk * 8
+    return batch * per_row
+
+
+def scorer_bytes(config: V41Config, index: str, batch: int, width: int) -> float:
+    """Bytes a scorer launch must move: every tile entry's key (values and scales), its
+    8-byte flat row and its 4-byte score."""
+    entry = (config.index_head_dim if index == "fp8" else config.index_head_dim / 2) + config.index_head_dim / 32
+    return batch * width * (entry + 8 + 4)
+
+
+def tiling_sweep(config: V41Config, ceil: dict, kv: str, index: str, batch: int, att: tuple, sc: tuple) -> list[dict]:
+    """Kernel ms and fraction of the copy bandwidth of each ATTENTION_SWEEP and
+    SCORER_SWEEP variant on one shape (the data to choose the defaults from)."""
+    rows = []
+    for kernel, variants in (("attention", ATTENTION_SWEEP), ("scorer", SCORER_SWEEP)):
+        for name, tiling in variants.items():
+            if kernel == "attention":
+                launch = TritonKernels(attention_tiling=tiling).prepare_attention(*att)
+                moved = attention_bytes(config, kv, batch)
+            else:
+                launch = TritonKernels(scorer_tiling=tiling).prepare_score(*sc)
+                moved = scorer_bytes(config, index, batch, sc[2].shape[1])
+            row = {
+                "formats": f"{kv}/{index}",
+                "batch": batch,
+                "context": SWEEP_CONTEXT,
+                "kernel": kernel,
+                "variant": name,
+                "programs": math.prod(launch.launches[0].grid),
+            }
+            try:
+                ms = median_ms(launch.run)
+            except OutOfResources as error:
+                # A variant this GPU cannot run is a result of the sweep, not its end.
+                rows.append({**row, "kernel_ms": None, "bw_frac": None, "error": str(error)})
+                print(f"sweep {kv}/{index} B={batch:<4d} {kernel:9s} {name:20s} {error}", flush=True)
+                continue
+            rows.append({**row, "kernel_ms": ms, "bw_frac": moved / (ms * 1e-3) / ceil["copy_bytes_per_s"]})
+            print(f"sweep {kv}/{index} B={batch:<4d} {kernel:9s} {name:20s} {ms:8.4f} ms ({rows[-1]['bw_frac']:.0%} bw)", flush=True)
+    return rows
+
+
+def load_baseline(path: Path) -> tuple[str, dict[tuple[str, int, int], dict]]:
+    """The rows of an earlier run of this script by (formats, batch, context), and its date."""
+    if not path.is_file():
+        return "none", {}
+    earlier = json.loads(path.read_text())
+    return earlier.get("date", "?"), {(r["formats"], r["batch"], r["context"]): r for r in earlier.get("rows", [])}
+
+
+def moe_experts(config: V41Config, num_experts: int, fmt: str) -> dict[int, ExpertWeights]:
+    """Random bf16 experts at Flash dims; for "mxfp4", on the MXFP4 grid (what the
+    loader decodes from an FP4 checkpoint), so the bank packs them exactly."""
+    g = torch.Generator(device="cuda").manual_seed(num_experts)
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        w = torch.randn(rows, cols, device="cuda", generator=g) * cols**-0.5
+        return (round_mxfp4(w) if fmt == "mxfp4" else w).to(torch.bfloat16)
+
+    return {
+        e: ExpertWeights(w1=weight(inter, hidden), w2=weight(hidden, inter), w3=weight(inter, hidden))
+        for e in range(num_experts)
+    }
+
+
+def moe_benchmark(config: V41Config, ceil: dict) -> tuple[list[dict], list[dict]]:
+    """Rows (time, TFLOP/s and bytes/s against the ceilings) and correctness checks of
+    the grouped expert GEMMs, one rank holding every expert. Bytes: the weights of the
+    distinct experts the step routes to, x, the intermediate h (written and read), the
+    per-pair outputs (written and read) and the fp32 sums."""
+    triton_k, torch_k = TritonKernels(), TorchKernels()
+    hidden, inter, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
+    rows, checks = [], []
+    for fmt in ("plain", "mxfp4"):
+        for num_experts in MOE_EXPERTS:
+            experts = moe_experts(config, num_experts, fmt)
+            bank = triton_k.expert_bank(experts, fmt)
+            torch_bank = torch_k.expert_bank(experts, fmt)
+            # bf16 values, or E2M1 nibbles plus one E8M0 byte per 32.
+            expert_bytes = 3 * hidden * inter * (2 if fmt == "plain" else 0.5 + 1 / 32)
+            gate = torch.randn(num_experts, hidden, device="cuda") * hidden**-0.5
+            bias = torch.zeros(num_experts, device="cuda")
+            for tokens in MOE_TOKENS:
+                x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+                routing = route(x, gate, bias, top_k, config.routed_scaling_factor)
+                args = (x, routing, bank, config.swiglu_limit)
+                if tokens == MOE_CHECK_TOKENS:
+                    want = torch_k.routed_experts(x, routing, torch_bank, config.swiglu_limit)
+                    got = triton_k.routed_experts(*args)
+                    rel_err = float((got - want).norm() / want.norm())
+                    checks.append({"format": fmt, "experts": num_experts, "tokens": tokens, "rel_err": rel_err})
+                    print(f"check moe {checks[-1]}", flush=True)
+                ms = median_ms(lambda: triton_k.routed_experts(*args))
+                torch_ms = median_ms(lambda: routed_experts(x, routing, experts, config.swiglu_limit))
+                pairs = tokens * top_k
+                hit = routing.expert_ids.unique().numel()
+                activation_bytes = tokens * hidden * 2 + pairs * (inter + hidden) * 2 * 2 + tokens * hidden * 4
+                moe_bytes = hit * expert_bytes + activation_bytes
+                flops = 2 * pairs * 3 * hidden * inter
+                row = {
+                    "format": fmt,
+                    "experts": num_experts,
+                    "tokens": tokens,
+                    "experts_hit": hit,
+                    "ms": ms,
+                    "torch_loop_ms": torch_ms,
+                    "flop_per_s": flops / (ms * 1e-3),
+                    "flop_frac": flops / (ms * 1e-3) / ceil["bf16_flop_per_s"],
+                    "bytes_per_s": moe_bytes / (ms * 1e-3),
+                    "bw_frac": moe_bytes / (ms * 1e-3) / ceil["copy_bytes_per_s"],
+                }
+                rows.append(row)
+                print(
+                    f"moe {fmt:5s} E={num_experts:<3d} T={tokens:<5d} hit {hit:<3d} {ms:8.3f} ms (torch loop "
+                    f"{torch_ms:8.3f} ms) {row['flop_per_s'] / 1e12:6.1f} TFLOP/s ({row['flop_frac']:.0%}) "
+                    f"{row['bytes_per_s'] / 1e12:5.2f} TB/s ({row['bw_frac']:.0%} bw)",
+                    flush=True,
+                )
+            del experts, bank, torch_bank
+            torch.cuda.empty_cache()
+    return rows, checks
+
+
+def compression_case(config: V41Config, kv: str, index: str, kind: str, rows: int, device: str) -> dict:
+    """One step of the first ratio-2 owner's compression path on random pools (the Flash
+    geometry at block 128): ``rows`` decode requests of one token each (alternately
+    completing a pair with the slot's pending tail and leaving a new tail), or one
+    prefill of ``rows`` tokens from position 0 (rows / 2 pairs, no tail). Inputs are the
+    kernels' own: v, g fp32; the entries' KV before NVFP4 rounding (fp32; it stands in for
+    rope(norm(pooled)), torch arithmetic between the kernels); the index keys on the
+    MXFP4 grid and the window KV on the FP8 grid (bf16)."""
+    geometry = pool_geometry(config, block_size=128, kv_cache_dtype=kv, index_cache_dtype=index)
+    if kind == "decode":
+        segments = [SegmentSpec(slot=b, page_table=(b,), start=3 - b % 2, length=1) for b in range(rows)]
+        size = PoolSize(num_pages=rows, num_slots=rows)
+    else:
+        pages = -(-rows // geometry.block_size)
+        segments = [SegmentSpec(slot=0, page_table=tuple(range(pages)), start=0, length=rows)]
+        size = PoolSize(num_pages=pages, num_slots=1)
+    shape = PoolShape(geometry.block_size, config.sliding_window, geometry.ring_rows, ratios=(2,))
+    addresses = move_tensors(build_step_addresses(segments, shape), device)
+    plan, window = addresses.compression[2], addresses.window
+    pools = V41Pools(geometry, size, device=device)
+    fill_random(pools)
+    g = torch.Generator(device=device).manual_seed(rows)
+    dim, index_dim, groups = config.head_dim, config.index_head_dim, plan.dst.numel()
+    return {
+        "pools": pools,
+        "owner": next(o for o in geometry.full_owners if geometry.ratio_of(o) == 2),
+        "plan": plan,
+        "window": window,
+        "v": torch.randn(rows, dim, device=device, generator=g),
+        "g": torch.randn(rows, dim, device=device, generator=g) * 2,
+        "kv": torch.randn(groups, dim, device=device, generator=g),
+        "keys": round_mxfp4(torch.randn(groups, index_dim, device=device, generator=g)).to(torch.bfloat16),
+        "window_kv": round_fp8(torch.randn(rows, dim, device=device, generator=g)).to(torch.bfloat16),
+    }
+
+
+def compression_ops(case: dict, pools: V41Pools, kernels) -> dict:
+    """The path's four launches on ``pools`` (the case's, or a copy), by name."""
+    store, owner, plan = PlaneIO(pools), case["owner"], case["plan"]
+    return {
+        "pool": lambda: kernels.pool_ratio2(case["v"], case["g"], plan, store.tail_plane(owner)),
+        "main": lambda: kernels.write_rows(store.main_plane(owner), plan.dst, case["kv"], round_to="nvfp4"),
+        "index": lambda: kernels.write_rows(store.index_plane(owner), plan.dst, case["keys"]),
+        "window": lambda: kernels.write_rows(
+            store.window_plane(owner), case["window"].write_dst, case["window_kv"][case["window"].write_rows]
+        ),
+    }
+
+
+def compression_bytes(config: V41Config, case: dict) -> dict:
+    """Bytes each launch moves: its fp32 / bf16 sources read, its stored rows written
+    (values and scales), and 8 bytes per address read. Pooling reads four fp32 rows a
+    pair (v and g of both tokens) and writes one; a tail store copies v and g."""
+    geometry, plan = case["pools"].geometry, case["plan"]
+    dim, index_dim = config.head_dim, config.index_head_dim
+    groups, tails, rows = plan.dst.numel(), plan.tail_write_rows.numel(), case["v"].shape[0]
+    main_row = dim * 2 if geometry.kv_cache_dtype == "bf16" else dim // 2 + dim // 16
+    index_row = (index_dim if geometry.index_cache_dtype == "fp8" else index_dim // 2) + index_dim // 32
+    ring_row = dim * 2 if geometry.swa_dtype == "bf16" else dim + dim // 32
+    return {
+        "pool": groups * (5 * dim * 4 + 3 * 8) + tails * (4 * dim * 4 + 2 * 8),
+        "main": groups * (dim * 4 + main_row + 8),
+        "index": groups * (index_dim * 2 + index_row + 8),
+        "window": case["window"].write_dst.numel() * (dim * 2 + ring_row + 8),
+    }
+
+
+def compression_check(case: dict) -> dict:
+    """The Triton launches against the torch backend on a CPU copy of the pools (where
+    model/formats.py defines the bytes): every stored byte, tails included, and the
+    pooled rows' largest difference."""
+    geometry, size = case["pools"].geometry, case["pools"].size
+    reference = V41Pools(geometry, size, device="cpu")
+    reference.buffer.copy_(case["pools"].buffer.cpu())
+    cpu_case = move_tensors({k: v for k, v in case.items() if k != "pools"}, "cpu")
+    want = {name: op() for name, op in compression_ops(cpu_case, reference, TorchKernels()).items()}
+    got = {name: op() for name, op in compression_ops(case, case["pools"], TritonKernels()).items()}
+    return {
+        "stored_bytes_equal": bool(torch.equal(case["pools"].buffer.cpu(), reference.buffer)),
+        "pooled_max_abs_diff": float((got["pool"].cpu() - want["pool"]).abs().max()) if want["pool"].numel() else 0.0,
+    }
+
+
+def compression_benchmark(config: V41Config, ceil: dict, device: str, small: bool) -> tuple[list[dict], list[dict]]:
+    """Rows (per launch and for the whole path: ms and the fraction of the copy
+    bandwidth its bytes would take; the torch backend's time for the path) and checks."""
+    triton_k, torch_k = TritonKernels(), TorchKernels()
+    cases = [("decode", b) for b in (SMALL_BATCHES if small else BATCHES)]
+    cases.append(("prefill", SMALL_COMPRESSION_PREFILL_ROWS if small else COMPRESSION_PREFILL_ROWS))
+    rows, checks = [], []
+    for kv, index in (("bf16", "fp8"), ("fp4", "fp4")):
+        for kind, count in cases:
+            case = compression_case(config, kv, index, kind, count, device)
+            if (kind, count) == cases[1]:
+                checks.append({"formats": f"{kv}/{index}", "case": f"{kind} {count}", **compression_check(case)})
+                print(f"check compression {checks[-1]}", flush=True)
+            ops = compression_ops(case, case["pools"], triton_k)
+            moved = compression_bytes(config, case)
+            row = {"formats": f"{kv}/{index}", "case": kind, "rows": count, "groups": case["plan"].dst.numel()}
+            for name, op in ops.items():
+                row[f"{name}_ms"] = median_ms(op)
+                row[f"{name}_bw_frac"] = moved[name] / (row[f"{name}_ms"] * 1e-3) / ceil["copy_bytes_per_s"]
+            row["path_ms"] = median_ms(lambda: [op() for op in ops.values()])
+            row["path_bytes"] = sum(moved.values())
+            row["path_bytes_per_s"] = row["path_bytes"] / (row["path_ms"] * 1e-3)
+            row["path_bw_frac"] = row["path_bytes_per_s"] / ceil["copy_bytes_per_s"]
+            torch_ops = compression_ops(case, case["pools"], torch_k)
+            row["torch_path_ms"] = median_ms(lambda: [op() for op in torch_ops.values()])
+            rows.append(row)
+            print(
+                f"compression {row['formats']:9s} {kind:7s} R={count:<5d} path {row['path_ms']:8.3f} ms "
+                f"({row['path_bw_frac']:.0%} bw; torch {row['torch_path_ms']:8.3f} ms) pool {row['pool_ms']:.3f} "
+                f"main {row['main_ms']:.3f} index {row['index_ms']:.3f} window {row['window_ms']:.3f} ms",
+                flush=True,
+            )
+            del case, ops, torch_ops
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows, checks
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/kernels.json")
+    parser.add_argument(
+        "--baseline",
+        default="bench/results/kernels.json",
+        help="an earlier run's JSON whose attention/scorer rows the table compares with (read before --out is written)",
+    )
+    parser.add_argument("--no-sweep", action="store_true", help="skip the attention/scorer tiling sweep")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="a smoke run: small batches and contexts, no MoE section (runs on a CPU with TRITON_INTERPRET=1)",
+    )
     args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not (args.small and os.environ.get("TRITON_INTERPRET") == "1"):
+        parser.error("no CUDA device: on a CPU, run the --small smoke mode with TRITON_INTERPRET=1 set")
+    batches, contexts = (SMALL_BATCHES, SMALL_CONTEXTS) if args.small else (BATCHES, CONTEXTS)
     config = V41Config.from_pretrained(FLASH, text_only=True)
-    ceil = ceilings()
+    ceil = ceilings(device)
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     triton_k, torch_k = TritonKernels(), TorchKernels()
+    # The baseline is a GPU run: a --small smoke run has nothing to compare with it.
+    baseline_date, baseline = ("not read (--small)", {}) if args.small else load_baseline(Path(args.baseline))
+    print(f"baseline: {args.baseline} ({baseline_date}, {len(baseline)} rows)", flush=True)
     rows = []
     checks = []
+    sweep_rows: list[dict] = []
     for kv, index in (("bf16", "fp8"), ("fp4", "fp4")):
         geometry = pool_geometry(config, block_size=128, kv_cache_dtype=kv, index_cache_dtype=index)
-        for context in CONTEXTS:
-            for batch in BATCHES:
+        for context in contexts:
+            for batch in batches:
                 pages_per_req = context // 128
                 size = PoolSize(num_pages=batch * pages_per_req, num_slots=batch)
                 if size.nbytes(geometry) > MAX_POOL_BYTES:
                     continue
-                pools = V41Pools(geometry, size, device="cuda")
+                pools = V41Pools(geometry, size, device=device)
                 fill_random(pools)
                 store = PlaneIO(pools)
                 att = attention_case(config, store, batch, context, pages_per_req)
                 sc = scorer_case(config, store, batch, context, pages_per_req)
-                if batch == 8 and context == 4096:
+                if batch in (batches[1], batches[-1]) and context == contexts[0]:
+                    # batches[1] runs split over keys on an H200, batches[-1] unsplit.
                     ref = torch_k.attend(*att).float()
                     got = triton_k.attend(*att).float()
                     want_s, got_s = torch_k.score(*sc), triton_k.score(*sc)
                     checks.append(
                         {
                             "formats": f"{kv}/{index}",
+                            "batch": batch,
                             "attention_rel_err": float((got - ref).norm() / ref.norm()),
                             "scores_rel_err": float((got_s - want_s).norm() / want_s.norm()),
                         }
@@ -141,62 +470,110 @@ def main() -> None:
                 launch = triton_k.prepare_attention(*att)
                 att_kernel_ms = median_ms(launch.run)
                 sc_ms = median_ms(lambda: triton_k.score(*sc))
+                sc_kernel_ms = median_ms(triton_k.prepare_score(*sc).run)
                 heads, dim, keys = config.num_attention_heads, config.head_dim, config.sliding_window + config.index_topk
-                main_row = dim * 2 if kv == "bf16" else dim / 2 + dim / 16  # bf16, or NVFP4 + E4M3 scales
-                ring_row = dim * 2 if kv == "bf16" else dim + dim / 32  # bf16, or FP8 + E8M0 scales
-                window = config.sliding_window
-                # Keys read once per row (one head block holds all 64 heads), q and out,
-                # and each key's 20 bytes of addresses (source, offset, scale offset).
-                att_bytes = batch * (
-                    (window - 1) * ring_row + config.index_topk * main_row + 2 * heads * dim * 2 + keys * 20
-                )
+                att_bytes = attention_bytes(config, kv, batch)
                 att_flops = batch * 4 * heads * keys * dim
-                width = sc[2].shape[1]
-                entry_bytes = (config.index_head_dim if index == "fp8" else config.index_head_dim / 2) + config.index_head_dim / 32
-                sc_bytes = batch * width * (entry_bytes + 16 + 4)
+                sc_bytes = scorer_bytes(config, index, batch, sc[2].shape[1])
+                copy = ceil["copy_bytes_per_s"]
+                before = baseline.get((f"{kv}/{index}", batch, context), {})
                 row = {
                     "formats": f"{kv}/{index}",
                     "batch": batch,
                     "context": context,
+                    "attention_splits": launch.launches[0].grid[1],
                     "attention_ms": att_ms,
                     "attention_kernel_ms": att_kernel_ms,
-                    "attention_kernel_bw_frac": att_bytes / (att_kernel_ms * 1e-3) / ceil["copy_bytes_per_s"],
-                    "attention_bw_frac": att_bytes / (att_ms * 1e-3) / ceil["copy_bytes_per_s"],
+                    "attention_kernel_bw_frac": att_bytes / (att_kernel_ms * 1e-3) / copy,
+                    "attention_bw_frac": att_bytes / (att_ms * 1e-3) / copy,
                     "attention_flop_frac": att_flops / (att_ms * 1e-3) / ceil["bf16_flop_per_s"],
                     "scorer_ms": sc_ms,
+                    "scorer_kernel_ms": sc_kernel_ms,
                     "scorer_bytes_per_s": sc_bytes / (sc_ms * 1e-3),
-                    "scorer_bw_frac": sc_bytes / (sc_ms * 1e-3) / ceil["copy_bytes_per_s"],
+                    "scorer_bw_frac": sc_bytes / (sc_ms * 1e-3) / copy,
+                    "scorer_kernel_bw_frac": sc_bytes / (sc_kernel_ms * 1e-3) / copy,
+                    # The issue's target: decode attention + index scoring of one layer.
+                    "decode_kernel_bw_frac": (att_bytes + sc_bytes) / ((att_kernel_ms + sc_kernel_ms) * 1e-3) / copy,
+                    "baseline_attention_kernel_ms": before.get("attention_kernel_ms"),
+                    "baseline_scorer_ms": before.get("scorer_ms"),
                 }
                 rows.append(row)
                 print(
                     f"{row['formats']:9s} B={batch:<4d} L={context:<7d} attn {att_ms:8.3f} ms, kernel "
-                    f"{att_kernel_ms:8.3f} ms ({row['attention_kernel_bw_frac']:.0%} bw) "
-                    f"scorer {sc_ms:8.3f} ms ({row['scorer_bw_frac']:.0%} bw)",
+                    f"{att_kernel_ms:8.3f} ms ({row['attention_kernel_bw_frac']:.0%} bw, {row['attention_splits']} "
+                    f"splits) scorer {sc_ms:8.3f} ms, kernel {sc_kernel_ms:8.3f} ms ({row['scorer_kernel_bw_frac']:.0%} "
+                    f"bw) both {row['decode_kernel_bw_frac']:.0%} bw",
                     flush=True,
                 )
+                if not (args.small or args.no_sweep) and context == SWEEP_CONTEXT and batch in SWEEP_BATCHES:
+                    sweep_rows += tiling_sweep(config, ceil, kv, index, batch, att, sc)
                 del pools, store, att, sc
-                torch.cuda.empty_cache()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    moe_rows, moe_checks = ([], []) if args.small else moe_benchmark(config, ceil)
+    compression_rows, compression_checks = compression_benchmark(config, ceil, device, args.small)
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor()})",
+        "small": args.small,
         "host": platform.platform(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "ceilings": ceil,
         "checks": checks,
+        "baseline": {"path": args.baseline, "date": baseline_date},
         "rows": rows,
+        "sweep_rows": sweep_rows,
+        "moe_checks": moe_checks,
+        "moe_rows": moe_rows,
+        "compression_checks": compression_checks,
+        "compression_rows": compression_rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print("| formats | batch | context | attention ms (call) | attention ms (kernel) | kernel % bw | scorer ms | scorer % bw |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| formats | batch | context | attention ms (call) | attention ms (kernel) | key splits | kernel % bw "
+        "| x baseline kernel | scorer ms (call) | scorer ms (kernel) | kernel % bw | x baseline call "
+        "| attention + scorer kernels % bw |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def times(before: float | None, after: float) -> str:
+        return f"{before / after:.1f}x" if before else "-"
+
     for r in rows:
         print(
             f"| {r['formats']} | {r['batch']} | {r['context']} | {r['attention_ms']:.3f} | "
-            f"{r['attention_kernel_ms']:.3f} | {100 * r['attention_kernel_bw_frac']:.0f}% | "
-            f"{r['scorer_ms']:.3f} | {100 * r['scorer_bw_frac']:.0f}% |"
+            f"{r['attention_kernel_ms']:.3f} | {r['attention_splits']} | {100 * r['attention_kernel_bw_frac']:.0f}% | "
+            f"{times(r['baseline_attention_kernel_ms'], r['attention_kernel_ms'])} | {r['scorer_ms']:.3f} | "
+            f"{r['scorer_kernel_ms']:.3f} | {100 * r['scorer_kernel_bw_frac']:.0f}% | "
+            f"{times(r['baseline_scorer_ms'], r['scorer_ms'])} | {100 * r['decode_kernel_bw_frac']:.0f}% |"
+        )
+    print("| formats | batch | kernel | tiling | programs | kernel ms | % copy bw |")
+    print("|---|---:|---|---|---:|---:|---:|")
+    for r in sweep_rows:
+        timing = f"{r['kernel_ms']:.4f} | {100 * r['bw_frac']:.0f}%" if r["kernel_ms"] is not None else "out of resources | -"
+        print(f"| {r['formats']} | {r['batch']} | {r['kernel']} | {r['variant']} | {r['programs']} | {timing} |")
+    print("| experts format | held | tokens | experts hit | ms | torch loop ms | TFLOP/s | % bf16 matmul | TB/s | % copy bw |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in moe_rows:
+        print(
+            f"| {r['format']} | {r['experts']} | {r['tokens']} | {r['experts_hit']} | {r['ms']:.3f} | "
+            f"{r['torch_loop_ms']:.3f} | {r['flop_per_s'] / 1e12:.1f} | {100 * r['flop_frac']:.0f}% | "
+            f"{r['bytes_per_s'] / 1e12:.2f} | {100 * r['bw_frac']:.0f}% |"
         )
 
+    print(
+        "| formats | step | rows | pairs | path ms | path TB/s | % copy bw | torch path ms "
+        "| pool ms | main ms | index ms | window ms |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in compression_rows:
+        print(
+            f"| {r['formats']} | {r['case']} | {r['rows']} | {r['groups']} | {r['path_ms']:.3f} | "
+            f"{r['path_bytes_per_s'] / 1e12:.3f} | {100 * r['path_bw_frac']:.1f}% | {r['torch_path_ms']:.3f} | "
+            f"{r['pool_ms']:.3f} | {r['main_ms']:.3f} | {r['index_ms']:.3f} | {r['window_ms']:.3f} |"
+        )
 
 if __name__ == "__main__":
     main()

@@ -1,14 +1,16 @@
 """The pool planes in place for kernels, and format-aware writes by flat row address.
 
-Owns the planes as kernels read them in place (``PlaneView``), and the conversion
-between compute values and each plane's stored format (bf16 or
-NVFP4 main KV, FP8 or FP4 index keys, bf16 or FP8 SWA rings, fp32 compressor tails)
-through model/formats.py, so the runtime never sees a byte layout. Window KV and index
-keys arrive already on their grids (FP8- and MXFP4-rounded), which both of their
-formats hold exactly; compressed KV arrives before its NVFP4 rounding and is rounded
-here (packing already-rounded NVFP4 rows is not exact when a block's E4M3 scale is
-subnormal), so a kernel decoding a plane reads exactly the model's values in either
-format.
+Owns the planes as kernels read and write them in place (``PlaneView``, and each ratio-2
+owner's committed compressor tails), and a writer of compute values into each plane's
+stored format (bf16 or NVFP4 main KV, FP8 or FP4 index keys, bf16 or FP8 SWA rings)
+through model/formats.py for callers without a kernel backend: tests and tools that
+fill planes. The runtime stores through its kernels' ``write_rows`` instead, which
+gives the same bytes (tests/model/test_kernels_compress_store.py holds them equal).
+Window KV and index keys arrive already on their grids (FP8- and MXFP4-rounded), which
+both of their formats hold exactly; compressed KV arrives before its NVFP4 rounding and
+is rounded here (packing already-rounded NVFP4 rows is not exact when a block's E4M3
+scale is subnormal), so a kernel decoding a plane reads exactly the model's values in
+either format.
 
 Addresses are flat: an entry row is ``page * rows_per_page(owner) + row``, a ring row
 ``slot * ring_rows + position % ring_rows``.
@@ -40,7 +42,8 @@ class PlaneView:
 
 
 class PlaneIO:
-    """Exposes one rank's planes to kernels and writes compute values into them."""
+    """Exposes one rank's planes to kernels (the runtime's PagedStore) and writes
+    compute values into them."""
 
     def __init__(self, pools: V41Pools) -> None:
         self.pools = pools
@@ -105,11 +108,7 @@ class PlaneIO:
 
     # -- compressor tails -----------------------------------------------------------------
 
-    def read_tail(self, owner: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tail = self.pools.compressor_tail(owner)[slots, COMMITTED_TAIL_ROW]
-        return tail[:, 0], tail[:, 1]
-
-    def write_tail(self, owner: int, slots: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
-        tail = self.pools.compressor_tail(owner)
-        tail[slots, COMMITTED_TAIL_ROW, 0] = v.float()
-        tail[slots, COMMITTED_TAIL_ROW, 1] = g.float()
+    def tail_plane(self, owner: int) -> torch.Tensor:
+        """[num_slots, 2, head_dim] float32 in place: each slot's pending ratio-2 token's
+        v (0) and g (1), the row a non-speculative forward reads and leaves."""
+        return self.pools.compressor_tail(owner)[:, COMMITTED_TAIL_ROW]

@@ -5,9 +5,10 @@ from a key-value store (a TCP store at the head rank's free port across processe
 hash store among threads of one process), and ``DPExpertExchange``, the MoE of one
 layer when every rank holds an expert shard and its own attention rows: gather every
 rank's rows (padded to the step's largest rank), each rank's routed partial sums over
-its experts for all rows in fp32, the sum across ranks (gloo: all_reduce, it has no
-reduce_scatter; NCCL: reduce_scatter), each rank keeping its own rows, the shared
-expert on its own rows. Padding rows of an idle rank are zero rows that nobody keeps.
+its experts for all rows in fp32 (through the kernels backend's grouped expert GEMMs),
+the sum across ranks (gloo: all_reduce, it has no reduce_scatter; NCCL: reduce_scatter),
+each rank keeping its own rows, the shared expert on its own rows. Padding rows of an
+idle rank are zero rows that nobody keeps.
 
 Must not import: actors, deploy, ray.
 """
@@ -23,8 +24,11 @@ import torch
 import torch.distributed as dist
 
 from model.config import V41Config
-from model.moe import expert_ffn, route, routed_experts
+from model.kernels.interface import PagedKernels
+from model.kernels.torch_backend import TorchKernels
+from model.moe import expert_ffn, route
 from model.params import LayerParams
+from model.runtime import ExpertBanks
 
 BACKENDS = ("gloo", "nccl")
 
@@ -90,9 +94,17 @@ class DPExpertExchange:
 
     Call ``begin_step`` with every rank's row count (from the step's DPMetadata)
     before the forward; every layer's call then runs the same collectives on every
-    rank, an idle rank contributing zero rows."""
+    rank, an idle rank contributing zero rows. The rank's routed partial sums run on
+    ``kernels`` (default: the torch reference)."""
 
-    def __init__(self, config: V41Config, group: dist.ProcessGroup, rank: int, backend: str) -> None:
+    def __init__(
+        self,
+        config: V41Config,
+        group: dist.ProcessGroup,
+        rank: int,
+        backend: str,
+        kernels: PagedKernels | None = None,
+    ) -> None:
         if backend not in BACKENDS:
             raise DistributedError(f"backend: {backend!r} (allowed: {', '.join(BACKENDS)})")
         self.config = config
@@ -101,6 +113,7 @@ class DPExpertExchange:
         self.world = group.size()
         self.backend = backend
         self._row_counts: tuple[int, ...] | None = None
+        self.experts = ExpertBanks(config, kernels or TorchKernels())
 
     def begin_step(self, row_counts: Sequence[int]) -> None:
         if len(row_counts) != self.world:
@@ -127,7 +140,7 @@ class DPExpertExchange:
         rows = padded[valid]
         routing = route(rows, layer.moe.gate, layer.moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         partial = torch.zeros(self.world * pad, h.shape[1], dtype=torch.float32, device=h.device)
-        partial[valid] = routed_experts(rows, routing, layer.moe.experts, cfg.swiglu_limit)
+        partial[valid] = self.experts.routed(layer, rows, routing)
         out = self._reduce_own(partial, pad)[: h.shape[0]]
         if layer.moe.shared is not None:
             out = out + expert_ffn(h, layer.moe.shared, cfg.swiglu_limit)

@@ -33,6 +33,8 @@ from cluster.request import Request, RequestOutput, RequestStatus
 from cluster.runner import ModelRunner, StepResult
 from cluster.scheduler import Scheduler
 from model.config import V41Config
+from model.kernels import load_kernels
+from model.kernels.interface import PagedKernels
 from model.loader import TOKENIZER_FILE, ExpertShard
 from model.params import ModelParams, load_model_params
 
@@ -91,11 +93,22 @@ class DPRank:
         layout: RankLayout,
         rank: int,
         exchange: DPExpertExchange | None,
+        *,
+        device: str = "cpu",
+        kernels: PagedKernels | None = None,
         offload: OffloadConnector | None = None,
     ) -> None:
         self.rank = rank
         self.exchange = exchange
-        self.runner = ModelRunner(params, layout.geometry, layout.pool_size, moe=exchange, offload=offload)
+        self.runner = ModelRunner(
+            params,
+            layout.geometry,
+            layout.pool_size,
+            device=device,
+            moe=exchange,
+            kernels=kernels,
+            offload=offload,
+        )
 
     @classmethod
     def load(
@@ -111,12 +124,15 @@ class DPRank:
         ``group`` (required when ``dp.world`` > 1); ``offload`` is the replica's
         offload store, shared by every rank."""
         params, _ = load_model_params(model_dir, dtype=options.dtype, shard=dp.shard(rank), text_only=True)
+        params = params.to(options.device)
+        kernels = load_kernels(options.kernel_backend)
         exchange = None
         if dp.world > 1:
             if group is None:
                 raise DPError(f"group: None for rank {rank} of a {dp.world}-rank replica (allowed: its process group)")
-            exchange = DPExpertExchange(params.config, group, rank, dp.backend)
-        return cls(params, RankLayout.build(params.config, options), rank, exchange, offload)
+            exchange = DPExpertExchange(params.config, group, rank, dp.backend, kernels)
+        layout = RankLayout.build(params.config, options)
+        return cls(params, layout, rank, exchange, device=options.device, kernels=kernels, offload=offload)
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor) -> StepResult:
         """Runs this rank's batch of a step (padding when it has no rows)."""

@@ -7,13 +7,16 @@ safetensors headers before any tensor data is read, and the config before any sh
 is opened. Owns rank sharding of the routed experts (:class:`ExpertShard`), the host
 memory maps of the Engram tables (never copied), load progress, and the one post-load
 pass (decoding FP8/FP4 weights exactly, casting, building the Engram compressed-token
-map) that runs exactly once per :class:`LoadedCheckpoint`.
+map) that runs exactly once per :class:`LoadedCheckpoint`. A checkpoint whose stored
+tensors are made in memory instead (:func:`load_generated`: generated benchmark models)
+goes through the same rank sharding, declaration checks and post-load pass.
 
 Must not import: ``cache``, ``cluster``, ``actors``, ``deploy``, ``ray``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -65,6 +68,7 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,
 }
+_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 _PLAIN_DTYPES = ("BF16", "F16", "F32")
 _SCALE_DTYPES = ("F8_E8M0", "U8")
 _QUANTIZED_VALUE_DTYPES: dict[TensorKind, tuple[str, ...]] = {
@@ -114,6 +118,13 @@ class ExpertShard:
             )
         per_rank = num_experts // self.world
         return tuple(range(self.rank * per_rank, (self.rank + 1) * per_rank))
+
+    def part(self, length: int) -> slice:
+        """This rank's even share of a TP-split axis of ``length`` (``length`` divides
+        by ``world``: check_intermediate holds for the logical axis, and its packed and
+        scale forms divide with it)."""
+        size = length // self.world
+        return slice(self.rank * size, (self.rank + 1) * size)
 
     def check_intermediate(self, intermediate_size: int) -> None:
         """A TP slice of the expert intermediate dim must hold whole FP4 scale groups."""
@@ -273,6 +284,99 @@ def load_checkpoint(
     return checkpoint
 
 
+@dataclass(frozen=True)
+class TensorPart:
+    """The part of a declared tensor a TP rank holds: ``[start, stop)`` of its logical
+    (decoded) shape along ``axis``."""
+
+    axis: int
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if self.axis not in (0, 1):
+            raise ValueError(f"TensorPart.axis: {self.axis!r} (allowed: 0, 1)")
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"TensorPart.start/stop: [{self.start}, {self.stop}) (allowed: 0 <= start < stop)")
+
+    def shape_of(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The part's shape within a tensor of ``shape``."""
+        return shape[: self.axis] + (self.stop - self.start,) + shape[self.axis + 1 :]
+
+
+# Makes one declared tensor's stored form in memory, as a checkpoint would hold it:
+# (values, its .scale or None); with a TensorPart, only that part of it.
+TensorMaker = Callable[[TensorSpec, TensorPart | None], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def load_generated(
+    config: V41Config,
+    tokenizer: Tokenizer,
+    make: TensorMaker,
+    *,
+    source: str,
+    dtype: torch.dtype = torch.float32,
+    shard: ExpertShard | None = None,
+) -> LoadedCheckpoint:
+    """Loads one rank's part of a checkpoint whose stored tensors ``make`` produces in
+    memory: nothing is written or read from disk. ``make`` is asked only for what the
+    rank holds (its experts; under TP, its slice of each), every answer is checked
+    against the declarations as a shard file's header is, and the same post-load pass
+    runs once. Every declared tensor is made (DSpark stages where the config has them);
+    Engram tables must be made on the host. ``source`` names the maker in errors."""
+    if dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"dtype: {dtype} (allowed: {', '.join(str(d) for d in _COMPUTE_DTYPES)})")
+    _check_config_for_loading(config)
+    _check_tokenizer(tokenizer, config, source)
+    expert_ids, dspark_expert_ids = _shard_experts(config, shard)
+    specs = checkpoint_tensors(config)
+    stored: dict[str, _StoredTensor] = {}
+    engram_tables: dict[int, EngramTable] = {}
+    problems: list[str] = []
+    for name, spec in specs.items():
+        held, axis = _rank_part(name, shard, expert_ids, dspark_expert_ids)
+        if not held:
+            continue
+        part = None
+        if axis is not None and shard is not None:
+            span = shard.part(spec.shape[axis])
+            part = TensorPart(axis, span.start, span.stop)
+        values, scale = make(spec, part)
+        held_spec = spec if part is None else dataclasses.replace(spec, shape=part.shape_of(spec.shape))
+        scale_entry = None if scale is None else _made_entry(source, spec.scale_name, scale)
+        found = _check_stored(held_spec, _made_entry(source, name, values), scale_entry)
+        if spec.kind is TensorKind.ENGRAM_TABLE and values.device.type != "cpu":
+            found.append(f"{name}: made on {values.device}, but Engram tables live on the host (allowed: cpu)")
+        if found:
+            problems.extend(found)
+        elif spec.kind is TensorKind.ENGRAM_TABLE:
+            engram_tables[_engram_layer(name)] = EngramTable(values, scale)
+        else:
+            stored[name] = _StoredTensor(spec, values, scale)
+    _raise_problems(problems)
+    has_dspark = any(spec.group == "mtp" for spec in specs.values())
+    checkpoint = LoadedCheckpoint(
+        config=config,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        shard=shard,
+        stored=stored,
+        engram_tables=engram_tables,
+        expert_ids=expert_ids,
+        dspark_expert_ids=dspark_expert_ids if has_dspark else (),
+        has_dspark=has_dspark,
+    )
+    checkpoint.post_load()
+    return checkpoint
+
+
+def _made_entry(source: str, name: str, tensor: torch.Tensor) -> _HeaderEntry:
+    """A made tensor described as a stored one, so that it is checked exactly as a shard
+    file's header entry is (a dtype no checkpoint holds keeps torch's name and fails)."""
+    dtype = _SAFETENSORS_DTYPES.get(tensor.dtype, str(tensor.dtype))
+    return _HeaderEntry(Path(source), name, dtype, tuple(tensor.shape), 0, tensor.numel() * tensor.element_size())
+
+
 # -- before any shard is opened -------------------------------------------------------
 
 
@@ -315,13 +419,17 @@ def _read_tokenizer(root: Path, config: V41Config) -> Tokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # the tokenizers library raises its own untyped errors
         raise CheckpointError(f"{TOKENIZER_FILE}: cannot be read ({exc})") from exc
+    _check_tokenizer(tokenizer, config, TOKENIZER_FILE)
+    return tokenizer
+
+
+def _check_tokenizer(tokenizer: Tokenizer, config: V41Config, source: str) -> None:
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > config.vocab_size:
         raise CheckpointError(
-            f"{TOKENIZER_FILE}: {size} token ids, more than config vocab_size {config.vocab_size} "
+            f"{source}: {size} token ids, more than config vocab_size {config.vocab_size} "
             "(allowed: at most vocab_size)"
         )
-    return tokenizer
 
 
 # -- headers ----------------------------------------------------------------------------
@@ -448,6 +556,29 @@ class _LoadPlan:
     shard: ExpertShard | None
 
 
+def tp_split_axis(name: str) -> int | None:
+    """The axis of a declared tensor that TP ranks split: a routed expert's
+    moe_intermediate_size (w1/w3 are [inter, hidden]: rows; w2 is [hidden, inter]:
+    columns); None for every other tensor, which every rank holds whole."""
+    expert = routed_expert(name)
+    if expert is None:
+        return None
+    return 1 if expert[1] == "w2" else 0
+
+
+def _rank_part(
+    name: str, shard: ExpertShard | None, expert_ids: tuple[int, ...], dspark_expert_ids: tuple[int, ...]
+) -> tuple[bool, int | None]:
+    """Whether a rank holds a declared tensor, and the axis of the TP slice it holds
+    (None: the whole tensor)."""
+    expert = routed_expert(name)
+    if expert is None:
+        return True, None
+    if expert[0] not in (dspark_expert_ids if name.startswith("mtp.") else expert_ids):
+        return False, None
+    return True, tp_split_axis(name) if shard is not None and shard.mode == "tp" else None
+
+
 def _plan(
     specs: dict[str, TensorSpec],
     entries: dict[str, _HeaderEntry],
@@ -465,16 +596,10 @@ def _plan(
         skipped.setdefault(entry.file, []).append(entry)
     for is_scale, by_name in ((False, matched.values), (True, matched.scales)):
         for name, entry in by_name.items():
-            expert = routed_expert(name)
-            slice_axis = None
-            if expert is not None:
-                expert_id, projection = expert
-                if expert_id not in (dspark_expert_ids if name.startswith("mtp.") else expert_ids):
-                    skipped.setdefault(entry.file, []).append(entry)
-                    continue
-                if shard is not None and shard.mode == "tp":
-                    # w1/w3 are [inter, hidden]: rows; w2 is [hidden, inter]: columns.
-                    slice_axis = 1 if projection == "w2" else 0
+            held, slice_axis = _rank_part(name, shard, expert_ids, dspark_expert_ids)
+            if not held:
+                skipped.setdefault(entry.file, []).append(entry)
+                continue
             items.setdefault(entry.file, []).append(_ReadItem(entry, name, is_scale, slice_axis))
     files = tuple(sorted({entry.file for entry in entries.values()}, key=lambda p: p.name))
     return _LoadPlan(
@@ -636,11 +761,15 @@ def _read(
     for name, tensor in values.items():
         spec = specs[name]
         if spec.kind is TensorKind.ENGRAM_TABLE:
-            layer_id = int(name.split(".")[1])
-            tables[layer_id] = EngramTable(tensor, scales.get(name))
+            tables[_engram_layer(name)] = EngramTable(tensor, scales.get(name))
         else:
             stored[name] = _StoredTensor(spec, tensor, scales.get(name))
     return stored, tables
+
+
+def _engram_layer(name: str) -> int:
+    """The layer id of an Engram table's name (``layers.N.engram.embed.weight``)."""
+    return int(name.split(".")[1])
 
 
 def _read_tensor(handle: safe_open, item: _ReadItem, shard: ExpertShard | None) -> torch.Tensor:
@@ -648,8 +777,7 @@ def _read_tensor(handle: safe_open, item: _ReadItem, shard: ExpertShard | None) 
     the plain, packed and scale forms all divide into whole scale groups)."""
     if item.slice_axis is None or shard is None:
         return handle.get_tensor(item.entry.stored_name)
-    size = item.entry.shape[item.slice_axis] // shard.world
-    part = slice(shard.rank * size, (shard.rank + 1) * size)
+    part = shard.part(item.entry.shape[item.slice_axis])
     view = handle.get_slice(item.entry.stored_name)
     return view[part] if item.slice_axis == 0 else view[:, part]
 

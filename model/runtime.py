@@ -12,7 +12,8 @@ ring still reads every causal prefix. There is no per-request Python loop here.
 The step's addresses and the storage are structural protocols below; ``cache/``
 provides both (the addresses as plain tensors, the storage with its formats), and
 ``cluster/`` joins them. The arithmetic is model/'s own modules, shared with
-model/reference.py.
+model/reference.py. The routed experts run through the kernels backend too: each
+layer's held experts are arranged once into that backend's bank (``ExpertBanks``).
 
 Must not import: cache, cluster, actors, deploy, ray.
 """
@@ -25,13 +26,13 @@ from typing import Callable, Mapping, Protocol
 import torch
 
 from model.attention import output_projection, project_query, project_window_kv, query_latent
-from model.compressor import finish_entries, pool_pairs, ratio1_latent, ratio2_projections
-from model.config import LayerMode
+from model.compressor import finish_entries, ratio1_latent, ratio2_projections
+from model.config import LayerMode, V41Config
 from model.indexer import SelectionState, index_query
-from model.kernels.interface import PagedKernels, PlaneSource
+from model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
 from model.kernels.torch_backend import TorchKernels
 from model.mhc import final_hidden, first_pre, run_site
-from model.moe import moe_forward
+from model.moe import ExpertWeights, Routing, expert_ffn, route
 from model.params import LayerParams, ModelParams
 
 
@@ -71,21 +72,56 @@ class StepPlan(Protocol):
 
 
 class PagedStore(PlaneSource, Protocol):
-    """One rank's pools: planes in place for the kernels, and format-aware writes
-    (cache/plane_io.PlaneIO fits it). What is stored holds the model's rounded values
-    exactly."""
+    """One rank's pools, which the kernels read and write in place (cache/plane_io.PlaneIO
+    fits it): the planes, whose formats the kernels' write_rows stores into, and the
+    ratio-2 owners' compressor tails."""
 
-    def write_window(self, layer: int, ring_rows: torch.Tensor, kv: torch.Tensor) -> None: ...
-    def write_main(self, owner: int, entry_rows: torch.Tensor, kv_unrounded: torch.Tensor) -> None:
-        """Stores NVFP4(kv_unrounded): the compressed KV is rounded where it is stored."""
-    def write_index(self, owner: int, entry_rows: torch.Tensor, keys: torch.Tensor) -> None: ...
-    def read_tail(self, owner: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def write_tail(self, owner: int, slots: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None: ...
+    def tail_plane(self, owner: int) -> torch.Tensor:
+        """[slots, 2, head_dim] fp32: each slot's pending ratio-2 token's v (0) and g (1)."""
+        ...
 
 
 # The MoE of one layer for the step's rows; the distributed runner replaces it with one
 # that joins expert shards across ranks.
 MoEFn = Callable[[LayerParams, torch.Tensor], torch.Tensor]
+
+
+def expert_weight_format(config: V41Config) -> str:
+    """How the expert GEMMs read the routed experts: packed MXFP4 when the checkpoint
+    stores them as FP4 (the loader decodes them exactly, so the packs are exact), else
+    as the params hold them."""
+    quantization = config.quantization
+    return "mxfp4" if quantization is not None and quantization.expert_dtype == "fp4" else "plain"
+
+
+class ExpertBanks:
+    """Each layer's held routed experts as one kernels backend's bank, made the first
+    time the layer runs (the arrangement, e.g. FP4 packing, is done once, not per
+    step) and kept. One instance serves one rank's params: a layer id whose experts
+    are not the ones its bank was made from is an error."""
+
+    def __init__(self, config: V41Config, kernels: PagedKernels) -> None:
+        self.kernels = kernels
+        self.weight_format = expert_weight_format(config)
+        self.limit = config.swiglu_limit
+        self._banks: dict[int, tuple[Mapping[int, ExpertWeights], ExpertBank]] = {}
+
+    def bank(self, layer: LayerParams) -> ExpertBank:
+        experts = layer.moe.experts
+        made = self._banks.get(layer.layer_id)
+        if made is None:
+            made = (experts, self.kernels.expert_bank(experts, self.weight_format))
+            self._banks[layer.layer_id] = made
+        elif made[0] is not experts:
+            raise RuntimeError(
+                f"layer {layer.layer_id}: its experts are not the ones this ExpertBanks arranged "
+                "(one ExpertBanks serves one rank's params)"
+            )
+        return made[1]
+
+    def routed(self, layer: LayerParams, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The layer's held experts' routed sum for rows ``x``: [T, hidden] fp32."""
+        return self.kernels.routed_experts(x, routing, self.bank(layer), self.limit)
 
 
 @dataclass(frozen=True)
@@ -105,10 +141,16 @@ class PagedRuntime:
         self.dtype = params.embed.dtype
         self.moe: MoEFn = moe or self._local_moe
         self.kernels: PagedKernels = kernels or TorchKernels()
+        self.experts = ExpertBanks(self.config, self.kernels)
 
     def _local_moe(self, layer: LayerParams, h: torch.Tensor) -> torch.Tensor:
+        """model/moe.moe_forward with the routed experts through the kernels."""
         cfg = self.config
-        return moe_forward(h, layer.moe, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+        routing = route(h, layer.moe.gate, layer.moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        out = self.experts.routed(layer, h, routing)
+        if layer.moe.shared is not None:
+            out = out + expert_ffn(h, layer.moe.shared, cfg.swiglu_limit)
+        return out.to(h.dtype)
 
     @torch.no_grad()
     def forward(
@@ -147,7 +189,10 @@ class PagedRuntime:
 
     def _compress(self, layer: LayerParams, h: torch.Tensor, plan: CompressionAddresses, store: PagedStore) -> None:
         """Completes every group the step closes, in one call, and writes the owner's
-        main and index planes; pending odd tokens go to the STATE tails."""
+        main and index planes; pending odd tokens go to the STATE tails. Stored values
+        are the model's rounded ones exactly: window KV and index keys arrive on their
+        grids, and the compressed KV is NVFP4-rounded where it is stored
+        (CompressedEntries.kv_unrounded says why)."""
         cfg = self.config
         w = layer.compressor
         owner = layer.layer_id
@@ -155,19 +200,12 @@ class PagedRuntime:
             raise RuntimeError(f"layer {owner}: Full layer without compressor weights")
         if plan.ratio == 2:
             v, g = ratio2_projections(h, w)
-            tail_v, tail_g = store.read_tail(owner, plan.first_tail_slots.clamp_min(0))
-            from_chunk = (plan.first_rows >= 0).unsqueeze(1)
-            first_v = torch.where(from_chunk, v[plan.first_rows.clamp_min(0)], tail_v)
-            first_g = torch.where(from_chunk, g[plan.first_rows.clamp_min(0)], tail_g)
-            pooled = pool_pairs(
-                torch.stack((first_v, v[plan.second_rows]), dim=1), torch.stack((first_g, g[plan.second_rows]), dim=1)
-            )
-            store.write_tail(owner, plan.tail_write_slots, v[plan.tail_write_rows], g[plan.tail_write_rows])
+            pooled = self.kernels.pool_ratio2(v, g, plan, store.tail_plane(owner))
         else:
             pooled = ratio1_latent(h[plan.second_rows], w)
         entries = finish_entries(pooled, w, cfg.rms_norm_eps, layer.rope, plan.entry_positions, self.dtype)
-        store.write_main(owner, plan.dst, entries.kv_unrounded)
-        store.write_index(owner, plan.dst, entries.index_keys)
+        self.kernels.write_rows(store.main_plane(owner), plan.dst, entries.kv_unrounded, round_to="nvfp4")
+        self.kernels.write_rows(store.index_plane(owner), plan.dst, entries.index_keys)
 
     def _attention(
         self, layer: LayerParams, h: torch.Tensor, plan: StepPlan, store: PagedStore, state: SelectionState
@@ -208,5 +246,5 @@ class PagedRuntime:
             layer.attn.attn_sink,
             cfg.head_dim**-0.5,
         )
-        store.write_window(topo.layer_id, win.write_dst, kv[win.write_rows])
+        self.kernels.write_rows(store.window_plane(topo.layer_id), win.write_dst, kv[win.write_rows])
         return output_projection(o, layer.attn, cfg.o_groups, layer.rope, positions)

@@ -393,11 +393,20 @@ _INIT_RULES: tuple[tuple[str, float, float], ...] = (
 )
 
 
+def init_rule(name: str) -> tuple[float, float] | None:
+    """(mean, std) of a named tensor's initial values, or None for a projection
+    (std 1/sqrt(fan_in)); shared by every random-weight generator of the project."""
+    for suffix, mean, std in _INIT_RULES:
+        if name.endswith(suffix):
+            return mean, std
+    return None
+
+
 def _initial_values(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
     noise = torch.randn(spec.shape, generator=generator, dtype=torch.float32)
-    for suffix, mean, std in _INIT_RULES:
-        if spec.name.endswith(suffix):
-            return mean + std * noise
+    rule = init_rule(spec.name)
+    if rule is not None:
+        return rule[0] + rule[1] * noise
     if len(spec.shape) != 2:
         raise ValueError(f"{spec.name}: no initialisation rule for a {len(spec.shape)}-D tensor")
     return noise / math.sqrt(spec.shape[1])

@@ -1,28 +1,47 @@
 """The Triton backend of the paged kernels (NVIDIA GPUs; CPUs under TRITON_INTERPRET=1).
 
-Owns the host side of the Triton kernels: turning flat row addresses into element
-offsets of the planes' own strided views (so kernels read the pool in place, never a
-gathered copy), launch grids, and the logits memory budget that bounds how many query
-rows one scorer launch covers.
+Owns the host side of the Triton kernels: binding a plane's views and strides to a
+launch (the attention and scorer kernels split flat row addresses in registers and read
+the pool in place, never a gathered copy, so a call prepares no per-key tensors and
+nothing is left to reuse across the layers of a step), launch grids and the key splits
+that fill the GPU, and the logits memory budget that bounds how many query rows one
+scorer launch covers. The routed experts' grouped GEMMs are
+model/kernels/triton/moe.py's (bank, alignment and launches). The compression path's
+launches (pair pooling and tail stores, quantised row stores) are in their own block.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import triton
 
-from model.kernels.interface import PlaneView
-from model.kernels.triton.attention import SOURCE_CHUNK, SOURCE_MAIN, SOURCE_NONE, SOURCE_RING, sparse_attention_kernel
-from model.kernels.triton.index_scorer import index_score_kernel
+from model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
+from model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresses, PlaneView, check_row_write
+from model.kernels.triton.attention import (
+    LOG2E,
+    AttentionTiling,
+    merge_splits_kernel,
+    plan_key_split,
+    sparse_attention_kernel,
+)
+from model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
+from model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
+from model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_routed_experts
+from model.kernels.triton.store import store_rows_kernel
+from model.moe import ExpertWeights, Routing
 
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
 DEFAULT_LOGITS_BUDGET_BYTES = 2048 << 20
+# Values one compression-path program moves: a 512-channel row alone is too little work
+# for a GPU program, and under the interpreter fewer, larger programs run faster.
+VALUES_PER_PROGRAM = 4096
 # Triton's CPU interpreter computes bf16 dots wrongly (garbage, seen with triton 3.9.0
 # on 2026-11-30), so under TRITON_INTERPRET the kernels keep dot operands in fp32. The
 # products are exact either way (every operand is bf16-exact); only the attention's
@@ -31,46 +50,82 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 logger = logging.getLogger(__name__)
 if INTERPRETED:
-    logger.info("triton kernels: interpreter mode, fp32 dot operands")
+    logger.info("triton kernels: interpreter mode, fp32 dot operands, tl.exp in the pair softmax")
 
 
-def plane_offsets(plane: PlaneView, flat_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element offsets of flat rows in the plane's values and scales views."""
-    rows = plane.values.shape[1]
-    unit, row = torch.div(flat_rows, rows, rounding_mode="floor"), flat_rows.remainder(rows)
-    values = unit * plane.values.stride(0) + row * plane.values.stride(1)
-    if plane.scales is None:
-        return values, torch.zeros_like(values)
-    return values, unit * plane.scales.stride(0) + row * plane.scales.stride(1)
+def plane_launch_args(plane: PlaneView) -> tuple[Any, ...]:
+    """A plane as the attention and scorer kernels take it: values, scales (the values
+    again for bf16, never read), and the unit and row element strides of both."""
+    scales = plane.scales if plane.scales is not None else plane.values
+    return (plane.values, scales, plane.values.stride(0), plane.values.stride(1), scales.stride(0), scales.stride(1))
 
 
-def _scales_or_values(plane: PlaneView) -> torch.Tensor:
-    return plane.scales if plane.scales is not None else plane.values
+def plane_constants(plane: PlaneView) -> tuple[int, int, int]:
+    """(rows per unit, FORMAT_CODES entry, channels per scale) of a plane."""
+    return plane.values.shape[1], FORMAT_CODES[plane.fmt], SCALE_GROUPS.get(plane.fmt, 1)
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs_per_wave(configured: int | None, device: torch.device, per_sm: int) -> int:
+    """Programs one launch runs at once: as configured, else ``per_sm`` per SM of the
+    GPU; on the CPU interpreter one (its programs run one after another)."""
+    if configured is not None:
+        return configured
+    if device.type != "cuda":
+        return 1
+    return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @dataclass(frozen=True)
-class PreparedLaunch:
-    """A kernel launch with its addresses already computed: ``run()`` is the kernel
-    alone (what a step could reuse across layers that share addresses)."""
+class KernelLaunch:
+    """One kernel launch with every argument bound."""
 
     kernel: Any
     grid: tuple[int, ...]
     args: tuple[Any, ...]
     constants: dict[str, Any]
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constants)
+
+
+@dataclass(frozen=True)
+class PreparedLaunch:
+    """Kernel launches with every argument bound, run in order: ``run()`` is the
+    kernels alone, no host-side work (what a benchmark times, what a CUDA graph of a
+    step would capture)."""
+
+    launches: tuple[KernelLaunch, ...]
     out: torch.Tensor
 
     def run(self) -> torch.Tensor:
-        self.kernel[self.grid](*self.args, **self.constants)
+        for launch in self.launches:
+            launch()
         return self.out
 
 
 class TritonKernels:
     name = "triton"
 
-    def __init__(self, logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES) -> None:
+    def __init__(
+        self,
+        logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
+        attention_tiling: AttentionTiling = AttentionTiling(),
+        scorer_tiling: ScorerTiling = ScorerTiling(),
+    ) -> None:
         if logits_budget_bytes <= 0:
             raise ValueError(f"logits_budget_bytes: {logits_budget_bytes} (allowed: > 0)")
         self.logits_budget_bytes = logits_budget_bytes
+        self.attention_tiling = attention_tiling
+        self.scorer_tiling = scorer_tiling
 
     def attend(
         self,
@@ -103,58 +158,86 @@ class TritonKernels:
         softmax_scale: float,
     ) -> PreparedLaunch:
         rows, heads, dim = q.shape
-        q = q.contiguous()
-        chunk_kv = chunk_kv.contiguous()
-        ring_off, ring_scale_off = plane_offsets(ring, ring_rows.clamp_min(0))
-        source = torch.where(chunk_rows >= 0, SOURCE_CHUNK, SOURCE_RING)
-        source = torch.where(window_valid, source, SOURCE_NONE)
-        offset = torch.where(chunk_rows >= 0, chunk_rows.clamp_min(0) * chunk_kv.stride(0), ring_off)
-        scale_offset = torch.where(chunk_rows >= 0, 0, ring_scale_off)
-        main_plane = main if main is not None else ring
-        if entry_rows is not None and main is not None:
-            main_off, main_scale_off = plane_offsets(main, entry_rows.clamp_min(0))
-            source = torch.cat((source, torch.where(entry_rows >= 0, SOURCE_MAIN, SOURCE_NONE)), dim=1)
-            offset = torch.cat((offset, main_off), dim=1)
-            scale_offset = torch.cat((scale_offset, main_scale_off), dim=1)
+        window = chunk_rows.shape[1]
         out = torch.empty_like(q)
-        num_keys = source.shape[1]
-        # 16 heads per program: a [16, head_dim] fp32 accumulator stays in registers at
-        # head_dim 512; the row's keys are re-read by each head block, from L2.
-        block_h = 16
-        return PreparedLaunch(
-            kernel=sparse_attention_kernel,
-            grid=(rows, triton.cdiv(heads, block_h)),
-            args=(
-                q,
-                out,
-                sink.float().contiguous(),
-                chunk_kv,
-                ring.values,
-                _scales_or_values(ring),
-                main_plane.values,
-                _scales_or_values(main_plane),
-                source.to(torch.int32).contiguous(),
-                offset.contiguous(),
-                scale_offset.contiguous(),
-                num_keys,
-                heads,
-                softmax_scale,
-                q.stride(0),
-                q.stride(1),
-                out.stride(0),
-                out.stride(1),
-            ),
-            constants=dict(
-                HEAD_DIM=dim,
-                BLOCK_H=block_h,
-                BLOCK_N=32,
-                RING_FMT=FORMAT_CODES[ring.fmt],
-                MAIN_FMT=FORMAT_CODES[main_plane.fmt],
-                BF16_DOT=q.dtype == torch.bfloat16 and not INTERPRETED,
-                num_warps=8,
-            ),
-            out=out,
-        )
+        if main is None or entry_rows is None:
+            # No main keys: the ring stands in for the main plane, whose loop runs 0 times.
+            main, entry_rows, topk = ring, ring_rows, 0
+        else:
+            topk = entry_rows.shape[1]
+        if rows == 0:
+            return PreparedLaunch((), out)
+        tiling = self.attention_tiling
+        head_groups = triton.cdiv(heads, tiling.block_h)
+        wave = _programs_per_wave(tiling.programs_per_wave, q.device, per_sm=1)
+        split = plan_key_split(rows, head_groups, window, topk, tiling.block_n, wave)
+        q, chunk_kv = _last_dim_dense(q), _last_dim_dense(chunk_kv)
+        if split.splits > 1:
+            partial_acc = torch.empty(rows, split.splits, heads, dim, dtype=torch.float32, device=q.device)
+            partial_stats = torch.empty(rows, split.splits, 2, heads, dtype=torch.float32, device=q.device)
+        else:
+            partial_acc = partial_stats = out  # never written: the programs write ``out``
+        ring_rows_per_unit, ring_fmt, ring_group = plane_constants(ring)
+        main_rows_per_unit, main_fmt, main_group = plane_constants(main)
+        launches = [
+            KernelLaunch(
+                kernel=sparse_attention_kernel,
+                grid=(rows * head_groups, split.splits),
+                args=(
+                    q,
+                    sink,
+                    out,
+                    partial_acc,
+                    partial_stats,
+                    chunk_kv,
+                    chunk_rows.contiguous(),
+                    ring_rows.contiguous(),
+                    window_valid.contiguous(),
+                    entry_rows.contiguous(),
+                    *plane_launch_args(ring),
+                    *plane_launch_args(main),
+                    heads,
+                    head_groups,
+                    window,
+                    topk,
+                    split.keys_per_split,
+                    split.window_splits,
+                    softmax_scale * LOG2E.value,
+                    q.stride(0),
+                    q.stride(1),
+                    out.stride(0),
+                    out.stride(1),
+                    chunk_kv.stride(0),
+                ),
+                constants=dict(
+                    HEAD_DIM=dim,
+                    BLOCK_H=tiling.block_h,
+                    BLOCK_N=tiling.block_n,
+                    RING_ROWS=ring_rows_per_unit,
+                    RING_FMT=ring_fmt,
+                    RING_GROUP=ring_group,
+                    MAIN_ROWS=main_rows_per_unit,
+                    MAIN_FMT=main_fmt,
+                    MAIN_GROUP=main_group,
+                    SPLIT=split.splits > 1,
+                    DOT_BF16=q.dtype == torch.bfloat16 and not INTERPRETED,
+                    num_warps=tiling.num_warps,
+                    num_stages=tiling.num_stages,
+                ),
+            )
+        ]
+        if split.splits > 1:
+            merge_groups = triton.cdiv(heads, tiling.merge_block_h)
+            launches.append(
+                KernelLaunch(
+                    kernel=merge_splits_kernel,
+                    grid=(rows * merge_groups,),
+                    args=(partial_acc, partial_stats, sink, out, heads, merge_groups, split.splits, out.stride(0),
+                          out.stride(1)),
+                    constants=dict(HEAD_DIM=dim, BLOCK_H=tiling.merge_block_h, num_warps=8),
+                )
+            )
+        return PreparedLaunch(tuple(launches), out)
 
     def score(
         self,
@@ -164,41 +247,172 @@ class TritonKernels:
         row_segments: torch.Tensor,
         index: PlaneView,
     ) -> torch.Tensor:
+        return self.prepare_score(q, head_weights, tile_rows, row_segments, index).run()
+
+    def prepare_score(
+        self,
+        q: torch.Tensor,
+        head_weights: torch.Tensor,
+        tile_rows: torch.Tensor,
+        row_segments: torch.Tensor,
+        index: PlaneView,
+    ) -> PreparedLaunch:
         rows, heads, dim = q.shape
         entries = tile_rows.shape[1]
         out = torch.empty(rows, entries, dtype=torch.float32, device=q.device)
         if rows == 0 or entries == 0:
-            return out
-        values_off, scales_off = plane_offsets(index, tile_rows.clamp_min(0))
-        values_off = torch.where(tile_rows >= 0, values_off, -1).contiguous()
-        q = q.float().contiguous()
-        head_weights = head_weights.float().contiguous()
+            return PreparedLaunch((), out)
+        q, head_weights, tile_rows = _last_dim_dense(q), _last_dim_dense(head_weights), _last_dim_dense(tile_rows)
         segments = row_segments.contiguous()
-        block_c = 128
+        tiling = self.scorer_tiling
+        wave = _programs_per_wave(tiling.programs_per_wave, q.device, per_sm=3)
+        rows_per_unit, fmt, group = plane_constants(index)
         # Each launch writes at most logits_budget_bytes of scores.
         rows_per_launch = max(1, self.logits_budget_bytes // (4 * entries))
+        launches = []
         for start in range(0, rows, rows_per_launch):
             count = min(rows_per_launch, rows - start)
-            index_score_kernel[(count, triton.cdiv(entries, block_c))](
-                q,
-                head_weights,
-                out[start : start + count],
-                index.values,
-                _scales_or_values(index),
-                values_off,
-                scales_off.contiguous(),
-                segments,
-                start,
-                entries,
-                heads,
-                q.stride(0),
-                q.stride(1),
-                head_weights.stride(0),
+            entries_per_span = plan_entry_span(count, entries, tiling.block_c, wave)
+            spans = triton.cdiv(entries, entries_per_span)
+            launches.append(
+                KernelLaunch(
+                    kernel=index_score_kernel,
+                    grid=(count * spans,),
+                    args=(
+                        q,
+                        head_weights,
+                        out[start : start + count],
+                        tile_rows,
+                        segments,
+                        *plane_launch_args(index),
+                        start,
+                        entries,
+                        heads,
+                        spans,
+                        entries_per_span,
+                        q.stride(0),
+                        q.stride(1),
+                        head_weights.stride(0),
+                        tile_rows.stride(0),
+                        out.stride(0),
+                    ),
+                    constants=dict(
+                        ROWS=rows_per_unit,
+                        INDEX_DIM=dim,
+                        BLOCK_HI=max(16, triton.next_power_of_2(heads)),
+                        BLOCK_C=tiling.block_c,
+                        FMT=fmt,
+                        GROUP=group,
+                        DOT_BF16=not INTERPRETED,
+                        num_warps=tiling.num_warps,
+                        num_stages=tiling.num_stages,
+                    ),
+                )
+            )
+        return PreparedLaunch(tuple(launches), out)
+
+    def expert_bank(self, experts: Mapping[int, ExpertWeights], weight_format: str) -> TritonExpertBank:
+        return build_expert_bank(experts, weight_format)
+
+    def routed_experts(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
+        if not isinstance(bank, TritonExpertBank):
+            raise TypeError(f"bank: {type(bank).__name__} (allowed: a TritonExpertBank from TritonKernels.expert_bank)")
+        return grouped_routed_experts(x, routing, bank, limit, bf16_dot=x.dtype == torch.bfloat16 and not INTERPRETED)
+
+    # -- ratio-2 compression and the quantised stores (compress.py, store.py) ----------
+
+    def pool_ratio2(
+        self, v: torch.Tensor, g: torch.Tensor, pairs: PairAddresses, tails: torch.Tensor
+    ) -> torch.Tensor:
+        groups, dim = pairs.second_rows.numel(), v.shape[1]
+        if tails.dtype != torch.float32 or tails.shape[1:] != (2, dim) or tails.stride(2) != 1:
+            raise ValueError(
+                f"tails: {tails.dtype} {tuple(tails.shape)} strides {tails.stride()} "
+                f"(allowed: float32 [slots, 2, {dim}] with contiguous channels)"
+            )
+        v, g = v.float().contiguous(), g.float().contiguous()
+        out = torch.empty(groups, dim, dtype=torch.float32, device=v.device)
+        block_d = triton.next_power_of_2(dim)
+        rows_per_program = max(1, VALUES_PER_PROGRAM // block_d)
+        if groups:
+            pool_pairs_kernel[(triton.cdiv(groups, rows_per_program),)](
+                v,
+                g,
+                out,
+                tails,
+                pairs.first_rows.contiguous(),
+                pairs.first_tail_slots.contiguous(),
+                pairs.second_rows.contiguous(),
+                groups,
+                v.stride(0),
+                g.stride(0),
                 out.stride(0),
-                INDEX_DIM=dim,
-                BLOCK_HI=max(16, triton.next_power_of_2(heads)),
-                BLOCK_C=block_c,
-                FMT=FORMAT_CODES[index.fmt],
-                BF16_DOT=not INTERPRETED,
+                tails.stride(0),
+                tails.stride(1),
+                DIM=dim,
+                BLOCK_D=block_d,
+                BLOCK_G=rows_per_program,
+                # libdevice is compiled-only; the interpreter's tl.exp is numpy's.
+                LIBDEVICE_EXP=not INTERPRETED,
+                enable_fp_fusion=False,
+            )
+        pending = pairs.tail_write_rows.numel()
+        if pending:
+            store_tails_kernel[(triton.cdiv(pending, rows_per_program),)](
+                v,
+                g,
+                tails,
+                pairs.tail_write_rows.contiguous(),
+                pairs.tail_write_slots.contiguous(),
+                pending,
+                v.stride(0),
+                g.stride(0),
+                tails.stride(0),
+                tails.stride(1),
+                DIM=dim,
+                BLOCK_D=block_d,
+                BLOCK_N=rows_per_program,
             )
         return out
+
+    def write_rows(
+        self, plane: PlaneView, flat_rows: torch.Tensor, values: torch.Tensor, round_to: str | None = None
+    ) -> None:
+        check_row_write(plane, flat_rows, values, round_to)
+        count, width = values.shape
+        if count == 0:
+            return
+        grid = round_to or plane.fmt
+        # bf16 rows kept as they are move in groups of 32 channels, like FP8's.
+        block = SCALE_GROUPS.get(grid, FP8_BLOCK)
+        # A bf16 plane takes bit patterns, rounded in the kernel.
+        stored = plane.values.view(torch.int16) if plane.fmt == "bf16" else plane.values
+        scales = plane.scales if plane.scales is not None else stored
+        if stored.stride(2) != 1 or scales.stride(2) != 1:
+            raise ValueError(f"plane: a {plane.fmt} plane whose rows are not contiguous (strides {stored.stride()})")
+        values = values.contiguous()
+        rows_per_program = max(1, VALUES_PER_PROGRAM // triton.next_power_of_2(width))
+        store_rows_kernel[(triton.cdiv(count, rows_per_program),)](
+            values,
+            flat_rows.contiguous(),
+            stored,
+            scales,
+            count,
+            values.stride(0),
+            stored.shape[1],
+            stored.stride(0),
+            stored.stride(1),
+            scales.stride(0),
+            scales.stride(1),
+            WIDTH=width,
+            BLOCK=block,
+            NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(width, block)),
+            BLOCK_R=rows_per_program,
+            STORE_FMT=FORMAT_CODES[plane.fmt],
+            ROUND_FMT=FORMAT_CODES[grid],
+            FP8_MAX=FP8_E4M3_MAX,
+            FP8_FLOOR=FP8_AMAX_FLOOR,
+            E2M1_MAX=E2M1_MAX,
+            MXFP4_FLOOR=MXFP4_AMAX_FLOOR,
+            NVFP4_FLOOR=NVFP4_AMAX_FLOOR,
+        )

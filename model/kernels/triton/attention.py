@@ -1,93 +1,315 @@
-"""Sparse attention with a sink over paged rows, as one ragged Triton launch.
+"""Sparse attention with a sink over paged rows: the Triton kernels and their tiling.
 
-Owns the kernel that computes, for every query row of a step (prefill and decode rows
-alike: a row is a row), the softmax attention over its own key rows: window keys from
-this step's KV or the slot's ring plane, and selected compressed entries of the main
-plane, each read in place from the pool by element offset and decoded in registers
-(bf16 or FP8 rings, bf16 or NVFP4 main rows). The zero-value sink key starts the online
-softmax: running max = sink logit, running sum = 1.
+Owns the kernels that compute, for every query row of a step (prefill and decode rows
+alike: a row is a row), the softmax attention over its own key rows: W window keys
+(this step's KV or the slot's ring plane) followed by K selected entries of the main
+plane, each read in place from the pool and decoded in registers (bf16 or FP8 rings,
+bf16 or NVFP4 main rows). The layout is MLA's: a key row is the 512-wide latent that
+is both key and value, so a program holds a group of heads and reads each key row once
+for all of them, as a [heads x dim] x [dim x keys] dot and a [heads x keys] x [keys x
+dim] dot. Flat row addresses are split in registers (decode.row_offsets).
+
+When rows x head groups cannot fill the GPU (small decode batches), the key axis is
+split: each program folds one span of keys (window or main, never both, so its loads
+have one format) into an unnormalised partial (running max, running sum, weighted sum
+of values), and a second kernel merges a row's partials with the sink. Otherwise one
+program folds all W + K keys and writes the output itself. The zero-value sink key
+starts the online softmax: running max = sink logit (finite, so no fully masked tile
+makes exp(-inf + inf)), running sum = 1 (its own weight) when the program writes the
+output, 0 when the merge adds it.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
-from model.kernels.triton.decode import load_decoded
+from model.kernels.triton.decode import load_rows
 
-SOURCE_NONE, SOURCE_CHUNK, SOURCE_RING, SOURCE_MAIN = -1, 0, 1, 2
+# Logits are kept in log2 units (exp2 is the hardware's exponential).
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@dataclass(frozen=True)
+class AttentionTiling:
+    """How the attention kernels cut the work. ``block_h`` heads share each key tile of
+    ``block_n`` rows. At 16 x 32 with 8 warps a program holds its [16, 512] fp32
+    accumulator, its query block and a decoded key tile without spilling (compiled for
+    sm_90 by triton 3.9 on the CPU dev box, 2026-11-30: 218-247 registers at Flash
+    dims, bf16 and FP8/NVFP4 planes; all 64 heads in one program spilled at 8 and 16
+    warps), so one program runs per SM. ``programs_per_wave`` is how many run at once
+    (None: the GPU's SM count; on the CPU interpreter, where programs run one after
+    another, 1, which never splits). The key axis is split only while the extra
+    programs still fit in that wave."""
+
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 3
+    merge_block_h: int = 16
+    programs_per_wave: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_h", "block_n", "merge_block_h"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"AttentionTiling.{name}: {value} (allowed: a power of two >= 16, a dot's minimum)")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"AttentionTiling.num_warps: {self.num_warps} (allowed: 1, 2, 4, 8, 16)")
+        if self.num_stages < 1:
+            raise ValueError(f"AttentionTiling.num_stages: {self.num_stages} (allowed: >= 1)")
+        if self.programs_per_wave is not None and self.programs_per_wave < 1:
+            raise ValueError(f"AttentionTiling.programs_per_wave: {self.programs_per_wave} (allowed: >= 1 or None)")
+
+
+@dataclass(frozen=True)
+class KeySplit:
+    """How a launch splits each row's W window + K main keys: ``keys_per_split`` keys
+    per program, ``window_splits`` programs over the window then ``main_splits`` over
+    the main entries; ``splits == 1`` means one program takes all keys of a row."""
+
+    keys_per_split: int
+    window_splits: int
+    main_splits: int
+
+    @property
+    def splits(self) -> int:
+        return self.window_splits + self.main_splits
+
+
+def plan_key_split(rows: int, head_groups: int, window: int, topk: int, block_n: int, programs_per_wave: int) -> KeySplit:
+    """As many splits (whole tiles of ``block_n`` keys each, as even as whole tiles
+    allow) as one wave of programs holds: rows x head groups x splits <=
+    programs_per_wave. A split costs a partial [heads, dim] fp32 write and read, and
+    past one wave more programs only queue, so rows x head groups that already fill
+    the wave get no split."""
+    wanted = programs_per_wave // max(rows * head_groups, 1)
+    window_tiles, main_tiles = triton.cdiv(window, block_n), triton.cdiv(topk, block_n)
+    if wanted <= 1 or window_tiles + main_tiles <= 1:
+        return KeySplit(keys_per_split=max(window, topk, 1), window_splits=1, main_splits=0)
+    tiles = triton.cdiv(window_tiles + main_tiles, wanted)
+    while triton.cdiv(window_tiles, tiles) + triton.cdiv(main_tiles, tiles) > wanted:
+        tiles += 1
+    keys_per_split = tiles * block_n
+    return KeySplit(keys_per_split, triton.cdiv(window, keys_per_split), triton.cdiv(topk, keys_per_split))
+
+
+@triton.jit
+def _fold_tile(q, k, present, running_max, running_sum, acc, logit_scale, DOT_BF16: tl.constexpr):
+    """One online-softmax step of a [BLOCK_H, D] query block over a key tile [BLOCK_N,
+    D] (keys are values). Logits are in log2 units (logit_scale holds log2 e)."""
+    if DOT_BF16:
+        logits = tl.dot(q, tl.trans(k))
+    else:
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee")
+    logits = tl.where(present[None, :], logits * logit_scale, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(logits, 1))
+    correction = tl.exp2(running_max - new_max)
+    p = tl.exp2(logits - new_max[:, None])
+    running_sum = running_sum * correction + tl.sum(p, 1)
+    if DOT_BF16:
+        acc = acc * correction[:, None] + tl.dot(p.to(tl.bfloat16), k)
+    else:
+        acc = acc * correction[:, None] + tl.dot(p, k, input_precision="ieee")
+    return new_max, running_sum, acc
 
 
 @triton.jit
 def sparse_attention_kernel(
     q_ptr,
-    out_ptr,
     sink_ptr,
+    out_ptr,
+    partial_acc_ptr,
+    partial_stats_ptr,
     chunk_ptr,
+    chunk_rows_ptr,
+    ring_rows_ptr,
+    window_valid_ptr,
+    entry_rows_ptr,
     ring_values,
     ring_scales,
+    ring_values_stride_unit,
+    ring_values_stride_row,
+    ring_scales_stride_unit,
+    ring_scales_stride_row,
     main_values,
     main_scales,
-    source_ptr,
-    offset_ptr,
-    scale_offset_ptr,
-    num_keys,
+    main_values_stride_unit,
+    main_values_stride_row,
+    main_scales_stride_unit,
+    main_scales_stride_row,
     num_heads,
-    softmax_scale,
+    head_groups,
+    window,
+    topk,
+    keys_per_split,
+    window_splits,
+    logit_scale,
     stride_q_row,
     stride_q_head,
     stride_out_row,
     stride_out_head,
+    stride_chunk,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RING_ROWS: tl.constexpr,
     RING_FMT: tl.constexpr,
+    RING_GROUP: tl.constexpr,
+    MAIN_ROWS: tl.constexpr,
     MAIN_FMT: tl.constexpr,
-    BF16_DOT: tl.constexpr,
+    MAIN_GROUP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_BF16: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """Grid (rows x head groups, splits), head groups varying fastest: the programs
+    that read the same key rows run side by side and share them through L2 (and no
+    grid axis but the first, which has no 65535 limit, grows with the rows)."""
+    row = (tl.program_id(0) // head_groups).to(tl.int64)
+    heads = (tl.program_id(0) % head_groups) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(1)
     head_mask = heads < num_heads
     dims = tl.arange(0, HEAD_DIM)
+    if DOT_BF16:
+        dot_dtype = tl.bfloat16
+    else:
+        dot_dtype = tl.float32
     q = tl.load(
-        q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :],
-        mask=head_mask[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    if BF16_DOT:
-        q = q.to(tl.bfloat16)
-    running_max = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
+        q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :], mask=head_mask[:, None], other=0.0
+    ).to(dot_dtype)
+    running_max = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
+    if SPLIT:
+        running_sum = tl.zeros([BLOCK_H], tl.float32)  # the merge adds the sink's weight
+    else:
+        running_sum = tl.full([BLOCK_H], 1.0, tl.float32)  # the sink's own weight
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    if SPLIT:
+        window_lo = tl.minimum(split * keys_per_split, window)
+        window_hi = tl.where(split < window_splits, tl.minimum(window_lo + keys_per_split, window), window_lo)
+        main_lo = tl.minimum(tl.maximum(split - window_splits, 0) * keys_per_split, topk)
+        main_hi = tl.where(split >= window_splits, tl.minimum(main_lo + keys_per_split, topk), main_lo)
+    else:
+        window_lo = 0
+        window_hi = window
+        main_lo = 0
+        main_hi = topk
+
+    for start in range(window_lo, window_hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        in_span = keys < window_hi
+        chunk_row = tl.load(chunk_rows_ptr + row * window + keys, mask=in_span, other=-1)
+        ring_row = tl.load(ring_rows_ptr + row * window + keys, mask=in_span, other=-1)
+        valid = tl.load(window_valid_ptr + row * window + keys, mask=in_span, other=0) != 0
+        # A valid key not in this step's rows is a ring row (row 0 if the address is
+        # NO_ROW, as the torch backend's clamp reads it).
+        from_chunk = valid & (chunk_row >= 0)
+        from_ring = valid & (chunk_row < 0)
+        k_chunk = tl.load(
+            chunk_ptr + tl.maximum(chunk_row, 0)[:, None] * stride_chunk + dims[None, :],
+            mask=from_chunk[:, None],
+            other=0.0,
+        ).to(dot_dtype)
+        k_ring = load_rows(
+            ring_values,
+            ring_scales,
+            ring_row,
+            from_ring,
+            RING_ROWS,
+            ring_values_stride_unit,
+            ring_values_stride_row,
+            ring_scales_stride_unit,
+            ring_scales_stride_row,
+            HEAD_DIM,
+            RING_FMT,
+            RING_GROUP,
+            dot_dtype,
+        )
+        k = tl.where(from_chunk[:, None], k_chunk, k_ring)
+        running_max, running_sum, acc = _fold_tile(q, k, valid, running_max, running_sum, acc, logit_scale, DOT_BF16)
+
+    for start in range(main_lo, main_hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        entry = tl.load(entry_rows_ptr + row * topk + keys, mask=keys < main_hi, other=-1)
+        present = entry >= 0
+        k = load_rows(
+            main_values,
+            main_scales,
+            entry,
+            present,
+            MAIN_ROWS,
+            main_values_stride_unit,
+            main_values_stride_row,
+            main_scales_stride_unit,
+            main_scales_stride_row,
+            HEAD_DIM,
+            MAIN_FMT,
+            MAIN_GROUP,
+            dot_dtype,
+        )
+        running_max, running_sum, acc = _fold_tile(q, k, present, running_max, running_sum, acc, logit_scale, DOT_BF16)
+
+    if SPLIT:
+        # Partials [rows, splits, heads, dim] and stats [rows, splits, 2, heads].
+        num_splits = tl.num_programs(1)
+        slot = row * num_splits + split
+        tl.store(
+            partial_acc_ptr + (slot * num_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
+            acc,
+            mask=head_mask[:, None],
+        )
+        tl.store(partial_stats_ptr + slot * 2 * num_heads + heads, running_max, mask=head_mask)
+        tl.store(partial_stats_ptr + (slot * 2 + 1) * num_heads + heads, running_sum, mask=head_mask)
+    else:
+        tl.store(
+            out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + dims[None, :],
+            (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None],
+        )
+
+
+@triton.jit
+def merge_splits_kernel(
+    partial_acc_ptr,
+    partial_stats_ptr,
+    sink_ptr,
+    out_ptr,
+    num_heads,
+    head_groups,
+    num_splits,
+    stride_out_row,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Grid (rows x head groups): one row's partials merged with the sink (weight
+    2^(sink - max)), normalised, written in the output's dtype."""
+    row = (tl.program_id(0) // head_groups).to(tl.int64)
+    heads = (tl.program_id(0) % head_groups) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    dims = tl.arange(0, HEAD_DIM)
+    running_max = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
     running_sum = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    base = row.to(tl.int64) * num_keys
-    for start in range(0, num_keys, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_mask = keys < num_keys
-        source = tl.load(source_ptr + base + keys, mask=key_mask, other=-1)
-        offset = tl.load(offset_ptr + base + keys, mask=key_mask, other=0)
-        scale_offset = tl.load(scale_offset_ptr + base + keys, mask=key_mask, other=0)
-        k = load_decoded(chunk_ptr, chunk_ptr, offset, scale_offset, dims, source == 0, 0)
-        k += load_decoded(ring_values, ring_scales, offset, scale_offset, dims, source == 1, RING_FMT)
-        k += load_decoded(main_values, main_scales, offset, scale_offset, dims, source == 2, MAIN_FMT)
-        if BF16_DOT:
-            k = k.to(tl.bfloat16)
-            logits = tl.dot(q, tl.trans(k)) * softmax_scale
-        else:
-            logits = tl.dot(q, tl.trans(k), input_precision="ieee") * softmax_scale
-        logits = tl.where((source >= 0)[None, :], logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, 1))
-        correction = tl.exp(running_max - new_max)
-        p = tl.exp(logits - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(p, 1)
-        if BF16_DOT:
-            acc = acc * correction[:, None] + tl.dot(p.to(tl.bfloat16), k)
-        else:
-            acc = acc * correction[:, None] + tl.dot(p, k, input_precision="ieee")
+    for split in range(num_splits):
+        slot = row * num_splits + split
+        part_max = tl.load(partial_stats_ptr + slot * 2 * num_heads + heads, mask=head_mask, other=0.0)
+        part_sum = tl.load(partial_stats_ptr + (slot * 2 + 1) * num_heads + heads, mask=head_mask, other=0.0)
+        part_acc = tl.load(
+            partial_acc_ptr + (slot * num_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
+            mask=head_mask[:, None],
+            other=0.0,
+        )
+        new_max = tl.maximum(running_max, part_max)
+        old_weight = tl.exp2(running_max - new_max)
+        part_weight = tl.exp2(part_max - new_max)
+        running_sum = running_sum * old_weight + part_sum * part_weight
+        acc = acc * old_weight[:, None] + part_acc * part_weight[:, None]
         running_max = new_max
-    out = acc / running_sum[:, None]
     tl.store(
         out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
+        (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty),
         mask=head_mask[:, None],
     )

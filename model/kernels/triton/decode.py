@@ -1,9 +1,14 @@
-"""Decoding of the stored number formats inside Triton kernels.
+"""Reading stored plane rows inside Triton kernels: row addressing and format decoding.
 
-Owns bit-level decoders of E4M3 bytes, E8M0 scale bytes and packed E2M1 codes, written
-with integer arithmetic so they run the same compiled on a GPU and under
-``TRITON_INTERPRET=1`` on a CPU. They are the kernel-side twins of model/formats.py's
-dequantizers, and tests hold them to those bit for bit.
+Owns the kernel side of the ``PlaneView`` contract (model/kernels/interface.py): a flat
+row r is unit r // ROWS, row r % ROWS of a [units, ROWS, width] view. The split happens
+here, in registers, against the plane's own strides, so the host prepares no per-key
+addresses and the compiler sees every row start as a multiple of the strides (16-byte
+aligned rows load as whole vectors). Also owns the decoding of the stored formats to a
+compute dtype, value for value model/formats.py's dequantizers: bf16 rows, FP8 E4M3 +
+E8M0 per 32 (the hardware E4M3 conversion), NVFP4 (E2M1 pairs + E4M3 per 16) and MXFP4
+(E2M1 pairs + E8M0 per 32). A row is loaded as [rows, groups, group] so each group's
+scale is one load per row, broadcast in registers.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -14,17 +19,12 @@ import triton.language as tl
 
 
 @triton.jit
-def e4m3_to_f32(byte):
-    """An E4M3 (fn) byte as float32: 1 sign, 4 exponent (bias 7), 3 mantissa bits;
-    exponent 0 is subnormal. The stored planes never hold NaN. Normal values are
-    assembled as float32 bits (exponent rebased to 127, mantissa shifted up)."""
-    b = byte.to(tl.int32)
-    exponent = (b >> 3) & 0xF
-    mantissa = b & 0x7
-    normal = (((b & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa / 8 * 2^-6
-    subnormal = tl.where((b & 0x80) != 0, -subnormal, subnormal)
-    return tl.where(exponent == 0, subnormal, normal)
+def row_offsets(flat_rows, ROWS: tl.constexpr, stride_unit, stride_row):
+    """Element offsets of flat rows in a [units, ROWS, ...] view with the given strides.
+    NO_ROW (-1) maps to row 0; callers mask it."""
+    flat = tl.maximum(flat_rows, 0).to(tl.int64)
+    unit = flat // ROWS
+    return unit * stride_unit + (flat - unit * ROWS) * stride_row
 
 
 @triton.jit
@@ -36,33 +36,78 @@ def e8m0_to_f32(byte):
 
 
 @triton.jit
-def e2m1_to_f32(code):
-    """A 4-bit E2M1 code (bit 3 sign, code & 7 indexes 0, .5, 1, 1.5, 2, 3, 4, 6)."""
-    c = code.to(tl.int32)
-    m = c & 7
-    magnitude = tl.where(m < 4, m.to(tl.float32) * 0.5, tl.where(m < 6, (m - 2).to(tl.float32), (m - 6).to(tl.float32) * 2.0 + 4.0))
-    return tl.where((c & 8) != 0, -magnitude, magnitude)
+def e4m3_to_f32(byte):
+    """An E4M3 (fn) byte (any integer type holding 0..255) as float32: the magnitude
+    through the E4M3 type (a hardware conversion on GPUs that have one), the sign bit
+    put back by hand, because the H200's conversion turns 0x80 (-0) into +0 and torch
+    keeps -0. The stored planes never hold NaN."""
+    b = byte.to(tl.int32)
+    magnitude = (b & 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return (magnitude.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def load_decoded(values_ptr, scales_ptr, row_off, scale_off, dims, mask, FMT: tl.constexpr):
-    """Rows [N, D] of a plane as float32. ``row_off`` / ``scale_off`` [N] are element
-    offsets of each row in the values / scales tensors; ``dims`` [D] the channels.
-    FMT: 0 bf16 or float rows, 1 FP8 E4M3 + E8M0 per 32, 2 NVFP4 (E2M1 pairs + E4M3 per
-    16), 3 MXFP4 (E2M1 pairs + E8M0 per 32)."""
-    m2 = mask[:, None]
+def e2m1_to_f32(code):
+    """A 4-bit E2M1 code (bit 3 sign; code & 7 indexes 0, .5, 1, 1.5, 2, 3, 4, 6) as
+    float32 bits: m >= 2 is exponent (m >> 1) + 126 with mantissa bit m & 1, i.e.
+    (m + 252) << 22; m == 1 is 0.5 (exponent 126); m == 0 is zero."""
+    c = code.to(tl.int32)
+    m = c & 7
+    bits = tl.where(m >= 2, (m + 252) << 22, m * (126 << 23))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_rows(
+    values_ptr,
+    scales_ptr,
+    flat_rows,
+    present,
+    ROWS: tl.constexpr,
+    values_stride_unit,
+    values_stride_row,
+    scales_stride_unit,
+    scales_stride_row,
+    WIDTH: tl.constexpr,
+    FMT: tl.constexpr,
+    GROUP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    """Rows [N, WIDTH] of a plane as OUT_DTYPE, N = flat_rows.shape[0]; rows where
+    ``present`` is false read as zeros (finite: they meet zero probabilities). FMT is
+    the plane's FORMAT_CODES entry (0 bf16, 1 FP8 E4M3 + E8M0, 2 NVFP4, 3 MXFP4; see
+    model/kernels/triton/__init__.py), GROUP its channels per scale."""
+    offsets = row_offsets(flat_rows, ROWS, values_stride_unit, values_stride_row)
     if FMT == 0:
-        out = tl.load(values_ptr + row_off[:, None] + dims[None, :], mask=m2, other=0.0).to(tl.float32)
-    elif FMT == 1:
-        raw = tl.load(values_ptr + row_off[:, None] + dims[None, :], mask=m2, other=0)
-        scale = tl.load(scales_ptr + scale_off[:, None] + (dims // 32)[None, :], mask=m2, other=127)
-        out = e4m3_to_f32(raw) * e8m0_to_f32(scale)
+        dims = tl.arange(0, WIDTH)
+        rows = tl.load(values_ptr + offsets[:, None] + dims[None, :], mask=present[:, None], other=0.0)
+        out = rows.to(OUT_DTYPE)
     else:
-        packed = tl.load(values_ptr + row_off[:, None] + (dims // 2)[None, :], mask=m2, other=0).to(tl.int32)
-        code = (packed >> ((dims % 2) * 4)[None, :]) & 0xF
+        groups = tl.arange(0, WIDTH // GROUP)
+        scale_offsets = row_offsets(flat_rows, ROWS, scales_stride_unit, scales_stride_row)
+        scale_bytes = tl.load(scales_ptr + scale_offsets[:, None] + groups[None, :], mask=present[:, None], other=0)
         if FMT == 2:
-            scale = e4m3_to_f32(tl.load(scales_ptr + scale_off[:, None] + (dims // 16)[None, :], mask=m2, other=0))
+            scale = e4m3_to_f32(scale_bytes)
         else:
-            scale = e8m0_to_f32(tl.load(scales_ptr + scale_off[:, None] + (dims // 32)[None, :], mask=m2, other=127))
-        out = e2m1_to_f32(code) * scale
+            scale = e8m0_to_f32(scale_bytes)
+        if FMT == 1:
+            lanes = tl.arange(0, GROUP)
+            raw = tl.load(
+                values_ptr + offsets[:, None, None] + (groups * GROUP)[None, :, None] + lanes[None, None, :],
+                mask=present[:, None, None],
+                other=0,
+            )
+            # The hardware conversion alone, without e4m3_to_f32's sign repair: rows
+            # read here only meet dot products, where -0 and +0 are the same number.
+            decoded = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            lanes = tl.arange(0, GROUP // 2)
+            packed = tl.load(
+                values_ptr + offsets[:, None, None] + (groups * (GROUP // 2))[None, :, None] + lanes[None, None, :],
+                mask=present[:, None, None],
+                other=0,
+            ).to(tl.int32)
+            # The even channel is the low nibble (model/formats.pack_nibbles).
+            decoded = tl.interleave(e2m1_to_f32(packed & 0xF), e2m1_to_f32(packed >> 4))
+        out = tl.reshape(decoded * scale[:, :, None], (flat_rows.shape[0], WIDTH)).to(OUT_DTYPE)
     return out

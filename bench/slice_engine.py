@@ -1,0 +1,172 @@
+"""The reference-slice engine that bench/decode_step.py and bench/prefill.py run.
+
+Owns what the two benchmarks share: their command-line options, building the slice
+(model/reference_slice.py: weights generated on the device, no checkpoint written)
+with progress output, an in-process Engine over it whose pools hold the workload, the
+run's environment record, and the issue's figures for a transformers-style eager
+implementation of V4.1 on the same slice and card. Imports cluster/ and model/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from cache.pools import PoolSize
+from cluster.engine import Engine, EngineOptions, RankLayout
+from model.config import V41Config
+from model.params import ModelParams
+from model.reference_slice import (
+    EXPERT_FORMATS,
+    REFERENCE_SLICE,
+    SMALL_SLICE,
+    GenerationProgress,
+    SliceModel,
+    load_slice,
+)
+from model.weights import checkpoint_tensors
+
+FLASH = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "flash"
+
+# The GPU issue's measurements of a straightforward transformers-style eager V4.1 on
+# the reference slice and an H200 (bf16 random weights): decode output tokens/s by
+# batch (1024-token prompts) and prefill tokens/s of one 4096-token prompt, each with
+# how many times its floor it took. Quoted, not measured here.
+EAGER_DECODE_TOK_PER_S = {1: 10.9, 8: 49.1, 32: 123.5}
+EAGER_DECODE_X_FLOOR = {1: 48.0, 8: 27.0, 32: 27.0}
+EAGER_PREFILL_TOK_PER_S = 6412.0
+EAGER_PREFILL_X_FLOOR = 14.0
+
+
+def add_slice_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--small", action="store_true",
+        help="the slice's layer roles at CPU widths (model.reference_slice.SMALL_SLICE), small workload; "
+        "defaults to the CPU and the torch backend",
+    )
+    parser.add_argument("--device", default=None, help="default: cuda when present (cpu with --small)")
+    parser.add_argument(
+        "--kernel-backend", default=None, choices=("torch", "triton"), help="default: triton on CUDA, else torch"
+    )
+    parser.add_argument("--experts", default="bf16", choices=EXPERT_FORMATS, help="routed expert storage")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch intra-op threads on the CPU (default 1: on a shared box more threads spin against each other)",
+    )
+
+
+def resolve_device(args: argparse.Namespace) -> tuple[str, str]:
+    """(device, kernel backend) from the options and what is present."""
+    device = args.device or ("cpu" if args.small or not torch.cuda.is_available() else "cuda")
+    backend = args.kernel_backend or ("triton" if torch.device(device).type == "cuda" else "torch")
+    return device, backend
+
+
+def prepare_device(args: argparse.Namespace) -> str:
+    """The run's device, with torch's CPU threads set before anything is measured."""
+    device, _ = resolve_device(args)
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    return device
+
+
+def build_slice_engine(
+    args: argparse.Namespace, *, max_num_seqs: int, max_num_batched_tokens: int, tokens_per_request: int
+) -> Engine:
+    """The slice (bf16 compute) in an in-process engine on ``args.device`` whose pools
+    hold ``max_num_seqs`` requests of ``tokens_per_request`` tokens each; prefix
+    caching is off (random prompts share nothing)."""
+    device, backend = resolve_device(args)
+    spec = SMALL_SLICE if args.small else REFERENCE_SLICE
+    model = SliceModel.build(spec, V41Config.from_pretrained(FLASH, text_only=True), expert_format=args.experts)
+    total = len(checkpoint_tensors(model.config))
+    print(f"generating {spec.name} ({args.experts} experts, seed {args.seed}) on {device}: {total} tensors", flush=True)
+    began = time.monotonic()
+    checkpoint = load_slice(
+        model, seed=args.seed, dtype=torch.bfloat16, device=device, progress=_generation_reporter(total)
+    )
+    print(f"weights generated and post-load processed in {time.monotonic() - began:.1f} s", flush=True)
+    params = ModelParams.from_checkpoint(checkpoint)
+    options = EngineOptions(
+        dtype=torch.bfloat16,
+        max_num_seqs=max_num_seqs,
+        num_state_slots=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=False,
+        kernel_backend=backend,
+        device=device,
+    )
+    geometry = RankLayout.build(model.config, options).geometry
+    # One page more than the requests need: the sizing must never be what preempts.
+    num_pages = max_num_seqs * -(-tokens_per_request // options.block_size) + 1
+    budget = PoolSize(num_pages=num_pages, num_slots=max_num_seqs).nbytes(geometry)
+    options = dataclasses.replace(options, num_pages=num_pages, cache_memory_bytes=budget)
+    engine = Engine(params, checkpoint.tokenizer, options)
+    print(
+        f"engine: {backend} kernels on {device}, {num_pages} PAGEs x {options.block_size} tokens, "
+        f"{max_num_seqs} STATE slots, pools {budget / 2**30:.2f} GiB",
+        flush=True,
+    )
+    return engine
+
+
+def _generation_reporter(total: int) -> Callable[[GenerationProgress], None]:
+    """Prints a line per layer (and for the embedding, head and norm) as it is made."""
+    last_group: list[str] = []
+
+    def report(progress: GenerationProgress) -> None:
+        parts = progress.tensor.split(".")
+        group = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+        if last_group and group == last_group[0] and progress.tensors_made < total:
+            return
+        last_group[:] = [group]
+        print(
+            f"  {progress.tensors_made:5d}/{total} tensors, {progress.bytes_made / 1e9:6.2f} GB, "
+            f"{progress.seconds:6.1f} s  ({group})",
+            flush=True,
+        )
+
+    return report
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Token ids drawn uniformly past the special tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(16, vocab_size, (count, length), generator=g).tolist()
+
+
+def environment(args: argparse.Namespace, engine: Engine, ceilings: dict[str, float]) -> dict[str, object]:
+    """What a result depends on besides its numbers."""
+    device, backend = resolve_device(args)
+    where = torch.device(device)
+    try:
+        triton_version: str | None = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.platform(),
+        "device": torch.cuda.get_device_name(where) if where.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "torch_threads": torch.get_num_threads(),
+        "slice": (SMALL_SLICE if args.small else REFERENCE_SLICE).name,
+        "experts": args.experts,
+        "seed": args.seed,
+        "kernel_backend": backend,
+        "block_size": engine.options.block_size,
+        "kv_cache_dtype": engine.options.kv_cache_dtype,
+        "index_cache_dtype": engine.options.index_cache_dtype,
+        "ceilings": ceilings,
+    }

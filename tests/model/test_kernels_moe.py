@@ -1,0 +1,266 @@
+"""The Triton backend's grouped expert GEMMs compute model/moe.routed_experts: compiled
+on a GPU when one is present, else under TRITON_INTERPRET=1 on the CPU (tests/conftest.py
+sets it).
+
+Experts are fresh random weights (never zeros), plain or on the MXFP4 grid (what the
+loader decodes from an FP4 checkpoint, which the bank packs back into E2M1 + E8M0 and
+the kernels decode in registers). fp32: IEEE dots, so the kernels differ from the
+reference only by the order of fp32 sums (1e-5). bf16: the kernels round where the
+reference rounds (both projections, the SwiGLU, each expert's output), so they differ
+only where a sum in another order lands on the other side of a bf16 rounding boundary
+(1e-2 of the output's norm).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
+from cluster.engine import Engine
+from cluster.request import SamplingParams
+from model.formats import round_mxfp4
+from model.kernels.interface import ExpertBank
+from model.loader import ExpertShard
+from model.moe import ExpertWeights, Routing, moe_forward, routed_experts
+from model.params import load_model_params
+
+pytest.importorskip("triton")
+
+from model.kernels.triton import TritonKernels  # noqa: E402
+from model.kernels.triton.moe import TritonExpertBank, align_pairs  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LIMIT = 1.5  # small enough that the clamps of w1 x and w3 x bind on some values
+
+
+def _experts(
+    ids: range | list[int], hidden: int, inter: int, dtype: torch.dtype, fmt: str, seed: int
+) -> dict[int, ExpertWeights]:
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        w = torch.randn(rows, cols, generator=g) * cols**-0.5 * 4
+        return (round_mxfp4(w) if fmt == "mxfp4" else w).to(dtype).to(DEVICE)
+
+    return {e: ExpertWeights(w1=weight(inter, hidden), w2=weight(hidden, inter), w3=weight(inter, hidden)) for e in ids}
+
+
+def _routing(rows: int, top_k: int, routed_to: list[int], seed: int) -> Routing:
+    """Each row picks top_k distinct experts of ``routed_to``; slot 0 always picks the
+    first of them, so that expert gets a pair from every row (more than the 16 rows of
+    a decode-sized block once there are more than 16 rows)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(routed_to)
+    picks = [
+        torch.cat((pool[:1], pool[1:][torch.randperm(len(routed_to) - 1, generator=g)[: top_k - 1]]))
+        for _ in range(rows)
+    ]
+    weights = torch.rand(rows, top_k, generator=g) + 0.1
+    return Routing(weights=weights.to(DEVICE), expert_ids=torch.stack(picks).to(DEVICE))
+
+
+def _assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["plain", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_equals_routed_experts(dtype: torch.dtype, fmt: str) -> None:
+    """6 held experts, rows routed to 4 of them (2 get no pair; one gets more pairs
+    than a block holds), hidden and intermediate sizes that are not multiples of the
+    64-wide tiles: the kernels give routed_experts' output."""
+    hidden, inter, top_k, rows = 96, 96, 2, 17
+    experts = _experts(range(6), hidden, inter, dtype, fmt, seed=1)
+    routing = _routing(rows, top_k, [5, 0, 2, 3], seed=2)
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    kernels = TritonKernels()
+    bank = kernels.expert_bank(experts, fmt)
+    assert isinstance(bank, TritonExpertBank) and bank.weight_format == fmt
+    _assert_matches(kernels.routed_experts(x, routing, bank, LIMIT), routed_experts(x, routing, experts, LIMIT), dtype)
+
+
+def _ep_shards(experts: dict[int, ExpertWeights]) -> list[dict[int, ExpertWeights]]:
+    ids = sorted(experts)
+    half = len(ids) // 2
+    return [{e: experts[e] for e in ids[:half]}, {e: experts[e] for e in ids[half:]}]
+
+
+def _tp_shards(experts: dict[int, ExpertWeights]) -> list[dict[int, ExpertWeights]]:
+    inter = next(iter(experts.values())).w1.shape[0]
+    halves = (slice(0, inter // 2), slice(inter // 2, inter))
+    return [
+        {
+            e: ExpertWeights(w1=w.w1[s].contiguous(), w2=w.w2[:, s].contiguous(), w3=w.w3[s].contiguous())
+            for e, w in experts.items()
+        }
+        for s in halves
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["plain", "mxfp4"])
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_shards_give_partial_sums_that_add_up_to_every_expert(mode: str, fmt: str) -> None:
+    """An EP shard (half of the experts; rows routed to the other half get nothing
+    from it) and a TP shard (half of every expert's intermediate dim, whole MXFP4
+    groups): each shard's kernel output is routed_experts over that shard, and the two
+    partial sums add up to routed_experts over every expert (fp32)."""
+    hidden, inter, top_k, rows = 64, 128, 2, 9
+    experts = _experts(range(8), hidden, inter, torch.float32, fmt, seed=4)
+    routing = _routing(rows, top_k, [6, 1, 2, 4, 5, 7], seed=5)
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    kernels = TritonKernels()
+    total = torch.zeros(rows, hidden, device=DEVICE)
+    for shard in (_ep_shards if mode == "ep" else _tp_shards)(experts):
+        got = kernels.routed_experts(x, routing, kernels.expert_bank(shard, fmt), LIMIT)
+        _assert_matches(got, routed_experts(x, routing, shard, LIMIT), torch.float32)
+        total += got
+    _assert_matches(total, routed_experts(x, routing, experts, LIMIT), torch.float32)
+
+
+def test_rows_without_held_experts_get_exact_zeros() -> None:
+    """No rows: an empty [0, hidden] result. Rows whose experts are all another rank's:
+    exact zero rows, next to rows that do reach the held experts."""
+    experts = _experts([4, 5], 64, 64, torch.float32, "plain", seed=7)
+    kernels = TritonKernels()
+    bank = kernels.expert_bank(experts, "plain")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    routing = Routing(
+        weights=torch.rand(3, 2, generator=torch.Generator().manual_seed(9)).to(DEVICE),
+        expert_ids=torch.tensor([[0, 1], [4, 2], [3, 6]], device=DEVICE),
+    )
+    got = kernels.routed_experts(x, routing, bank, LIMIT)
+    assert torch.equal(got[[0, 2]], torch.zeros(2, 64, device=DEVICE))
+    _assert_matches(got, routed_experts(x, routing, experts, LIMIT), torch.float32)
+    assert got[1].abs().sum() > 0
+    empty = Routing(weights=routing.weights[:0], expert_ids=routing.expert_ids[:0])
+    assert kernels.routed_experts(x[:0], empty, bank, LIMIT).shape == (0, 64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    top_k=st.integers(1, 4),
+    held=st.sets(st.integers(0, 9), min_size=1),
+    block_m=st.sampled_from([16, 32, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_alignment_gives_each_held_pair_one_row_of_its_experts_blocks(
+    rows: int, top_k: int, held: set[int], block_m: int, seed: int
+) -> None:
+    """Every pair routed to a held expert has exactly one row, in a block of that
+    expert; pairs of experts not held have none; a block's padding rows follow its
+    pairs; blocks past the last expert's are marked -1 and empty."""
+    expert_ids = torch.randint(0, 10, (rows, top_k), generator=torch.Generator().manual_seed(seed))
+    held_ids = torch.tensor(sorted(held))
+    blocks = align_pairs(expert_ids, held_ids, block_m)
+    slots = blocks.slot_pairs.view(blocks.num_blocks, block_m)
+    flat = expert_ids.flatten()
+    wanted = sorted(i for i in range(flat.numel()) if int(flat[i]) in held)
+    assert sorted(int(p) for p in blocks.slot_pairs if p >= 0) == wanted
+    for block, expert in enumerate(blocks.block_experts.tolist()):
+        pairs = slots[block]
+        if expert < 0:
+            assert bool((pairs < 0).all())
+            continue
+        present = pairs >= 0
+        assert bool(present[0]), "a block of an expert holds at least one pair"
+        assert bool((present[:-1] >= present[1:]).all()), "padding only after the pairs"
+        assert bool((flat[pairs[present].long()] == held_ids[expert]).all())
+
+
+def test_mxfp4_bank_refuses_weights_off_the_grid() -> None:
+    """Packing is exact or refused: a weight that MXFP4 cannot hold is named, never rounded."""
+    experts = _experts([0, 3], 64, 64, torch.float32, "plain", seed=10)
+    with pytest.raises(ValueError, match="expert 0 w1: weights are not on the MXFP4 grid"):
+        TritonKernels().expert_bank(experts, "mxfp4")
+    with pytest.raises(ValueError, match="weight_format"):
+        TritonKernels().expert_bank(experts, "fp8")
+
+
+class _OneLaunchAtATime(TritonKernels):
+    """Triton's interpreter patches triton.language module-wide while it runs a launch,
+    so two threads cannot interpret kernels at once (seen with triton 3.9.0: "Did you
+    forget to add @triton.jit ?"); the ranks' threads take turns at the expert GEMMs.
+    Compiled kernels need no turns; the lock changes nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def routed_experts(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
+        with self.lock:
+            return super().routed_experts(x, routing, bank, limit)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="gloo among threads on CPU tensors: the interpreted kernels' case"
+)
+def test_the_dp_exchange_runs_its_shard_on_the_triton_kernels(tiny_quantized_dir: Path) -> None:
+    """Two EP ranks in threads, the Triton kernels reading their FP4 experts packed,
+    one rank idle: each rank's rows get moe_forward over every expert."""
+    whole, _ = load_model_params(tiny_quantized_dir)
+    layer_id = 1
+    cfg = whole.config
+    rows = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(11))
+    moe = whole.layers[layer_id].moe
+    want = moe_forward(rows, moe, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+    shards = [load_model_params(tiny_quantized_dir, shard=ExpertShard("ep", r, 2))[0] for r in range(2)]
+    split = {0: rows, 1: rows[:0]}
+    got: dict[int, torch.Tensor] = {}
+    banks: dict[int, TritonExpertBank] = {}
+    errors: list[BaseException] = []
+    store = dist.HashStore()
+    kernels = _OneLaunchAtATime()
+
+    def run(rank: int) -> None:
+        try:
+            group = open_process_group(GroupSpec("gloo", 2), rank, store)
+            exchange = DPExpertExchange(cfg, group, rank, "gloo", kernels=kernels)
+            exchange.begin_step([7, 0])
+            layer = shards[rank].layers[layer_id]
+            got[rank] = exchange(layer, split[rank])
+            banks[rank] = exchange.experts.bank(layer)
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors.append(exc)
+            raise
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+    assert got[1].shape == (0, cfg.hidden_size)
+    half = cfg.n_routed_experts // 2
+    assert [banks[r].expert_ids for r in range(2)] == [tuple(range(half)), tuple(range(half, 2 * half))]
+    assert {bank.weight_format for bank in banks.values()} == {"mxfp4"}
+
+
+def test_the_engine_on_triton_reads_fp4_experts_packed_and_gives_the_torch_tokens(tiny_quantized_dir: Path) -> None:
+    """The quantised tiny checkpoint (FP4 experts) through the whole engine: the
+    Triton backend's MoE reads MXFP4 packs and gives the torch backend's greedy tokens
+    (fp32) over a prefill and a decode step."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = torch.randint(3, 500, (4,), generator=torch.Generator().manual_seed(12)).tolist()
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = Engine.from_pretrained(
+            tiny_quantized_dir, block_size=32, kernel_backend=backend, enable_prefix_caching=False, device=DEVICE
+        )
+        tokens[backend] = engine.generate([prompt], params)[0].token_ids
+        runtime = engine.executor.runner.runtime
+        assert runtime.experts.weight_format == "mxfp4"
+    assert isinstance(runtime.experts.bank(engine.params.layers[0]), TritonExpertBank)
+    assert tokens["triton"] == tokens["torch"]
