@@ -10,12 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
 DEFAULT_HOME = Path(os.environ.get("DSV41_HOME", Path.home() / ".cache" / "dsv41"))
+SERVE_APP_NAME = "dsv41"
+# Seconds `dsv41 serve` waits for every replica to run: loading a large checkpoint takes
+# minutes, and a cluster without the resources a replica asks for never places it.
+DEFAULT_START_TIMEOUT_S = 600.0
 
 
 def default_model_dir() -> Path:
@@ -46,6 +51,16 @@ def _read_ids(path: str) -> dict[str, list[int]]:
     ):
         raise SystemExit(f"{path}: expected a JSON object mapping names to non-empty lists of token ids")
     return raw
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} (allowed: a finite number of seconds > 0)")
+    return seconds
 
 
 def _chunk_sizes(text: str | None) -> tuple[int, ...] | None:
@@ -184,7 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from ray.serve.config import gRPCOptions
 
-    from deploy.app import AppArgs, build_app
+    from deploy.app import AppArgs, AppStartTimeout, build_app, run_app
     from deploy.grpc_service import GRPC_SERVICER_FUNCTIONS
 
     host, port, grpc_port, route_prefix, app_args = "127.0.0.1", 8000, 9000, "/", {}
@@ -204,17 +219,35 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # Replicas import the project from this checkout, whatever else is installed.
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
     # After ray.init, which installs its own SIGTERM handler (one that aborts the process).
-    # The handler only appends to a list: taking a lock there (Event.set) deadlocks when a
-    # second signal lands while the first handler holds it (seen with Ctrl-C twice).
+    # The handler takes no lock: one that did (Event.set) deadlocked when a second signal
+    # landed while the first handler held it (seen with Ctrl-C twice). While the
+    # application starts, the first signal interrupts the start; later ones, and every
+    # one once it serves, are only recorded, so none cuts the shutdown short.
     received: list[int] = []
+    starting = True
+
+    def on_signal(signum: int, _frame: object) -> None:
+        interrupt_start = starting and not received
+        received.append(signum)
+        if interrupt_start:
+            raise KeyboardInterrupt
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda signum, _frame: received.append(signum))
+        signal.signal(signum, on_signal)
     try:
-        serve.start(
-            http_options={"host": host, "port": port},
-            grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
-        )
-        serve.run(build_app(parsed), name="dsv41", route_prefix=route_prefix)
+        waiting = f"up to {args.start_timeout:g} s for its replicas to run"
+        print(f"starting {parsed.model_name}: {waiting} ...", file=sys.stderr, flush=True)
+        try:
+            serve.start(
+                http_options={"host": host, "port": port},
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
+            )
+            run_app(build_app(parsed), name=SERVE_APP_NAME, route_prefix=route_prefix, timeout_s=args.start_timeout)
+        except AppStartTimeout as exc:
+            raise SystemExit(f"dsv41 serve: {exc}") from exc
+        except KeyboardInterrupt:
+            raise SystemExit(f"dsv41 serve: {signal.Signals(received[0]).name} before the application was running") from None
+        starting = False
         base = f"http://{host}:{port}{route_prefix.rstrip('/')}/v1"
         print(f"serving {parsed.model_name} at {base} (Ctrl-C to stop); try:", flush=True)
         body = json.dumps({"model": parsed.model_name, "prompt": "hello", "max_tokens": 8})
@@ -287,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, else 8000)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port of dsv41.GenerateService (default: the config's, else 9000)")
     p.add_argument("--config", help="Serve YAML with one application of deploy.app:build_app")
+    p.add_argument(
+        "--start-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_START_TIMEOUT_S,
+        help=f"seconds to wait for every replica to run, then fail naming the ones that do not (default: {DEFAULT_START_TIMEOUT_S:g})",
+    )
     p.set_defaults(func=cmd_serve)
     return parser
 

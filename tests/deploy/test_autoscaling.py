@@ -4,25 +4,21 @@ Ray cluster started and shut down by this module. Every wait has a deadline."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import openai
 import pytest
-import ray
 from ray import serve
 
 from cluster.engine import Engine
 from cluster.request import SamplingParams
-from deploy.app import build_app, run_app
 
-ROOT = Path(__file__).resolve().parents[2]
 APP_NAME = "autoscaled"
 LLM_SERVER = "LLMServer"
-START_TIMEOUT_S = 120
 # A new replica is a new worker process that imports torch and loads its engine.
 SCALE_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 60
@@ -43,31 +39,18 @@ AUTOSCALING = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base_url(tiny_dir: Path) -> Iterator[str]:
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {
-            "model": str(tiny_dir),
-            "served_model_name": "tiny",
-            "engine": ENGINE,
-            "autoscaling_config": AUTOSCALING,
-            "max_ongoing_requests": 8,
-            "ray_actor_options": {"num_cpus": 1},
-        }
-        run_app(build_app(args), name=APP_NAME, route_prefix="/", timeout_s=START_TIMEOUT_S)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
+    args = {
+        "model": str(tiny_dir),
+        "served_model_name": "tiny",
+        "engine": ENGINE,
+        "autoscaling_config": AUTOSCALING,
+        "max_ongoing_requests": 8,
+        "ray_actor_options": {"num_cpus": 1},
+    }
+    with local_serve(args, name=APP_NAME) as url:
+        yield url
 
 
 def _replica_states() -> dict[str, int]:

@@ -5,9 +5,8 @@ once for the module; no proxy, every call goes through a DeploymentHandle), driv
 from __future__ import annotations
 
 import asyncio
-import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import ray
@@ -50,11 +49,6 @@ async def _deltas(handle: DeploymentHandle, prompt: Any, **sampling: Any) -> lis
     return [delta async for delta in stream(handle, prompt, **sampling)]
 
 
-def _aborted(handle: DeploymentHandle) -> float:
-    text = handle.metrics_text.remote().result().decode()
-    return sum(float(v) for v in re.findall(r"^dsv41_requests_aborted_total(?:{[^}]*})? (\S+)$", text, re.M))
-
-
 def test_generate_is_the_joined_stream(handle: DeploymentHandle, tokenizer: Tokenizer) -> None:
     """``generate``'s completion is ``stream``'s deltas joined (text, token ids), with the
     last delta's finish reason and usage; usage counts the prompt and the tokens; a
@@ -94,9 +88,13 @@ def test_refusals_raise_the_server_error(handle: DeploymentHandle) -> None:
         complete_dataset(ds, handle=handle, prompt_column="text")
 
 
-def test_leaving_a_stream_early_aborts_the_request(handle: DeploymentHandle) -> None:
+def test_leaving_a_stream_early_aborts_the_request(handle: DeploymentHandle, metric_value: Callable[[str, str], float]) -> None:
     """A consumer that stops iterating ``stream`` early aborts its request on the server."""
-    before = _aborted(handle)
+
+    def aborted() -> float:
+        return metric_value(handle.metrics_text.remote().result().decode(), "dsv41_requests_aborted_total")
+
+    before = aborted()
 
     async def first_delta() -> None:
         async for _ in stream(handle, [9] * 40, max_tokens=200, temperature=0, ignore_eos=True):
@@ -104,7 +102,7 @@ def test_leaving_a_stream_early_aborts_the_request(handle: DeploymentHandle) -> 
 
     asyncio.run(first_delta())
     for _ in range(100):
-        if _aborted(handle) >= before + 1:
+        if aborted() >= before + 1:
             return
         asyncio.run(asyncio.sleep(0.1))
     pytest.fail("leaving the stream did not abort the request")

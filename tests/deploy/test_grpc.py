@@ -5,55 +5,39 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import urllib.request
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-import ray
-from ray import serve
-from ray.serve.config import gRPCOptions
 
-from deploy.app import build_app
 from deploy.examples.grpc_client import generate, main
-from deploy.grpc_service import GRPC_SERVICER_FUNCTIONS, grpc_code, request_body, response_for
+from deploy.grpc_service import grpc_code, request_body, response_for
 from deploy.openai_api import OpenAIError, bad_request, engine_unavailable, model_not_found
 from deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, TokenIds
 from deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def addresses(tiny_dir: Path) -> Iterator[tuple[str, str]]:
+def addresses(
+    tiny_dir: Path, free_port: Callable[[], int], local_serve: Callable[..., AbstractContextManager[str]]
+) -> Iterator[tuple[str, str]]:
     """(HTTP base URL, gRPC address) of the running app."""
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    http_port, grpc_port = _free_port(), _free_port()
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": http_port},
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
-    )
+    grpc_port = free_port()
     args = {
         "model": str(tiny_dir),
         "served_model_name": "tiny",
         "engine": {"block_size": 32, "max_model_len": MAX_MODEL_LEN, "cache_memory_bytes": 64 << 20},
         "ray_actor_options": {"num_cpus": 1},
     }
-    serve.run(build_app(args), route_prefix="/")
-    yield f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(args, name="grpc", grpc_port=grpc_port) as url:
+        yield url, f"127.0.0.1:{grpc_port}"
 
 
 @pytest.fixture(scope="module")

@@ -7,24 +7,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
-import socket
 import urllib.error
 import urllib.request
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import openai
 import pytest
-import ray
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ray import serve
 from tokenizers import Tokenizer
 
 from cluster.engine import EngineError
 from cluster.request import FinishReason, RequestOutput, SamplingParamsError
-from deploy.app import build_app
 from deploy.async_engine import EngineDeadError
 from deploy.chat_protocol import ChatRequestError, encode_chat, format_call_block
 from deploy.openai_api import (
@@ -36,32 +32,20 @@ from deploy.openai_api import (
     error_for,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 # Room for a prompt that declares tools (the tools section alone is ~750 tiny-tokenizer tokens).
 MAX_MODEL_LEN = 2048
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base_url(tiny_dir: Path) -> Iterator[str]:
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
     args = {
         "model": str(tiny_dir),
         "served_model_name": "tiny",
         "engine": {"block_size": 32, "max_model_len": MAX_MODEL_LEN, "cache_memory_bytes": 64 << 20},
         "ray_actor_options": {"num_cpus": 1},
     }
-    serve.run(build_app(args), route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(args, name="openai") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +60,6 @@ def _post(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
-
-
-def _metric(base_url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    assert values, f"{name} not in /metrics"
-    return sum(values)
 
 
 def test_completion_stream_and_batch_agree_and_count_usage(client: openai.OpenAI) -> None:
@@ -151,9 +128,9 @@ def test_bad_requests_get_openai_errors(base_url: str, client: openai.OpenAI) ->
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
 
 
-def test_64_concurrent_requests_all_complete(client: openai.OpenAI, base_url: str) -> None:
+def test_64_concurrent_requests_all_complete(client: openai.OpenAI, base_url: str, metric: Callable[[str, str], float]) -> None:
     """64 concurrent completions all finish with their tokens, and the counters move."""
-    before = _metric(base_url, "dsv41_generation_tokens_total")
+    before = metric(base_url, "dsv41_generation_tokens_total")
 
     def one(i: int) -> int:
         r = client.completions.create(model="tiny", prompt=[5 + i, 6, 7], max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
@@ -161,14 +138,14 @@ def test_64_concurrent_requests_all_complete(client: openai.OpenAI, base_url: st
 
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         assert list(pool.map(one, range(64))) == [3] * 64
-    assert _metric(base_url, "dsv41_generation_tokens_total") >= before + 192
-    assert _metric(base_url, "dsv41_time_to_first_token_seconds_count") >= 64
+    assert metric(base_url, "dsv41_generation_tokens_total") >= before + 192
+    assert metric(base_url, "dsv41_time_to_first_token_seconds_count") >= 64
 
 
-def test_disconnect_mid_stream_aborts_and_frees_pages(client: openai.OpenAI, base_url: str) -> None:
+def test_disconnect_mid_stream_aborts_and_frees_pages(client: openai.OpenAI, base_url: str, metric: Callable[[str, str], float]) -> None:
     """A client that leaves a stream early aborts its request: /metrics shows the abort
     and no PAGE held once the engine is idle."""
-    aborted = _metric(base_url, "dsv41_requests_aborted_total")
+    aborted = metric(base_url, "dsv41_requests_aborted_total")
     stream = client.completions.create(
         model="tiny", prompt=[9] * 100, max_tokens=120, temperature=0, extra_body={"ignore_eos": True}, stream=True
     )
@@ -176,12 +153,12 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(client: openai.OpenAI, bas
         pass
     stream.close()
     deadline = __import__("time").monotonic() + 30
-    while _metric(base_url, "dsv41_requests_aborted_total") < aborted + 1:
+    while metric(base_url, "dsv41_requests_aborted_total") < aborted + 1:
         assert __import__("time").monotonic() < deadline, "the disconnect did not abort the request"
         __import__("time").sleep(0.2)
     client.completions.create(model="tiny", prompt="x", max_tokens=1)
-    assert _metric(base_url, "dsv41_cache_pages_used") == 0
-    assert _metric(base_url, "dsv41_num_requests_running") == 0
+    assert metric(base_url, "dsv41_cache_pages_used") == 0
+    assert metric(base_url, "dsv41_num_requests_running") == 0
 
 
 def test_models_and_health(base_url: str, client: openai.OpenAI) -> None:

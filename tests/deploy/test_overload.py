@@ -7,24 +7,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
-import socket
 import time
 import urllib.error
 import urllib.request
+from contextlib import AbstractContextManager
 from email.message import Message
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import openai
 import pytest
 import ray
 from ray import serve
 
-from deploy.app import AppArgs, AppStartTimeout, LLMServer, build_app, run_app
+from deploy.app import AppArgs, AppStartTimeout, LLMServer, run_app
 
-ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 60
 LLM_SERVER_CPUS = 1
 # Long enough that the holder is still generating while the bursts arrive (a burst is
@@ -33,31 +30,18 @@ HOLDER_TOKENS = 64
 BURST_TOKENS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base_url(tiny_dir: Path) -> Iterator[str]:
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {
-            "model": str(tiny_dir),
-            "served_model_name": "tiny",
-            "engine": {"block_size": 32, "max_model_len": 256, "cache_memory_bytes": 64 << 20},
-            "max_ongoing_requests": 1,
-            "max_queued_requests": 1,
-            "ray_actor_options": {"num_cpus": LLM_SERVER_CPUS},
-        }
-        run_app(build_app(args), name="overload", route_prefix="/", timeout_s=START_TIMEOUT_S)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
+    args = {
+        "model": str(tiny_dir),
+        "served_model_name": "tiny",
+        "engine": {"block_size": 32, "max_model_len": 256, "cache_memory_bytes": 64 << 20},
+        "max_ongoing_requests": 1,
+        "max_queued_requests": 1,
+        "ray_actor_options": {"num_cpus": LLM_SERVER_CPUS},
+    }
+    with local_serve(args, name="overload") as url:
+        yield url
 
 
 def _request(url: str, body: dict[str, Any]) -> urllib.request.Request:
@@ -94,13 +78,6 @@ def _answer(status: int, body: str, *, stream: bool) -> tuple[str, int]:
     return "".join(e["choices"][0]["text"] for e in events if e["choices"]), events[-1]["usage"]["completion_tokens"]
 
 
-def _metric(base_url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=REQUEST_TIMEOUT_S).read().decode()
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    assert values, f"{name} not in /metrics"
-    return sum(values)
-
-
 def _assert_overloaded(status: int, headers: Message, body: str) -> None:
     assert status == 429, body
     assert int(headers["Retry-After"]) >= 1
@@ -113,12 +90,12 @@ def test_the_app_reserves_only_its_engines_cpus(base_url: str) -> None:
     this 2-CPU cluster a second application with one engine would still be placed:
     with Serve's default of a CPU for the ingress, the second app waited forever."""
     deadline = time.monotonic() + 30
-    while ray.available_resources().get("CPU", 0.0) != 2 - LLM_SERVER_CPUS:
+    while ray.available_resources().get("CPU", 0.0) != ray.cluster_resources()["CPU"] - LLM_SERVER_CPUS:
         assert time.monotonic() < deadline, f"CPUs free: {ray.available_resources().get('CPU', 0.0)}"
         time.sleep(0.2)
 
 
-def test_a_full_queue_answers_429_and_admitted_requests_complete(base_url: str) -> None:
+def test_a_full_queue_answers_429_and_admitted_requests_complete(base_url: str, metric: Callable[[str, str], float]) -> None:
     """While a streamed request holds the one slot, a burst of three plain requests
     fills the queue of one and the other two get 429 with ``Retry-After`` and an OpenAI
     error body; a second burst (streamed, raw and through the official client, which
@@ -127,7 +104,7 @@ def test_a_full_queue_answers_429_and_admitted_requests_complete(base_url: str) 
     request run alone), nothing is aborted and the engine ends holding no request and
     no PAGE."""
     url = f"{base_url}/v1/completions"
-    aborted = _metric(base_url, "dsv41_requests_aborted_total")
+    aborted = metric(base_url, "dsv41_requests_aborted_total")
     holder = urllib.request.urlopen(_request(url, _completion([7, 8, 9], HOLDER_TOKENS, stream=True)), timeout=REQUEST_TIMEOUT_S)
     with holder, concurrent.futures.ThreadPoolExecutor(3) as pool:
         # The first event means the holder is running on the replica: its slot is taken.
@@ -155,9 +132,9 @@ def test_a_full_queue_answers_429_and_admitted_requests_complete(base_url: str) 
     assert queued_answer[1] == BURST_TOKENS
     alone_status, _, alone_body = _post(url, _completion(prompt, BURST_TOKENS, stream=False))
     assert queued_answer == _answer(alone_status, alone_body, stream=False)
-    assert _metric(base_url, "dsv41_requests_aborted_total") == aborted
-    assert _metric(base_url, "dsv41_num_requests_running") == 0
-    assert _metric(base_url, "dsv41_cache_pages_used") == 0
+    assert metric(base_url, "dsv41_requests_aborted_total") == aborted
+    assert metric(base_url, "dsv41_num_requests_running") == 0
+    assert metric(base_url, "dsv41_cache_pages_used") == 0
 
 
 def test_an_app_the_cluster_cannot_place_fails_fast(base_url: str, tiny_dir: Path) -> None:
