@@ -56,13 +56,14 @@ def _store(config: V41Config, kv: str, index: str, seed: int, block_size: int = 
     g = torch.Generator().manual_seed(seed)
     ring_rows = torch.arange(NUM_SLOTS * geometry.ring_rows)
     window_kv = round_fp8(torch.randn(ring_rows.numel(), config.head_dim, generator=g))
-    store.write_window(0, ring_rows.to(DEVICE), window_kv.to(DEVICE))
+    writer = TorchKernels()
+    writer.write_rows(store.window_plane(0), ring_rows.to(DEVICE), window_kv.to(DEVICE))
     for owner in geometry.full_owners:
         entry_rows = torch.arange(NUM_PAGES * geometry.rows_per_page(owner))
         main_kv = torch.randn(entry_rows.numel(), config.head_dim, generator=g) * 3
-        store.write_main(owner, entry_rows.to(DEVICE), main_kv.to(DEVICE))
+        writer.write_rows(store.main_plane(owner), entry_rows.to(DEVICE), main_kv.to(DEVICE), round_to="nvfp4")
         keys = round_mxfp4(torch.randn(entry_rows.numel(), config.index_head_dim, generator=g))
-        store.write_index(owner, entry_rows.to(DEVICE), keys.to(DEVICE))
+        writer.write_rows(store.index_plane(owner), entry_rows.to(DEVICE), keys.to(DEVICE))
     return store
 
 
