@@ -2,8 +2,9 @@
 
 Owns ``RankGroup``: the RankActors of one replica in a placement group (one bundle
 per rank, STRICT_PACK), their rendezvous (a free TCP port on the head rank's node,
-every rank joining the process group at once), one Ray call per rank per step
-gathered with a deadline, health checks, and restart: when any rank dies or misses
+every rank joining the process group at once), the step transport (``GroupOptions.
+transport``: a Ray compiled graph over the ranks, or one actor call per rank), each
+step gathered with a deadline, health pings, and restart: when any rank dies or misses
 the deadline the whole group is torn down and started again (a process group cannot
 lose a member). And ``EngineGroup``, the context-managed client: it starts a
 ``SchedulerActor`` (which owns a RankGroup) and forwards the engine interface to it.
@@ -13,75 +14,259 @@ Must not import: deploy.
 
 from __future__ import annotations
 
+import abc
 import logging
-import time
+import pickle
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import ray
 import torch
+from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tokenizers import Tokenizer
 
-from actors.rank import RankActor
-from cluster.batch import ScheduledBatch
+from actors.rank import RankActor, pack_step
+from cluster.batch import DPMetadata, ScheduledBatch
 from cluster.distributed import GroupSpec
 from cluster.dp_engine import DPLayout, RankFailure
 from cluster.engine import EngineOptions, EngineStats
 from cluster.engine import engine_options as parse_engine_options
+from cluster.offload_connector import OffloadConnector
 from cluster.request import Request, RequestOutput, SamplingParams
 from cluster.runner import StepResult
 
 logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("compiled", "calls")
 
 
 class RankGroupFailure(RankFailure):
     """A rank died, failed or missed a deadline; the group must restart."""
 
 
+class RankGroupDead(RuntimeError):
+    """The group cannot serve: a generation failed to start, or the group was
+    stopped. Not a RankFailure: no restart is tried; the replica must be replaced."""
+
+
 @dataclass(frozen=True)
 class GroupOptions:
-    """How a group runs on Ray: CPUs reserved per rank, the deadline of a step's
-    calls (a dead peer otherwise blocks the living ranks in a collective until the
-    process group's own timeout), and the deadline of starting the group."""
+    """How a group runs on Ray: CPUs reserved per rank; the deadline of a step (a dead
+    peer otherwise blocks the living ranks in a collective until the process group's
+    own timeout) and of starting the group; how often an idle group pings its ranks,
+    so that a dead rank is replaced before the next request needs it; and the step
+    ``transport``: ``"compiled"`` (a Ray compiled graph: each step written once to
+    shared-memory channels the ranks' loops read, no task submission; the fastest
+    step, but a waiting reader polls, so idle ranks keep part of a core busy each) or
+    ``"calls"`` (one Ray actor call per rank per step; idle ranks sleep). Figures in
+    BENCHMARKS.md, ray_step. ``rank_num_gpus``: GPUs per rank (0 on CPU; 1 for a rank
+    per GPU, whose device is then its one visible GPU)."""
 
     rank_num_cpus: float = 0.5
+    rank_num_gpus: float = 0
     step_timeout_s: float = 20.0
     start_timeout_s: float = 120.0
+    health_interval_s: float = 5.0
+    transport: str = "compiled"
 
     def __post_init__(self) -> None:
-        for name in ("rank_num_cpus", "step_timeout_s", "start_timeout_s"):
+        for name in ("rank_num_cpus", "step_timeout_s", "start_timeout_s", "health_interval_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"GroupOptions.{name}: {value!r} (allowed: a positive number)")
+        if isinstance(self.rank_num_gpus, bool) or not isinstance(self.rank_num_gpus, (int, float)) or self.rank_num_gpus < 0:
+            raise ValueError(f"GroupOptions.rank_num_gpus: {self.rank_num_gpus!r} (allowed: a number >= 0)")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"GroupOptions.transport: {self.transport!r} (allowed: {', '.join(TRANSPORTS)})")
+
+
+@contextmanager
+def failing_as(what: str) -> Iterator[None]:
+    """Raises any Ray failure inside as RankGroupFailure naming ``what``. ray.get over
+    a list fails fast: the first dead rank (answered at once) or failed rank raises
+    without waiting for the ranks still blocked in a collective with it."""
+    try:
+        yield
+    except ray.exceptions.RayError as exc:
+        raise RankGroupFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+class StepTransport(abc.ABC):
+    """Carries each rank's packed step (``actors.rank.pack_step``) to the ranks'
+    ``execute_packed`` and their packed results back, one generation of ranks long.
+    ``exchange`` raises RankGroupFailure on any Ray failure: a dead rank (answered at
+    once), a rank's exception, or the deadline."""
+
+    kind: str
+
+    def __init__(self, group_name: str, ranks: Sequence[Any]) -> None:
+        self.group_name = group_name
+        self.ranks = list(ranks)
+
+    def exchange(self, steps: Sequence[bytes], timeout_s: float) -> list[bytes]:
+        if len(steps) != len(self.ranks):
+            raise ValueError(f"steps: {len(steps)} (allowed: one per rank, {len(self.ranks)})")
+        with failing_as(f"group {self.group_name} ({self.kind} transport)"):
+            return ray.get(self._submit(steps), timeout=timeout_s)
+
+    @abc.abstractmethod
+    def _submit(self, steps: Sequence[bytes]) -> list[Any]:
+        """Starts the step on every rank; one ref (ObjectRef or CompiledDAGRef) each."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases what the transport holds on the ranks (they stay alive)."""
+
+
+class CallTransport(StepTransport):
+    """One Ray actor call per rank per step: each a task submitted to the rank's
+    worker and its result returned through the core worker."""
+
+    kind = "calls"
+
+    def _submit(self, steps: Sequence[bytes]) -> list[Any]:
+        return [rank.execute_packed.remote(step) for rank, step in zip(self.ranks, steps)]
+
+    def close(self) -> None:
+        pass
+
+
+class CompiledTransport(StepTransport):
+    """A Ray compiled graph over the ranks: input i is rank i's step, the outputs are
+    every rank's result (``MultiOutputNode``). Each rank runs a loop reading its input
+    channel, so a step costs a shared-memory write and reads instead of task
+    submissions. Ray's channel reads poll (sched_yield) rather than sleep: each rank's
+    loop and the waiting driver use CPU while they wait. One graph per generation of
+    ranks (an actor runs one graph at a time)."""
+
+    kind = "compiled"
+
+    def __init__(self, group_name: str, ranks: Sequence[Any], submit_timeout_s: float) -> None:
+        super().__init__(group_name, ranks)
+        with InputNode() as steps:
+            outputs = MultiOutputNode([rank.execute_packed.bind(steps[i]) for i, rank in enumerate(self.ranks)])
+        self.graph = outputs.experimental_compile(_submit_timeout=submit_timeout_s)
+
+    def _submit(self, steps: Sequence[bytes]) -> list[Any]:
+        return self.graph.execute(*steps)
+
+    def close(self) -> None:
+        self.graph.teardown()
+
+
+def open_transport(kind: str, group_name: str, ranks: Sequence[Any], timeout_s: float) -> StepTransport:
+    """The step transport ``kind`` (one of TRANSPORTS) over ``ranks``, each an actor
+    with ``execute_packed(bytes) -> bytes``."""
+    if kind == "compiled":
+        return CompiledTransport(group_name, ranks, timeout_s)
+    if kind == "calls":
+        return CallTransport(group_name, ranks)
+    raise ValueError(f"transport: {kind!r} (allowed: {', '.join(TRANSPORTS)})")
 
 
 class RankGroup:
-    """The RankActors of one replica (a ``DPStepExecutor``)."""
+    """The RankActors of one replica (a ``DPStepExecutor``).
+
+    ``restart`` ends the generation at once and starts the next one in a background
+    thread, so that the step which found the failure returns its error outputs without
+    waiting for a whole group to load; the next step or ping waits for the new
+    generation. A generation that fails to start leaves the group dead: every later
+    call raises RankGroupDead."""
 
     def __init__(
-        self, name: str, model_dir: str, options: EngineOptions, dp: DPLayout, group_options: GroupOptions
+        self,
+        name: str,
+        model_dir: str,
+        options: EngineOptions,
+        dp: DPLayout,
+        group_options: GroupOptions,
+        offload: OffloadConnector | None = None,
     ) -> None:
         self.name = name
         self.model_dir = model_dir
         self.options = options
         self.dp = dp
         self.group_options = group_options
+        self.offload = offload
         self.generation = 0
+        self.last_failure: str | None = None
         self.ranks: list[Any] = []
         self._placement: PlacementGroup | None = None
+        self._transport: StepTransport | None = None
+        self._starter: threading.Thread | None = None
+        self._start_error: BaseException | None = None
 
     def rank_name(self, rank: int) -> str:
         """The Ray actor name of a rank of the current generation."""
         return f"{self.name}-g{self.generation}-rank{rank}"
 
+    def rank_names(self) -> list[str]:
+        """The Ray actor names of the ranks, once the current generation is up."""
+        self._settle()
+        return [self.rank_name(rank) for rank in range(len(self.ranks))]
+
+    @property
+    def starting(self) -> bool:
+        """Whether a generation is starting in the background."""
+        return self._starter is not None and self._starter.is_alive()
+
     def start(self) -> None:
-        """Places, wires and loads every rank; raises RankGroupFailure if any fails
-        to come up within the start deadline."""
+        """Places, wires and loads every rank, opens the step transport and runs one
+        padding step through it (every rank's MoE collectives on zero rows); raises
+        RankGroupFailure, with nothing left running, if any of it fails within the
+        start deadline."""
         self.generation += 1
+        self._start_generation()
+
+    def restart(self) -> None:
+        """Stops this generation now; the next one starts in the background."""
+        self._settle()
+        self._stop(ranks_first=True)
+        self.generation += 1
+        self._starter = threading.Thread(
+            target=self._start_in_background, name=f"{self.name}-g{self.generation}-start", daemon=True
+        )
+        self._starter.start()
+
+    def _start_in_background(self) -> None:
+        try:
+            self._start_generation()
+        except BaseException as exc:  # noqa: BLE001 - kept and raised by the next caller (_settle)
+            logger.exception("group %s: generation %d failed to start", self.name, self.generation)
+            self._start_error = exc
+
+    def _settle(self) -> None:
+        """Waits for a background start; raises RankGroupDead if it failed."""
+        if self._starter is not None:
+            self._starter.join()
+            self._starter = None
+        if self._start_error is not None:
+            raise RankGroupDead(
+                f"group {self.name}: generation {self.generation} failed to start: {self._start_error}"
+            ) from self._start_error
+
+    def _start_generation(self) -> None:
+        try:
+            self._open()
+        except BaseException:
+            self._stop(ranks_first=True)
+            raise
+        logger.info(
+            "group %s: generation %d up, %d rank(s), %s transport",
+            self.name,
+            self.generation,
+            self.dp.world,
+            self.group_options.transport,
+        )
+
+    def _open(self) -> None:
         opts = self.group_options
-        self._placement = placement_group([{"CPU": opts.rank_num_cpus}] * self.dp.world, strategy="STRICT_PACK")
+        bundle = {"CPU": opts.rank_num_cpus} | ({"GPU": opts.rank_num_gpus} if opts.rank_num_gpus else {})
+        self._placement = placement_group([bundle] * self.dp.world, strategy="STRICT_PACK")
         if not self._placement.wait(opts.start_timeout_s):
             raise RankGroupFailure(f"group {self.name}: placement group of {self.dp.world} ranks not ready")
         actor_class = ray.remote(RankActor)
@@ -89,11 +274,12 @@ class RankGroup:
             actor_class.options(
                 name=self.rank_name(rank),
                 num_cpus=opts.rank_num_cpus,
+                num_gpus=opts.rank_num_gpus,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._placement, placement_group_bundle_index=rank
                 ),
-            ).remote(self.model_dir, self.options, self.dp, rank)
+            ).remote(self.model_dir, self.options, self.dp, rank, self.offload)
             for rank in range(self.dp.world)
         ]
         host, port = self._gather([self.ranks[0].rendezvous_address.remote()], opts.start_timeout_s)[0]
@@ -105,42 +291,73 @@ class RankGroup:
             timeout_s=opts.step_timeout_s,
         )
         self._gather([r.join.remote(spec) for r in self.ranks], opts.start_timeout_s)
-        logger.info("group %s: generation %d up, %d rank(s)", self.name, self.generation, self.dp.world)
+        with failing_as(f"group {self.name}: opening the {opts.transport} transport"):
+            transport = open_transport(opts.transport, self.name, self.ranks, opts.step_timeout_s)
+        # The first step also waits for a compiled graph's loops to start on every
+        # rank (seconds on a loaded box): it gets the start deadline, not a step's.
+        padding = tuple(ScheduledBatch(step_id=0) for _ in range(self.dp.world))
+        self._transport = transport
+        self._exchange(transport, padding, DPMetadata.of(0, padding).to_wire(), opts.start_timeout_s)
 
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor) -> list[StepResult]:
-        refs = [rank.execute.remote(batch, metadata) for rank, batch in zip(self.ranks, batches)]
-        return self._gather(refs, self.group_options.step_timeout_s)
+        return self._exchange(self._running(), batches, metadata, self.group_options.step_timeout_s)
 
     def health(self) -> list[int]:
         """Every rank's answer to a ping; raises RankGroupFailure if one is down."""
-        return self._gather([r.ping.remote() for r in self.ranks], self.group_options.step_timeout_s)
+        self._running()
+        with self._recording_failure():
+            return self._gather([r.ping.remote() for r in self.ranks], self.group_options.step_timeout_s)
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
+    def _running(self) -> StepTransport:
+        self._settle()
+        if self._transport is None:
+            raise RankGroupDead(f"group {self.name}: not running (generation {self.generation} stopped)")
+        return self._transport
+
+    def _exchange(
+        self, transport: StepTransport, batches: Sequence[ScheduledBatch], metadata: torch.Tensor, timeout_s: float
+    ) -> list[StepResult]:
+        with self._recording_failure():
+            packed = transport.exchange([pack_step(batch, metadata) for batch in batches], timeout_s)
+        return [pickle.loads(result) for result in packed]
+
+    @contextmanager
+    def _recording_failure(self) -> Iterator[None]:
+        """Keeps the message of a failure raised inside as ``last_failure`` (stats)."""
+        try:
+            yield
+        except RankGroupFailure as exc:
+            self.last_failure = str(exc)
+            raise
 
     def stop(self) -> None:
+        """Ends the group (after any background start); it serves no more."""
+        if self._starter is not None:
+            self._starter.join()
+            self._starter = None
+        self._stop(ranks_first=False)
+
+    def _stop(self, *, ranks_first: bool) -> None:
+        """Ends the generation. After a failure the ranks go first: a living rank may
+        be stuck in a collective with a dead peer, and a compiled graph's teardown
+        waits for every rank's loop to end (RAY_CGRAPH_teardown_timeout, 30 s). On a
+        clean stop the graph goes first, so that its loops end before their actors."""
+        transport, self._transport = self._transport, None
+        if transport is not None and not ranks_first:
+            transport.close()
         for rank in self.ranks:
             ray.kill(rank, no_restart=True)
         self.ranks = []
+        if transport is not None and ranks_first:
+            transport.close()
         if self._placement is not None:
             remove_placement_group(self._placement)
             self._placement = None
 
     def _gather(self, refs: list[ray.ObjectRef], timeout_s: float) -> list[Any]:
-        """The calls' results in order; the first failure (a dead rank answers at once)
-        or the deadline raises RankGroupFailure without waiting for the rest."""
-        deadline = time.monotonic() + timeout_s
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise RankGroupFailure(f"group {self.name}: {len(pending)} rank call(s) missed a {timeout_s:.0f} s deadline")
-            try:
-                ray.get(ready[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-                raise RankGroupFailure(f"group {self.name}: {type(exc).__name__}: {exc}") from exc
-        return ray.get(list(refs))
+        """The calls' results in order, or RankGroupFailure (see ``failing_as``)."""
+        with failing_as(f"group {self.name}"):
+            return ray.get(refs, timeout=timeout_s)
 
 
 class EngineGroup:
@@ -153,6 +370,7 @@ class EngineGroup:
         *,
         dp: int = 1,
         expert_mode: str = "ep",
+        backend: str = "gloo",
         group_options: GroupOptions = GroupOptions(),
         name: str = "dsv41",
         **engine_options: object,
@@ -162,7 +380,7 @@ class EngineGroup:
 
         self.name = name
         self.model_dir = str(model_dir)
-        self.dp = DPLayout(dp, expert_mode)
+        self.dp = DPLayout(dp, expert_mode, backend)
         self.options = parse_engine_options(dict(engine_options))
         self.group_options = group_options
         self._actor_class = ray.remote(SchedulerActor)

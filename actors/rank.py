@@ -2,14 +2,19 @@
 
 Owns the process side of a rank: joining the group's process group (the head rank
 serves the rendezvous store at a port free on its node), loading its ``DPRank`` (TP1
-attention, embeddings, head, its own pools, one routed-expert shard) and running its
-batch of each step. Everything it computes is ``cluster.dp_engine.DPRank``'s.
+attention, embeddings, head, its own pools, one routed-expert shard; the group's
+offload connector) and running its batch of each step. Everything it computes is ``cluster.dp_engine.DPRank``'s.
+It also owns the step's wire between the group and a rank (``pack_step``,
+``RankActor.execute_packed``): each rank's batch and the metadata words pickled once
+by the C pickler into bytes, which Ray passes without its own (per-object, Python-level)
+serialiser and a compiled graph's readers copy without decoding the other ranks' batches.
 
 Must not import: deploy.
 """
 
 from __future__ import annotations
 
+import pickle
 import socket
 from pathlib import Path
 
@@ -19,13 +24,23 @@ from cluster.batch import ScheduledBatch
 from cluster.distributed import GroupSpec, free_port, open_process_group, tcp_store
 from cluster.dp_engine import DPLayout, DPRank
 from cluster.engine import EngineOptions
+from cluster.offload_connector import OffloadConnector
 from cluster.runner import StepResult
+
+
+def pack_step(batch: ScheduledBatch, metadata_wire: torch.Tensor) -> bytes:
+    """One rank's share of a step as the bytes ``RankActor.execute_packed`` takes. The
+    metadata travels as its int words: a tensor costs ~0.4 ms to pickle and unpickle,
+    its words ~0.01 ms (BENCHMARKS.md, ray_step)."""
+    return pickle.dumps((batch, metadata_wire.tolist()), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class RankActor:
     """One rank; use through ``actors.group`` (it places, wires and restarts ranks)."""
 
-    def __init__(self, model_dir: str, options: EngineOptions, dp: DPLayout, rank: int) -> None:
+    def __init__(
+        self, model_dir: str, options: EngineOptions, dp: DPLayout, rank: int, offload: OffloadConnector | None = None
+    ) -> None:
         # Several ranks share a CPU box: one intra-op thread each keeps them from
         # oversubscribing it and keeps results independent of thread splits.
         torch.set_num_threads(1)
@@ -33,6 +48,7 @@ class RankActor:
         self.options = options
         self.dp = dp
         self.rank = rank
+        self.offload = offload
         self._worker: DPRank | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -45,13 +61,19 @@ class RankActor:
         group = None
         if spec.world > 1:
             group = open_process_group(spec, self.rank, tcp_store(spec, self.rank))
-        self._worker = DPRank.load(self.model_dir, self.options, self.dp, self.rank, group)
+        self._worker = DPRank.load(self.model_dir, self.options, self.dp, self.rank, group, self.offload)
         return self.rank
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor) -> StepResult:
         if self._worker is None:
             raise RuntimeError(f"rank {self.rank}: execute() before join()")
         return self._worker.execute(batch, metadata_wire)
+
+    def execute_packed(self, step: bytes) -> bytes:
+        """``execute`` over the wire of ``pack_step``; the StepResult comes back pickled."""
+        batch, metadata_words = pickle.loads(step)
+        result = self.execute(batch, torch.tensor(metadata_words, dtype=torch.int64))
+        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
 
     def ping(self) -> int:
         """Health check: answers with the rank id once joined."""

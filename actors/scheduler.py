@@ -2,33 +2,73 @@
 
 Owns the group's step loop in one Ray actor: a ``DPEngine`` (a scheduler and block
 manager per DP rank, placement of each request on a rank) whose executor is the
-group's ``RankGroup`` — each step one call per rank carrying its ScheduledBatch and
-the packed DP metadata. When a rank fails, every in-flight request ends with
-finish_reason "error" and the whole group restarts with empty pools (DPEngine.step handles RankFailure).
+group's ``RankGroup`` (each step every rank's ScheduledBatch and the packed DP
+metadata, through the group's transport), and the group's health loop: while no step
+runs, the ranks are pinged every ``GroupOptions.health_interval_s``. When a rank fails
+(in a step or a ping), every in-flight request ends with finish_reason "error" and
+the whole group restarts with empty pools, in the background (the failing step returns
+its error outputs at once; the next step waits for the new ranks); outputs ended by the
+health loop are handed out by the next ``step``. When the options ask for offload it
+also starts the group's ``OffloadActor``, which outlives rank restarts: a group that
+comes back with empty pools restores prefixes from it.
 
 Must not import: deploy.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Any, Sequence
 
-from actors.group import GroupOptions, RankGroup, RankGroupFailure
+import ray
+
+from actors.group import GroupOptions, RankGroup, RankGroupDead, RankGroupFailure
+from actors.offload import OffloadActor, RayOffloadConnector
 from cluster.dp_engine import DPEngine, DPLayout
-from cluster.engine import EngineOptions, EngineStats
+from cluster.engine import EngineOptions, EngineStats, RankLayout
 from cluster.request import Request, RequestOutput, SamplingParams
 from model.config import V41Config
 
+logger = logging.getLogger(__name__)
+
 
 class SchedulerActor:
-    """One engine group's scheduler; use through ``actors.group.EngineGroup``."""
+    """One engine group's scheduler; use through ``actors.group.EngineGroup``. The
+    actor is threaded (calls may arrive together, and the health loop is a thread of
+    its own): one lock admits one caller of the engine and the ranks at a time."""
 
     def __init__(
         self, name: str, model_dir: str, options: EngineOptions, dp: DPLayout, group_options: GroupOptions
     ) -> None:
-        self.ranks = RankGroup(name, model_dir, options, dp, group_options)
+        self.group_options = group_options
+        self.offload_actor: Any = None
+        offload = None
+        if options.offload_host_bytes:
+            layout = RankLayout.build(V41Config.from_pretrained(model_dir, text_only=True), options)
+            self.offload_actor = (
+                ray.remote(OffloadActor)
+                .options(name=f"{name}-offload", num_cpus=0)
+                .remote(
+                    layout.geometry.layout_id,
+                    layout.geometry.page_bytes,
+                    options.offload_host_bytes,
+                    options.offload_disk_dir,
+                    options.offload_disk_bytes,
+                )
+            )
+            offload = RayOffloadConnector(self.offload_actor, layout.geometry.layout_id)
+        self.ranks = RankGroup(name, model_dir, options, dp, group_options, offload)
         self.ranks.start()
-        self.engine = DPEngine.over(model_dir, dp, self.ranks, options)
+        self.engine = DPEngine.over(model_dir, dp, self.ranks, options, offload)
+        self.num_health_checks = 0
+        self._lock = threading.Lock()
+        self._undelivered: list[RequestOutput] = []
+        self._last_contact = time.monotonic()
+        self._stopping = threading.Event()
+        self._health_thread = threading.Thread(target=self._health_loop, name=f"{name}-health", daemon=True)
+        self._health_thread.start()
 
     def ready(self) -> int:
         return self.ranks.generation
@@ -39,49 +79,103 @@ class SchedulerActor:
         return self.engine.config, self.engine.tokenizer.to_str(), self.engine.max_model_len
 
     def engine_stats(self) -> EngineStats:
-        return self.engine.stats()
+        with self._lock:
+            return self.engine.stats()
 
     def request(self, request_id: str) -> Request | None:
-        return self.engine.request(request_id)
+        with self._lock:
+            return self.engine.request(request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params)
+        with self._lock:
+            self.engine.add_request(request_id, prompt_token_ids, params)
 
     def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+        with self._lock:
+            return self.engine.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        """True while a request runs or waits, or while outputs the health loop ended
+        are still to be handed out by ``step``."""
+        with self._lock:
+            return bool(self._undelivered) or self.engine.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One step of every rank; after a rank failure, the error outputs of every
+        """One step of every rank, after the outputs of requests a failed health
+        check ended; after a rank failure in the step, the error outputs of every
         request that was in flight (the group is serving again when it returns)."""
-        return self.engine.step()
+        with self._lock:
+            outputs, self._undelivered = self._undelivered, []
+            outputs.extend(self.engine.step())
+            self._last_contact = time.monotonic()
+            return outputs
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
         """Runs prompts to completion (each ends in error if the group fails)."""
-        return self.engine.generate(prompts, params)
+        with self._lock:
+            outputs = self.engine.generate(prompts, params)
+            self._last_contact = time.monotonic()
+            return outputs
 
     def health(self) -> list[int]:
-        """Pings every rank; restarts the group (ending in-flight requests) if one
-        is down."""
+        """Pings every rank; if one is down, restarts the group (ending in-flight
+        requests, whose outputs the next ``step`` hands out) and pings the new one."""
+        with self._lock:
+            answers = self._check_health()
+            return self.ranks.health() if answers is None else answers
+
+    def _check_health(self) -> list[int] | None:
+        """Every rank's answer to a ping; if one is down, ends the in-flight requests,
+        restarts the group (in the background) and returns None."""
+        self.num_health_checks += 1
+        self._last_contact = time.monotonic()
         try:
             return self.ranks.health()
         except RankGroupFailure as exc:
-            self.engine.fail_all(f"health check failed: {exc}")
-            self.engine.num_restarts += 1
-            self.ranks.restart()
-            return self.ranks.health()
+            self._undelivered.extend(self.engine.recover(f"health check failed: {exc}"))
+            return None
+
+    def _health_loop(self) -> None:
+        """Pings the ranks once no step or ping has reached them for an interval (not
+        while a new generation starts). Ends when the group is stopped or dead."""
+        interval = self.group_options.health_interval_s
+        wait_s = interval
+        while not self._stopping.wait(wait_s):
+            with self._lock:
+                wait_s = self._last_contact + interval - time.monotonic()
+                if self._stopping.is_set() or self.ranks.starting or wait_s > 0:
+                    wait_s = max(wait_s, interval / 4)
+                    continue
+                wait_s = interval
+                try:
+                    self._check_health()
+                except RankGroupDead:
+                    logger.exception("group %s: dead, no more health checks", self.ranks.name)
+                    return
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "generation": self.ranks.generation,
-            "restarts": self.engine.num_restarts,
-            "ranks": [vars(s.block_manager.stats()) for s in self.engine.schedulers],
-        }
+        """The group's life: its generation, transport, restarts, health checks, the
+        last failure and each rank's PAGE counters."""
+        with self._lock:
+            return {
+                "generation": self.ranks.generation,
+                "transport": self.group_options.transport,
+                "restarts": self.engine.num_restarts,
+                "health_checks": self.num_health_checks,
+                "last_failure": self.ranks.last_failure,
+                "ranks": [vars(s.block_manager.stats()) for s in self.engine.schedulers],
+                "offload": ray.get(self.offload_actor.stats.remote()) if self.offload_actor is not None else None,
+            }
 
     def rank_names(self) -> list[str]:
-        return [self.ranks.rank_name(r) for r in range(len(self.ranks.ranks))]
+        with self._lock:
+            return self.ranks.rank_names()
 
     def shutdown(self) -> None:
-        self.ranks.stop()
+        self._stopping.set()
+        self._health_thread.join()
+        with self._lock:
+            self.ranks.stop()
+            if self.offload_actor is not None:
+                ray.kill(self.offload_actor)
+                self.offload_actor = None

@@ -285,13 +285,18 @@ class DPEngine(EngineFrontend):
         try:
             results = self.executor.execute(batches, metadata.to_wire())
         except RankFailure as exc:
-            outputs = self.fail_all(f"a rank failed: {exc}")
-            self.num_restarts += 1
-            self.executor.restart()
-            return outputs
+            return self.recover(f"a rank failed: {exc}")
         outputs: list[RequestOutput] = []
         for scheduler, batch, result in zip(self.schedulers, batches, results):
             outputs.extend(self._apply(scheduler, batch, result))
+        return outputs
+
+    def recover(self, reason: str) -> list[RequestOutput]:
+        """After a rank failure: ends every unfinished request (``fail_all``), counts
+        the restart and restarts the ranks. Returns the ended requests' outputs."""
+        outputs = self.fail_all(reason)
+        self.num_restarts += 1
+        self.executor.restart()
         return outputs
 
     def fail_all(self, reason: str) -> list[RequestOutput]:

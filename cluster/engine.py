@@ -117,7 +117,14 @@ class EngineOptions:
                 "(allowed: >= 0)"
             )
         if (self.offload_disk_dir is not None or self.offload_disk_bytes) and not self.offload_host_bytes:
-            raise EngineError("offload_disk_dir / offload_disk_bytes: set without offload_host_bytes (allowed: a disk tier behind a host tier)")
+            raise EngineError(
+                "offload_disk_dir / offload_disk_bytes: set without offload_host_bytes (allowed: a disk tier behind a host tier)"
+            )
+        if (self.offload_disk_dir is None) != (self.offload_disk_bytes == 0):
+            raise EngineError(
+                f"offload_disk_dir / offload_disk_bytes: {self.offload_disk_dir!r} / {self.offload_disk_bytes} "
+                "(allowed: both set, or neither)"
+            )
         if self.offload_host_bytes and not self.enable_prefix_caching:
             raise EngineError("offload_host_bytes: needs enable_prefix_caching (offloaded units are prefix-cache PAGEs)")
         for name in ("num_pages", "num_state_slots", "max_model_len"):

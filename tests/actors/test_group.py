@@ -6,7 +6,8 @@ idle (pad) at different steps; killing a rank mid-generation ends every in-fligh
 request with finish_reason "error" within 30 s, the group restarts and serves the
 same tokens again, and no PAGE stays referenced. TINY's moe_intermediate_size is 64,
 so TP experts split at most 2 ways (32-column FP4 scale groups): TP is tested at DP2,
-EP at DP4.
+EP at DP4. Each runs one step transport: DP2 one Ray call per rank ("calls"), DP4 the
+compiled graph (the default), whose kill-and-recover path is the one served.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from deploy.metrics import ServingMetrics
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 OPTIONS = dict(block_size=32, state_transfer="copy", max_num_seqs=4, max_num_batched_tokens=64)
 GROUP = GroupOptions(rank_num_cpus=0.5, step_timeout_s=20.0)
+CALLS = GroupOptions(rank_num_cpus=0.5, step_timeout_s=20.0, transport="calls")
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -62,9 +64,11 @@ def _no_page_held(group: EngineGroup) -> bool:
 
 
 def test_dp2_tp_experts_give_the_engines_tokens(ray_cluster: None, tiny_dir: Path, expected) -> None:
-    """DP2 with every expert's intermediate dim split over the two ranks."""
+    """DP2 with every expert's intermediate dim split over the two ranks, one Ray
+    call per rank per step."""
     prompts, want = expected
-    with EngineGroup(str(tiny_dir), dp=2, expert_mode="tp", group_options=GROUP, name="tp2", **OPTIONS) as group:
+    with EngineGroup(str(tiny_dir), dp=2, expert_mode="tp", group_options=CALLS, name="tp2", **OPTIONS) as group:
+        assert group.group_stats()["transport"] == "calls"
         assert _staggered(group, prompts, "a") == want
         assert _no_page_held(group)
         assert _serves_through_the_async_engine(group, prompts[0]) == want[0]
@@ -95,6 +99,7 @@ def test_dp4_ep_tokens_and_rank_failure_recovery(ray_cluster: None, tiny_dir: Pa
     group restarts and serves the same tokens, no PAGE held."""
     prompts, want = expected
     with EngineGroup(str(tiny_dir), dp=4, expert_mode="ep", group_options=GROUP, name="ep4", **OPTIONS) as group:
+        assert group.group_stats()["transport"] == "compiled"
         assert _staggered(group, prompts, "a") == want
         for i, prompt in enumerate(prompts[:4]):
             group.add_request(f"doomed{i}", prompt, GREEDY)

@@ -4,11 +4,13 @@ another layout is refused."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
 
-from actors.offload import OffloadActor
+from actors.offload import OffloadActor, RayOffloadConnector
 from cache.offload import OffloadError, OffloadKey, UnitKind
 
 
@@ -24,3 +26,43 @@ def test_offload_actor_round_trips_and_refuses_other_layouts(ray_cluster: None) 
         ray.get(actor.get.remote(OffloadKey("layout-b", b"\x01" * 16, UnitKind.IMAGE)))
     assert ray.get(actor.stats.remote())["hits"] == 1
     ray.kill(actor)
+
+
+@ray.remote(num_cpus=0)
+def _fetch_elsewhere(connector: RayOffloadConnector, handle: str) -> torch.Tensor:
+    return connector.fetch(handle)
+
+
+def test_connector_pins_units_past_eviction_until_taken(ray_cluster: None) -> None:
+    """What a lookup hands out stays fetchable, byte for byte and from another
+    worker, even after the store has evicted the unit; a token is taken once and an
+    expired one is refused; a published unit is found by a later lookup; an absent key
+    looks up as None."""
+    actor = ray.remote(OffloadActor).options(num_cpus=0).remote("layout-a", 32, 64)
+    connector = RayOffloadConnector(actor, "layout-a")
+    g = torch.Generator().manual_seed(1)
+    first, second, third = (torch.randint(0, 256, (1, 32), dtype=torch.uint8, generator=g) for _ in range(3))
+    keys = [OffloadKey("layout-a", bytes([i + 1]) * 16, UnitKind.PAGE) for i in range(3)]
+    connector.publish(keys[0], first)
+    connector.publish(keys[1], second)
+    ray.get(actor.stats.remote())  # the actor runs calls in order: both puts have landed
+    handles = connector.lookup(keys)
+    assert handles[2] is None and handles[0] is not None and handles[1] is not None
+    connector.publish(keys[2], third)  # a 64-byte budget: evicts the oldest unit
+    assert ray.get(actor.contains.remote(keys)) == [False, True, True]
+    assert torch.equal(ray.get(_fetch_elsewhere.remote(connector, handles[0])), first)
+    with pytest.raises(OffloadError, match="not pinned"):
+        connector.fetch(handles[0])
+    assert torch.equal(connector.fetch(handles[1]), second)
+    assert ray.get(actor.stats.remote())["pinned"] == 0
+    ray.kill(actor)
+
+    short = ray.remote(OffloadActor).options(num_cpus=0).remote("layout-a", 32, 64, pin_ttl_s=0.5)
+    short_connector = RayOffloadConnector(short, "layout-a")
+    short_connector.publish(keys[0], first)
+    late = short_connector.lookup([keys[0]])[0]
+    time.sleep(1.0)
+    with pytest.raises(OffloadError, match="not pinned"):
+        short_connector.fetch(late)
+    assert torch.equal(ray.get(short.get.remote(keys[0])), first)  # the store itself still holds it
+    ray.kill(short)

@@ -106,8 +106,8 @@ def test_dp_ranks_share_the_store(tiny_dir: Path) -> None:
 
 
 def test_refusals(tiny_dir: Path) -> None:
-    """A store of another layout, offload without prefix caching, and a disk tier
-    without a host tier are refused with the field named."""
+    """A store of another layout, offload without prefix caching, a disk tier without
+    a host tier, and half a disk tier are refused with the field named."""
     engine = Engine.from_pretrained(tiny_dir, **OPTIONS)
     other = LocalOffload(TieredStore("another-layout", engine.geometry.page_bytes, 1 << 20))
     with pytest.raises(SchedulerError, match="layout"):
@@ -123,3 +123,5 @@ def test_refusals(tiny_dir: Path) -> None:
         Engine.from_pretrained(tiny_dir, offload_host_bytes=1 << 20, enable_prefix_caching=False, **OPTIONS)
     with pytest.raises(EngineError, match="offload_disk"):
         Engine.from_pretrained(tiny_dir, offload_disk_bytes=1 << 20, **OPTIONS)
+    with pytest.raises(EngineError, match="both set, or neither"):
+        Engine.from_pretrained(tiny_dir, offload_host_bytes=1 << 20, offload_disk_dir="/tmp/x", **OPTIONS)
