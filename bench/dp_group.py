@@ -1,0 +1,180 @@
+"""A DP engine group on Ray against the in-process engine: tokens, then throughput.
+
+Starts a local Ray cluster, runs a staggered mixed workload (prompts of 3..300 tokens
+arriving over several steps, so ranks prefill, decode and idle at different times,
+chunked by the token budget) through an ``EngineGroup`` of ``--dp`` ranks with EP
+and with TP-sharded experts, and checks every request's greedy tokens against the
+in-process one-rank ``Engine``'s run of the same prompt alone. Then measures output
+tokens/s and step time of each group at the given concurrencies (``ignore_eos``,
+fixed output length). On GPUs each rank holds one GPU and the collectives run on NCCL.
+Prints a table and writes JSON.
+
+Usage: python3 bench/dp_group.py --dp 2 --device cuda [--model DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from actors.group import EngineGroup, GroupOptions  # noqa: E402
+from cluster.engine import Engine  # noqa: E402
+from cluster.request import SamplingParams  # noqa: E402
+from model.tiny import make_tiny  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+ENGINE = dict(block_size=32, max_num_seqs=64, max_num_batched_tokens=256, state_transfer="copy")
+
+
+def workload(vocab: int, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 300))] for _ in range(count)]
+
+
+def staggered(group: EngineGroup, prompts: list[list[int]]) -> dict[str, tuple[int, ...]]:
+    """Adds a prompt every other step, steps until all finish; tokens by request id."""
+    pending = list(enumerate(prompts))
+    done: dict[str, tuple[int, ...]] = {}
+    step = 0
+    while pending or len(done) < len(prompts):
+        if pending and step % 2 == 0:
+            i, prompt = pending.pop(0)
+            group.add_request(f"r{i}", prompt, GREEDY)
+        for out in group.step():
+            if out.finished:
+                assert out.finish_reason == "length", f"{out.request_id}: {out.finish_reason}"
+                done[out.request_id] = out.token_ids
+        step += 1
+    return done
+
+
+def throughput(group: EngineGroup, vocab: int, concurrency: int, output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    prompts = workload(vocab, concurrency, seed=concurrency)
+    for i, prompt in enumerate(prompts):
+        group.add_request(f"t{concurrency}-{i}", prompt[:128], params)
+    start = time.perf_counter()
+    step_ms: list[float] = []
+    generated = 0
+    first_token: float | None = None
+    while group.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = group.step()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        generated += len(outs)
+        if outs and first_token is None:
+            first_token = time.perf_counter() - start
+    wall = time.perf_counter() - start
+    return {
+        "concurrency": concurrency,
+        "output_tokens": generated,
+        "wall_s": wall,
+        "output_tok_per_s": generated / wall,
+        "step_ms_median": statistics.median(step_ms),
+        "first_token_s": first_token,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (one GPU per rank, NCCL)")
+    parser.add_argument("--kernel-backend", default=None, help="default: triton on cuda, torch on cpu")
+    parser.add_argument("--model", help="checkpoint directory (default: the tiny model, made now)")
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--out", default="bench/results/dp_group.json")
+    args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    backend = args.kernel_backend or ("triton" if cuda else "torch")
+    model_dir = Path(args.model) if args.model else make_tiny(Path(tempfile.mkdtemp()) / "tiny")
+    engine_options = dict(ENGINE, device=args.device, kernel_backend=backend)
+
+    reference = Engine.from_pretrained(model_dir, **engine_options)
+    vocab = reference.config.vocab_size
+    prompts = workload(vocab, args.requests, seed=0)
+    expected = {f"r{i}": reference.generate([p], GREEDY)[0].token_ids for i, p in enumerate(prompts)}
+    del reference
+    print(f"in-process reference: {len(expected)} requests on {args.device} ({backend} kernels)", flush=True)
+
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", str(REPO))}
+    env |= {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_", "NVSHMEM_"))}
+    ray.init(
+        num_cpus=max(4, 2 * args.dp),
+        num_gpus=args.dp if cuda else 0,
+        runtime_env={"env_vars": env},
+        include_dashboard=False,
+    )
+    group_options = GroupOptions(rank_num_cpus=1, rank_num_gpus=1 if cuda else 0, step_timeout_s=120, start_timeout_s=300)
+    rows: list[dict] = []
+    checks: list[dict] = []
+    try:
+        for expert_mode in ("ep", "tp"):
+            started = time.perf_counter()
+            with EngineGroup(
+                model_dir,
+                dp=args.dp,
+                expert_mode=expert_mode,
+                backend="nccl" if cuda else "gloo",
+                group_options=group_options,
+                name=f"dp{args.dp}-{expert_mode}",
+                **engine_options,
+            ) as group:
+                print(f"dp{args.dp} {expert_mode}: group up in {time.perf_counter() - started:.1f} s", flush=True)
+                got = staggered(group, prompts)
+                equal = sum(got[rid] == tokens for rid, tokens in expected.items())
+                checks.append({"expert_mode": expert_mode, "requests": len(expected), "tokens_equal": equal})
+                print(f"dp{args.dp} {expert_mode}: {equal}/{len(expected)} requests with the reference's tokens", flush=True)
+                for concurrency in (int(c) for c in args.concurrency.split(",")):
+                    row = {"expert_mode": expert_mode, **throughput(group, vocab, concurrency, args.output_len)}
+                    rows.append(row)
+                    print(
+                        f"dp{args.dp} {expert_mode} c={concurrency}: {row['output_tok_per_s']:.1f} tok/s, "
+                        f"step {row['step_ms_median']:.1f} ms",
+                        flush=True,
+                    )
+    finally:
+        ray.shutdown()
+
+    print(f"\n| experts | concurrency | output tok/s | step ms (median) | first token s |\n|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['expert_mode']} | {r['concurrency']} | {r['output_tok_per_s']:.1f} | {r['step_ms_median']:.1f} "
+            f"| {r['first_token_s']:.2f} |"
+        )
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.platform(),
+        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "dp": args.dp,
+        "kernel_backend": backend,
+        "model": str(model_dir) if args.model else "tiny (model/tiny.py TINY, seed 0)",
+        "engine": engine_options,
+        "checks": checks,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    if any(c["tokens_equal"] != c["requests"] for c in checks):
+        raise SystemExit("tokens differ from the in-process engine")
+
+
+if __name__ == "__main__":
+    main()
