@@ -36,17 +36,19 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @dataclass(frozen=True)
 class AttentionTiling:
     """How the attention kernels cut the work. ``block_h`` heads share each key tile of
-    ``block_n`` rows. At 16 x 32 with 8 warps a program holds its [16, 512] fp32
+    ``block_n`` rows. At 16 heads with 8 warps a program holds its [16, 512] fp32
     accumulator, its query block and a decoded key tile without spilling (compiled for
     sm_90 by triton 3.9 on the CPU dev box, 2026-11-30: 218-247 registers at Flash
-    dims, bf16 and FP8/NVFP4 planes; all 64 heads in one program spilled at 8 and 16
-    warps), so one program runs per SM. ``programs_per_wave`` is how many run at once
+    dims and 32-key tiles, bf16 and FP8/NVFP4 planes; all 64 heads in one program
+    spilled at 8 and 16 warps), so one program runs per SM. 64-key tiles: in the H200
+    sweep of bench/kernels.py (2026-11-30) they beat 32 at every batch measured (B=128,
+    32k: 0.263 vs 0.328 ms bf16/fp8, 0.404 vs 0.551 ms fp4/fp4) and 16 at B >= 32. ``programs_per_wave`` is how many run at once
     (None: the GPU's SM count; on the CPU interpreter, where programs run one after
     another, 1, which never splits). The key axis is split only while the extra
     programs still fit in that wave."""
 
     block_h: int = 16
-    block_n: int = 32
+    block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
     merge_block_h: int = 16
