@@ -323,12 +323,9 @@ class BlockManager:
         if request_id in self._requests:
             raise BlockManagerError(f"request_id: {request_id!r} already holds PAGEs (free it first)")
         self._check_hit(token_ids, hit)
-        if not self._free_slots:
+        if not self.has_room(len(token_ids), hit):
             return False
         fresh = -(-len(token_ids) // self.block_size) - len(hit.pages)
-        hit_idle = sum(self._idle.get(page, 0) for page in hit.pages)
-        if fresh > self._reclaimable() - hit_idle:
-            return False
         for page in hit.pages:
             self._reference(page)
         pages = list(hit.pages) + self._take_fresh(fresh)
@@ -348,6 +345,15 @@ class BlockManager:
             num_published=hit.num_hit_pages,
         )
         return True
+
+    def has_room(self, num_tokens: int, hit: PrefixHit) -> bool:
+        """Whether a prompt of ``num_tokens`` with ``hit`` would get its PAGEs and a
+        STATE slot now (what ``allocate_prompt`` answers, without allocating)."""
+        if not self._free_slots:
+            return False
+        fresh = -(-num_tokens // self.block_size) - len(hit.pages)
+        hit_idle = sum(self._idle.get(page, 0) for page in hit.pages)
+        return fresh <= self._reclaimable() - hit_idle
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Appends PAGEs until the request holds ``num_tokens`` tokens. False, with

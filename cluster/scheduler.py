@@ -175,7 +175,9 @@ class Scheduler:
         if request.params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt row computed: take no hit.
             hit = dataclasses.replace(hit, hit_tokens=0, forward_start=0, restore_image=None, pages=())
-        elif self.offload is not None:
+        elif self.offload is not None and self.block_manager.has_room(len(tokens), hit):
+            # Only a prompt that fits now asks the store: one left waiting would pin
+            # units (and make a round trip) at every step.
             hit, page_handles, image_handle = self._extend_from_offload(self.offload, hit, len(tokens))
         if not self.block_manager.allocate_prompt(request.request_id, tokens, hit):
             if hit.fetched_image and hit.restore_image is not None:

@@ -292,3 +292,24 @@ def test_extended_hit_refusals() -> None:
     _run(bm, "x", tokens[:B])
     with pytest.raises(BlockManagerError, match="cached here"):
         bm.allocate_prompt("y", tokens, extended)
+
+
+@settings(max_examples=40, deadline=None)
+@given(held=st.integers(0, 16), slots_taken=st.integers(0, 4), length=st.integers(1, 12 * B))
+def test_has_room_answers_what_allocate_prompt_will(held: int, slots_taken: int, length: int) -> None:
+    """For any fill of the pools (PAGEs handed out, slots taken, a cached prefix),
+    ``has_room`` is exactly ``allocate_prompt``'s answer, so a caller can ask before
+    doing work for an admission that cannot happen."""
+    bm = _manager(StateTransfer.REPLAY, num_pages=16, num_slots=4)
+    prefix = list(range(2 * B))
+    _run(bm, "cached", prefix)
+    bm.free("cached")
+    if held:
+        bm.allocate_pages(min(held, bm.stats().pages_free + bm.stats().pages_cached))
+    for i in range(slots_taken):
+        hit = bm.lookup([1000 + i])
+        if not bm.allocate_prompt(f"s{i}", [1000 + i], hit):
+            break
+    tokens = prefix + list(range(5000, 5000 + length))
+    hit = bm.lookup(tokens)
+    assert bm.has_room(len(tokens), hit) == bm.allocate_prompt("new", tokens, hit)
