@@ -24,6 +24,11 @@ import torch
 from cache.offload import OffloadKey, TieredStore
 
 
+def _check_pages(owner: str, pages: tuple[int, ...]) -> None:
+    if not pages or min(pages) < 0:
+        raise ValueError(f"{owner}.pages: {pages} (allowed: at least one PAGE id >= 0)")
+
+
 @dataclass(frozen=True)
 class PageFill:
     """Write the unit behind ``handle`` (rows of ``len(pages)`` PAGEs) into ``pages``."""
@@ -32,8 +37,7 @@ class PageFill:
     handle: Any
 
     def __post_init__(self) -> None:
-        if not self.pages or min(self.pages) < 0:
-            raise ValueError(f"PageFill.pages: {self.pages} (allowed: at least one PAGE id >= 0)")
+        _check_pages("PageFill", self.pages)
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,7 @@ class PagePublish:
     key: OffloadKey
 
     def __post_init__(self) -> None:
-        if not self.pages or min(self.pages) < 0:
-            raise ValueError(f"PagePublish.pages: {self.pages} (allowed: at least one PAGE id >= 0)")
+        _check_pages("PagePublish", self.pages)
 
 
 class OffloadConnector(Protocol):
