@@ -2,9 +2,9 @@
 
 Owns ``RankGroup``: the RankActors of one replica in a placement group (one bundle
 per rank, STRICT_PACK), their rendezvous (a free TCP port on the head rank's node,
-every rank joining the process group at once), the step transport (``GroupOptions.
-transport``: a Ray compiled graph over the ranks, or one actor call per rank), each
-step gathered with a deadline, health pings, and restart: when any rank dies or misses
+every rank joining the process group at once), the step transport of each generation
+(``GroupOptions.transport``, one of ``actors.transport``), each step gathered with a
+deadline, health pings, and restart: when any rank dies or misses
 the deadline the whole group is torn down and started again (a process group cannot
 lose a member). And ``EngineGroup``, the context-managed client: it starts a
 ``SchedulerActor`` (which owns a RankGroup) and forwards the engine interface to it.
@@ -14,7 +14,6 @@ Must not import: deploy.
 
 from __future__ import annotations
 
-import abc
 import logging
 import pickle
 import threading
@@ -24,15 +23,22 @@ from typing import Any, Iterator, Sequence
 
 import ray
 import torch
-from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tokenizers import Tokenizer
 
 from actors.rank import RankActor, pack_step
+from actors.transport import (
+    TRANSPORTS,
+    RankGroupDead,
+    RankGroupFailure,
+    StepTransport,
+    failing_as,
+    open_transport,
+)
 from cluster.batch import DPMetadata, ScheduledBatch
 from cluster.distributed import GroupSpec
-from cluster.dp_engine import DPLayout, RankFailure
+from cluster.dp_engine import DPLayout
 from cluster.engine import EngineOptions, EngineStats
 from cluster.engine import engine_options as parse_engine_options
 from cluster.offload_connector import OffloadConnector
@@ -41,16 +47,7 @@ from cluster.runner import StepResult
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("compiled", "calls")
-
-
-class RankGroupFailure(RankFailure):
-    """A rank died, failed or missed a deadline; the group must restart."""
-
-
-class RankGroupDead(RuntimeError):
-    """The group cannot serve: a generation failed to start, or the group was
-    stopped. Not a RankFailure: no restart is tried; the replica must be replaced."""
+__all__ = ["EngineGroup", "GroupOptions", "RankGroup", "RankGroupDead", "RankGroupFailure", "TRANSPORTS"]
 
 
 @dataclass(frozen=True)
@@ -59,19 +56,20 @@ class GroupOptions:
     peer otherwise blocks the living ranks in a collective until the process group's
     own timeout) and of starting the group; how often an idle group pings its ranks,
     so that a dead rank is replaced before the next request needs it; and the step
-    ``transport``: ``"compiled"`` (a Ray compiled graph: each step written once to
-    shared-memory channels the ranks' loops read, no task submission; the fastest
-    step, but a waiting reader polls, so idle ranks keep part of a core busy each) or
-    ``"calls"`` (one Ray actor call per rank per step; idle ranks sleep). Figures in
-    BENCHMARKS.md, ray_step. ``rank_num_gpus``: GPUs per rank (0 on CPU; 1 for a rank
-    per GPU, whose device is then its one visible GPU)."""
+    ``transport`` (``actors.transport``): ``"sockets"`` (the default: one TCP
+    connection per rank, a step one framed write and read each; waiting ranks sleep),
+    ``"compiled"`` (a Ray compiled graph over shared-memory channels; its waiting
+    readers poll, so idle ranks keep most of a core busy each) or ``"calls"`` (one Ray
+    actor call per rank per step, the slowest). Figures in BENCHMARKS.md, ray_step.
+    ``rank_num_gpus``: GPUs per rank (0 on CPU; 1 for a rank per GPU, whose device
+    is then its one visible GPU)."""
 
     rank_num_cpus: float = 0.5
     rank_num_gpus: float = 0
     step_timeout_s: float = 20.0
     start_timeout_s: float = 120.0
     health_interval_s: float = 5.0
-    transport: str = "compiled"
+    transport: str = "sockets"
 
     def __post_init__(self) -> None:
         for name in ("rank_num_cpus", "step_timeout_s", "start_timeout_s", "health_interval_s"):
@@ -82,90 +80,6 @@ class GroupOptions:
             raise ValueError(f"GroupOptions.rank_num_gpus: {self.rank_num_gpus!r} (allowed: a number >= 0)")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"GroupOptions.transport: {self.transport!r} (allowed: {', '.join(TRANSPORTS)})")
-
-
-@contextmanager
-def failing_as(what: str) -> Iterator[None]:
-    """Raises any Ray failure inside as RankGroupFailure naming ``what``. ray.get over
-    a list fails fast: the first dead rank (answered at once) or failed rank raises
-    without waiting for the ranks still blocked in a collective with it."""
-    try:
-        yield
-    except ray.exceptions.RayError as exc:
-        raise RankGroupFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
-
-
-class StepTransport(abc.ABC):
-    """Carries each rank's packed step (``actors.rank.pack_step``) to the ranks'
-    ``execute_packed`` and their packed results back, one generation of ranks long.
-    ``exchange`` raises RankGroupFailure on any Ray failure: a dead rank (answered at
-    once), a rank's exception, or the deadline."""
-
-    kind: str
-
-    def __init__(self, group_name: str, ranks: Sequence[Any]) -> None:
-        self.group_name = group_name
-        self.ranks = list(ranks)
-
-    def exchange(self, steps: Sequence[bytes], timeout_s: float) -> list[bytes]:
-        if len(steps) != len(self.ranks):
-            raise ValueError(f"steps: {len(steps)} (allowed: one per rank, {len(self.ranks)})")
-        with failing_as(f"group {self.group_name} ({self.kind} transport)"):
-            return ray.get(self._submit(steps), timeout=timeout_s)
-
-    @abc.abstractmethod
-    def _submit(self, steps: Sequence[bytes]) -> list[Any]:
-        """Starts the step on every rank; one ref (ObjectRef or CompiledDAGRef) each."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Releases what the transport holds on the ranks (they stay alive)."""
-
-
-class CallTransport(StepTransport):
-    """One Ray actor call per rank per step: each a task submitted to the rank's
-    worker and its result returned through the core worker."""
-
-    kind = "calls"
-
-    def _submit(self, steps: Sequence[bytes]) -> list[Any]:
-        return [rank.execute_packed.remote(step) for rank, step in zip(self.ranks, steps)]
-
-    def close(self) -> None:
-        pass
-
-
-class CompiledTransport(StepTransport):
-    """A Ray compiled graph over the ranks: input i is rank i's step, the outputs are
-    every rank's result (``MultiOutputNode``). Each rank runs a loop reading its input
-    channel, so a step costs a shared-memory write and reads instead of task
-    submissions. Ray's channel reads poll (sched_yield) rather than sleep: each rank's
-    loop and the waiting driver use CPU while they wait. One graph per generation of
-    ranks (an actor runs one graph at a time)."""
-
-    kind = "compiled"
-
-    def __init__(self, group_name: str, ranks: Sequence[Any], submit_timeout_s: float) -> None:
-        super().__init__(group_name, ranks)
-        with InputNode() as steps:
-            outputs = MultiOutputNode([rank.execute_packed.bind(steps[i]) for i, rank in enumerate(self.ranks)])
-        self.graph = outputs.experimental_compile(_submit_timeout=submit_timeout_s)
-
-    def _submit(self, steps: Sequence[bytes]) -> list[Any]:
-        return self.graph.execute(*steps)
-
-    def close(self) -> None:
-        self.graph.teardown()
-
-
-def open_transport(kind: str, group_name: str, ranks: Sequence[Any], timeout_s: float) -> StepTransport:
-    """The step transport ``kind`` (one of TRANSPORTS) over ``ranks``, each an actor
-    with ``execute_packed(bytes) -> bytes``."""
-    if kind == "compiled":
-        return CompiledTransport(group_name, ranks, timeout_s)
-    if kind == "calls":
-        return CallTransport(group_name, ranks)
-    raise ValueError(f"transport: {kind!r} (allowed: {', '.join(TRANSPORTS)})")
 
 
 class RankGroup:

@@ -3,11 +3,12 @@
 Owns the process side of a rank: joining the group's process group (the head rank
 serves the rendezvous store at a port free on its node), loading its ``DPRank`` (TP1
 attention, embeddings, head, its own pools, one routed-expert shard; the group's
-offload connector) and running its batch of each step. Everything it computes is ``cluster.dp_engine.DPRank``'s.
-It also owns the step's wire between the group and a rank (``pack_step``,
-``RankActor.execute_packed``): each rank's batch and the metadata words pickled once
-by the C pickler into bytes, which Ray passes without its own (per-object, Python-level)
-serialiser and a compiled graph's readers copy without decoding the other ranks' batches.
+offload connector) and running its batch of each step. Everything it computes is
+``cluster.dp_engine.DPRank``'s. It also owns the step's wire between the group and a
+rank (``pack_step``, ``RankActor.execute_packed``; every transport of
+``actors.transport`` carries it, and ``serve_steps`` opens the socket one): each rank's
+batch and the metadata words pickled once by the C pickler into bytes, which no
+transport decodes on the way (no per-object serialiser, no other rank's batch read).
 
 Must not import: deploy.
 """
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import pickle
 import socket
+import threading
 from pathlib import Path
 
 import torch
 
+from actors.transport import connect_to_driver, serve_connection
 from cluster.batch import ScheduledBatch
 from cluster.distributed import GroupSpec, free_port, open_process_group, tcp_store
 from cluster.dp_engine import DPLayout, DPRank
@@ -74,6 +77,14 @@ class RankActor:
         batch, metadata_words = pickle.loads(step)
         result = self.execute(batch, torch.tensor(metadata_words, dtype=torch.int64))
         return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def serve_steps(self, host: str, port: int, token: bytes, timeout_s: float) -> None:
+        """Connects to a socket transport's driver and serves its steps from a thread
+        of this process until the driver closes the connection."""
+        conn = connect_to_driver(host, port, token, self.rank, timeout_s)
+        threading.Thread(
+            target=serve_connection, args=(conn, self.execute_packed, self.rank), name="step-socket", daemon=True
+        ).start()
 
     def ping(self) -> int:
         """Health check: answers with the rank id once joined."""

@@ -53,7 +53,8 @@ sys.path.insert(0, str(REPO))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from actors.group import TRANSPORTS, GroupOptions, StepTransport, failing_as, open_transport  # noqa: E402
+from actors.group import GroupOptions  # noqa: E402
+from actors.transport import TRANSPORTS, StepTransport, failing_as, open_transport  # noqa: E402
 from actors.rank import RankActor, pack_step  # noqa: E402
 from cluster.batch import ScheduledBatch  # noqa: E402
 from cluster.dp_engine import DPEngine, DPLayout  # noqa: E402

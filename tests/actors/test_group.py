@@ -7,7 +7,7 @@ request with finish_reason "error" within 30 s, the group restarts and serves th
 same tokens again, and no PAGE stays referenced. TINY's moe_intermediate_size is 64,
 so TP experts split at most 2 ways (32-column FP4 scale groups): TP is tested at DP2,
 EP at DP4. Each runs one step transport: DP2 one Ray call per rank ("calls"), DP4 the
-compiled graph (the default), whose kill-and-recover path is the one served.
+sockets (the default), whose kill-and-recover path is the one served.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_dp4_ep_tokens_and_rank_failure_recovery(ray_cluster: None, tiny_dir: Pa
     group restarts and serves the same tokens, no PAGE held."""
     prompts, want = expected
     with EngineGroup(str(tiny_dir), dp=4, expert_mode="ep", group_options=GROUP, name="ep4", **OPTIONS) as group:
-        assert group.group_stats()["transport"] == "compiled"
+        assert group.group_stats()["transport"] == "sockets"
         assert _staggered(group, prompts, "a") == want
         for i, prompt in enumerate(prompts[:4]):
             group.add_request(f"doomed{i}", prompt, GREEDY)

@@ -1,7 +1,7 @@
 """Step transports and the health loop of an engine group.
 
 Properties: GroupOptions refuses every out-of-range field, naming it and the allowed
-values. Each transport ("compiled", "calls") hands every rank its own packed step and
+values. Each transport ("sockets", "compiled", "calls") hands every rank its own packed step and
 returns the results in rank order; a rank's exception, a dead rank and a missed
 deadline each raise RankGroupFailure promptly (a dead rank well before the deadline).
 An idle group whose rank is killed is restarted by its health loop within seconds (a
@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import ray
 
-from actors.group import TRANSPORTS, EngineGroup, GroupOptions, RankGroupFailure, open_transport
+from actors.group import EngineGroup, GroupOptions
+from actors.transport import TRANSPORTS, RankGroupFailure, open_transport
 from actors.rank import RankActor, pack_step
 from cluster.batch import DPMetadata, ScheduledBatch
 from cluster.dp_engine import DPLayout

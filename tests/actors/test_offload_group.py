@@ -40,8 +40,8 @@ def test_evicted_prefix_restores_from_the_offload_actor(ray_cluster: None, tiny_
     prompts = [[rng.randrange(3, vocab) for _ in range(3 * 32 + 7)] for _ in range(3)]
     expected = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
 
-    calls = GroupOptions(rank_num_cpus=0.5, step_timeout_s=20.0, transport="calls")
-    with EngineGroup(tiny_dir, dp=1, group_options=calls, offload_host_bytes=64 << 20, **OPTIONS) as group:
+    compiled = GroupOptions(rank_num_cpus=0.5, step_timeout_s=20.0, transport="compiled")
+    with EngineGroup(tiny_dir, dp=1, group_options=compiled, offload_host_bytes=64 << 20, **OPTIONS) as group:
         for prompt, tokens in zip(prompts, expected):
             assert group.generate([prompt], GREEDY)[0].token_ids == tokens
         _wait_for_puts(group, 3 * 3)  # three full PAGEs per prompt at least
