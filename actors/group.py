@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -44,6 +45,7 @@ from cluster.engine import engine_options as parse_engine_options
 from cluster.offload_connector import OffloadConnector
 from cluster.request import Request, RequestOutput, SamplingParams
 from cluster.runner import StepResult
+from model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -94,14 +96,14 @@ class RankGroup:
     def __init__(
         self,
         name: str,
-        model_dir: str,
+        model: str,
         options: EngineOptions,
         dp: DPLayout,
         group_options: GroupOptions,
         offload: OffloadConnector | None = None,
     ) -> None:
         self.name = name
-        self.model_dir = model_dir
+        self.model = model
         self.options = options
         self.dp = dp
         self.group_options = group_options
@@ -193,7 +195,7 @@ class RankGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._placement, placement_group_bundle_index=rank
                 ),
-            ).remote(self.model_dir, self.options, self.dp, rank, self.offload)
+            ).remote(self.model, self.options, self.dp, rank, self.offload)
             for rank in range(self.dp.world)
         ]
         host, port = self._gather([self.ranks[0].rendezvous_address.remote()], opts.start_timeout_s)[0]
@@ -275,12 +277,14 @@ class RankGroup:
 
 
 class EngineGroup:
-    """Client of one engine group: ``with EngineGroup(model_dir, dp=2) as group:``
-    starts a SchedulerActor and its ranks, and stops them on exit."""
+    """Client of one engine group: ``with EngineGroup(model, dp=2) as group:``
+    starts a SchedulerActor and its ranks, and stops them on exit. ``model`` is a
+    checkpoint directory or a generated slice (``model.source.ModelSource``), which
+    every rank loads (its expert shard) on its own device."""
 
     def __init__(
         self,
-        model_dir: str,
+        model: "str | Path | ModelSource",
         *,
         dp: int = 1,
         expert_mode: str = "ep",
@@ -293,7 +297,7 @@ class EngineGroup:
         from actors.scheduler import SchedulerActor
 
         self.name = name
-        self.model_dir = str(model_dir)
+        self.model = str(ModelSource.parse(model))
         self.dp = DPLayout(dp, expert_mode, backend)
         self.options = parse_engine_options(dict(engine_options))
         self.group_options = group_options
@@ -302,7 +306,7 @@ class EngineGroup:
 
     def __enter__(self) -> "EngineGroup":
         self.actor = self._actor_class.options(num_cpus=0, max_concurrency=4).remote(
-            self.name, self.model_dir, self.options, self.dp, self.group_options
+            self.name, self.model, self.options, self.dp, self.group_options
         )
         ray.get(self.actor.ready.remote())
         self.config, tokenizer_json, self.max_model_len = ray.get(self.actor.describe.remote())

@@ -18,7 +18,6 @@ from __future__ import annotations
 import pickle
 import socket
 import threading
-from pathlib import Path
 
 import torch
 
@@ -42,12 +41,12 @@ class RankActor:
     """One rank; use through ``actors.group`` (it places, wires and restarts ranks)."""
 
     def __init__(
-        self, model_dir: str, options: EngineOptions, dp: DPLayout, rank: int, offload: OffloadConnector | None = None
+        self, model: str, options: EngineOptions, dp: DPLayout, rank: int, offload: OffloadConnector | None = None
     ) -> None:
         # Several ranks share a CPU box: one intra-op thread each keeps them from
         # oversubscribing it and keeps results independent of thread splits.
         torch.set_num_threads(1)
-        self.model_dir = Path(model_dir)
+        self.model = model
         self.options = options
         self.dp = dp
         self.rank = rank
@@ -64,7 +63,7 @@ class RankActor:
         group = None
         if spec.world > 1:
             group = open_process_group(spec, self.rank, tcp_store(spec, self.rank))
-        self._worker = DPRank.load(self.model_dir, self.options, self.dp, self.rank, group, self.offload)
+        self._worker = DPRank.load(self.model, self.options, self.dp, self.rank, group, self.offload)
         return self.rank
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor) -> StepResult:

@@ -30,6 +30,7 @@ from cluster.dp_engine import DPEngine, DPLayout
 from cluster.engine import EngineOptions, EngineStats, RankLayout
 from cluster.request import Request, RequestOutput, SamplingParams
 from model.config import V41Config
+from model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +41,13 @@ class SchedulerActor:
     its own): one lock admits one caller of the engine and the ranks at a time."""
 
     def __init__(
-        self, name: str, model_dir: str, options: EngineOptions, dp: DPLayout, group_options: GroupOptions
+        self, name: str, model: str, options: EngineOptions, dp: DPLayout, group_options: GroupOptions
     ) -> None:
         self.group_options = group_options
         self.offload_actor: Any = None
         offload = None
         if options.offload_host_bytes:
-            layout = RankLayout.build(V41Config.from_pretrained(model_dir, text_only=True), options)
+            layout = RankLayout.build(ModelSource.parse(model).config(), options)
             self.offload_actor = (
                 ray.remote(OffloadActor)
                 .options(name=f"{name}-offload", num_cpus=0)
@@ -59,9 +60,9 @@ class SchedulerActor:
                 )
             )
             offload = RayOffloadConnector(self.offload_actor, layout.geometry.layout_id)
-        self.ranks = RankGroup(name, model_dir, options, dp, group_options, offload)
+        self.ranks = RankGroup(name, model, options, dp, group_options, offload)
         self.ranks.start()
-        self.engine = DPEngine.over(model_dir, dp, self.ranks, options, offload)
+        self.engine = DPEngine.over(model, dp, self.ranks, options, offload)
         self.num_health_checks = 0
         self._lock = threading.Lock()
         self._undelivered: list[RequestOutput] = []

@@ -9,7 +9,8 @@ tokens/s and step time of each group at the given concurrencies (``ignore_eos``,
 fixed output length). On GPUs each rank holds one GPU and the collectives run on NCCL.
 Prints a table and writes JSON.
 
-Usage: python3 bench/dp_group.py --dp 2 --device cuda [--model DIR] [--out FILE]
+Usage: python3 bench/dp_group.py --dp 2 --device cuda [--model DIR or generated:SLICE] [--dtype bfloat16]
+       [--concurrency 1,16,64,256] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch  # noqa: E402
 from actors.group import EngineGroup, GroupOptions  # noqa: E402
 from cluster.engine import Engine  # noqa: E402
 from cluster.request import SamplingParams  # noqa: E402
+from model.source import ModelSource  # noqa: E402
 from model.tiny import make_tiny  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -95,7 +97,11 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (one GPU per rank, NCCL)")
     parser.add_argument("--kernel-backend", default=None, help="default: triton on cuda, torch on cpu")
-    parser.add_argument("--model", help="checkpoint directory (default: the tiny model, made now)")
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory or generated slice, e.g. generated:reference-slice (default: the tiny model, made now)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--output-len", type=int, default=32)
@@ -103,14 +109,23 @@ def main() -> None:
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     backend = args.kernel_backend or ("triton" if cuda else "torch")
-    model_dir = Path(args.model) if args.model else make_tiny(Path(tempfile.mkdtemp()) / "tiny")
-    engine_options = dict(ENGINE, device=args.device, kernel_backend=backend)
+    model = ModelSource.parse(args.model or make_tiny(Path(tempfile.mkdtemp()) / "tiny"))
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    engine_options = dict(
+        ENGINE,
+        max_num_seqs=max(ENGINE["max_num_seqs"], *concurrencies),
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        kernel_backend=backend,
+    )
 
-    reference = Engine.from_pretrained(model_dir, **engine_options)
+    reference = Engine.from_pretrained(model, **engine_options)
     vocab = reference.config.vocab_size
     prompts = workload(vocab, args.requests, seed=0)
     expected = {f"r{i}": reference.generate([p], GREEDY)[0].token_ids for i, p in enumerate(prompts)}
     del reference
+    if cuda:
+        torch.cuda.empty_cache()  # rank 0 shares this GPU
     print(f"in-process reference: {len(expected)} requests on {args.device} ({backend} kernels)", flush=True)
 
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", str(REPO))}
@@ -128,7 +143,7 @@ def main() -> None:
         for expert_mode in ("ep", "tp"):
             started = time.perf_counter()
             with EngineGroup(
-                model_dir,
+                model,
                 dp=args.dp,
                 expert_mode=expert_mode,
                 backend="nccl" if cuda else "gloo",
@@ -141,7 +156,7 @@ def main() -> None:
                 equal = sum(got[rid] == tokens for rid, tokens in expected.items())
                 checks.append({"expert_mode": expert_mode, "requests": len(expected), "tokens_equal": equal})
                 print(f"dp{args.dp} {expert_mode}: {equal}/{len(expected)} requests with the reference's tokens", flush=True)
-                for concurrency in (int(c) for c in args.concurrency.split(",")):
+                for concurrency in concurrencies:
                     row = {"expert_mode": expert_mode, **throughput(group, vocab, concurrency, args.output_len)}
                     rows.append(row)
                     print(
@@ -164,8 +179,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         "dp": args.dp,
         "kernel_backend": backend,
-        "model": str(model_dir) if args.model else "tiny (model/tiny.py TINY, seed 0)",
-        "engine": engine_options,
+        "model": str(model) if args.model else "tiny (model/tiny.py TINY, seed 0)",
+        "engine": {**engine_options, "dtype": args.dtype},
         "checks": checks,
         "rows": rows,
     }

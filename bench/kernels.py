@@ -45,7 +45,7 @@ from cache.addressing import PoolShape, SegmentSpec, build_step_addresses  # noq
 from cache.pools import PoolSize, V41Pools  # noqa: E402
 from cache.plane_io import PlaneIO  # noqa: E402
 from cluster.pool_layout import pool_geometry  # noqa: E402
-from model.config import V41Config  # noqa: E402
+from model.config import FLASH_CONFIG_DIR, V41Config  # noqa: E402
 from model.device import move_tensors  # noqa: E402
 from model.formats import round_fp8, round_mxfp4  # noqa: E402
 from model.kernels.torch_backend import TorchKernels  # noqa: E402
@@ -54,7 +54,7 @@ from model.kernels.triton.attention import AttentionTiling  # noqa: E402
 from model.kernels.triton.index_scorer import ScorerTiling  # noqa: E402
 from model.moe import ExpertWeights, route, routed_experts  # noqa: E402
 
-FLASH = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "flash"
+FLASH = FLASH_CONFIG_DIR
 BATCHES = (1, 8, 32, 128, 256)
 CONTEXTS = (4096, 32768, 131072)
 MAX_POOL_BYTES = 48 << 30

@@ -22,7 +22,7 @@ import torch
 
 from cache.pools import PoolSize
 from cluster.engine import Engine, EngineOptions, RankLayout
-from model.config import V41Config
+from model.config import FLASH_CONFIG_DIR, V41Config
 from model.params import ModelParams
 from model.reference_slice import (
     EXPERT_FORMATS,
@@ -34,7 +34,7 @@ from model.reference_slice import (
 )
 from model.weights import checkpoint_tensors
 
-FLASH = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "flash"
+FLASH = FLASH_CONFIG_DIR
 
 # The GPU issue's measurements of a straightforward transformers-style eager V4.1 on
 # the reference slice and an H200 (bf16 random weights): decode output tokens/s by

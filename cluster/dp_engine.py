@@ -35,8 +35,9 @@ from cluster.scheduler import Scheduler
 from model.config import V41Config
 from model.kernels import load_kernels
 from model.kernels.interface import PagedKernels
-from model.loader import TOKENIZER_FILE, ExpertShard
-from model.params import ModelParams, load_model_params
+from model.loader import ExpertShard
+from model.params import ModelParams
+from model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -113,18 +114,18 @@ class DPRank:
     @classmethod
     def load(
         cls,
-        model_dir: str | Path,
+        model: str | Path | ModelSource,
         options: EngineOptions,
         dp: DPLayout,
         rank: int,
         group: dist.ProcessGroup | None,
         offload: OffloadConnector | None = None,
     ) -> "DPRank":
-        """Loads the rank's expert shard (and everything else whole) and joins
-        ``group`` (required when ``dp.world`` > 1); ``offload`` is the replica's
-        offload store, shared by every rank."""
-        params, _ = load_model_params(model_dir, dtype=options.dtype, shard=dp.shard(rank), text_only=True)
-        params = params.to(options.device)
+        """Loads the rank's expert shard of ``model`` (and everything else whole) on
+        its device and joins ``group`` (required when ``dp.world`` > 1); ``offload``
+        is the replica's offload store, shared by every rank."""
+        source = ModelSource.parse(model)
+        params, _ = source.load_params(dtype=options.dtype, device=options.device, shard=dp.shard(rank))
         kernels = load_kernels(options.kernel_backend)
         exchange = None
         if dp.world > 1:
@@ -153,9 +154,9 @@ class ThreadedRanks:
     """The DP ranks of a replica in threads of this process, gloo among them."""
 
     def __init__(
-        self, model_dir: str | Path, options: EngineOptions, dp: DPLayout, offload: OffloadConnector | None = None
+        self, model: str | Path | ModelSource, options: EngineOptions, dp: DPLayout, offload: OffloadConnector | None = None
     ) -> None:
-        self.model_dir = model_dir
+        self.model = model
         self.options = options
         self.dp = dp
         self.offload = offload
@@ -169,7 +170,7 @@ class ThreadedRanks:
 
         def load_rank(rank: int) -> DPRank:
             group = open_process_group(spec, rank, dist.PrefixStore("dp", store)) if dp.world > 1 else None
-            return DPRank.load(self.model_dir, self.options, dp, rank, group, self.offload)
+            return DPRank.load(self.model, self.options, dp, rank, group, self.offload)
 
         # Every rank must be in its rendezvous at once: one thread each.
         return tuple(self._threads.map(load_rank, range(dp.world)))
@@ -213,28 +214,27 @@ class DPEngine(EngineFrontend):
     @classmethod
     def over(
         cls,
-        model_dir: str | Path,
+        model: str | Path | ModelSource,
         dp: DPLayout,
         executor: DPStepExecutor,
         options: EngineOptions,
         offload: OffloadConnector | None = None,
     ) -> "DPEngine":
-        """The engine of ranks already running ``model_dir`` under ``dp`` (with
+        """The engine of ranks already running ``model`` under ``dp`` (with
         ``offload``, the store its ranks publish to); it reads the config and
         tokenizer only, never a weight."""
-        config = V41Config.from_pretrained(model_dir, text_only=True)
-        tokenizer = Tokenizer.from_file(str(Path(model_dir) / TOKENIZER_FILE))
-        return cls(config, tokenizer, options, dp.world, executor, offload)
+        source = ModelSource.parse(model)
+        return cls(source.config(), source.tokenizer(), options, dp.world, executor, offload)
 
     @classmethod
-    def in_process(cls, model_dir: str | Path, dp: DPLayout, **options: object) -> "DPEngine":
+    def in_process(cls, model: str | Path | ModelSource, dp: DPLayout, **options: object) -> "DPEngine":
         """A replica whose ranks are threads of this process (tests, one-box runs),
         sharing one in-process offload store when ``offload_host_bytes`` asks."""
         parsed = engine_options(options)
-        config = V41Config.from_pretrained(model_dir, text_only=True)
-        store = RankLayout.build(config, parsed).offload_store(parsed)
+        source = ModelSource.parse(model)
+        store = RankLayout.build(source.config(), parsed).offload_store(parsed)
         offload = LocalOffload(store) if store is not None else None
-        return cls.over(model_dir, dp, ThreadedRanks(model_dir, parsed, dp, offload), parsed, offload)
+        return cls.over(source, dp, ThreadedRanks(source, parsed, dp, offload), parsed, offload)
 
     def _fresh_schedulers(self) -> list[Scheduler]:
         return [self.layout.scheduler(self.config, self.options, self.offload) for _ in range(self.world)]

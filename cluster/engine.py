@@ -37,7 +37,8 @@ from cluster.scheduler import Scheduler, SchedulerConfig
 from cluster.stopping import StopChecker
 from model.config import V41Config
 from model.kernels import KERNEL_BACKENDS, load_kernels
-from model.params import ModelParams, load_model_params
+from model.params import ModelParams
+from model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -403,12 +404,13 @@ class Engine(EngineFrontend):
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
-        """Loads ``model_dir`` (official checkpoint format) into an in-process replica.
-        Options are EngineOptions' fields; unknown ones are refused."""
+    def from_pretrained(cls, model: str | Path | ModelSource, **options: object) -> "Engine":
+        """Loads ``model`` (a checkpoint directory in the official format, or a
+        generated slice: model/source.py) into an in-process replica. Options are
+        EngineOptions' fields; unknown ones are refused."""
         parsed = engine_options(options)
-        params, checkpoint = load_model_params(model_dir, dtype=parsed.dtype, text_only=True)
-        return cls(params, checkpoint.tokenizer, parsed)
+        params, tokenizer = ModelSource.parse(model).load_params(dtype=parsed.dtype, device=parsed.device)
+        return cls(params, tokenizer, parsed)
 
     def _enqueue(self, request: Request) -> None:
         self.scheduler.add(request)

@@ -19,6 +19,9 @@ from typing import Any, Mapping
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
+# V4.1-Flash's published config.json, shipped with the package: the base the generated
+# slices (model/reference_slice.py) cut from, and the tests' full-size config.
+FLASH_CONFIG_DIR = Path(__file__).resolve().parent / "configs" / "v41_flash"
 
 
 class ConfigError(ValueError):

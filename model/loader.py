@@ -264,7 +264,7 @@ def load_checkpoint(
         raise ValueError(f"dtype: {dtype} (allowed: {', '.join(str(d) for d in _COMPUTE_DTYPES)})")
     _check_config_for_loading(config)
     expert_ids, dspark_expert_ids = _shard_experts(config, shard)
-    tokenizer = _read_tokenizer(root, config)
+    tokenizer = read_tokenizer(root, config)
     specs = checkpoint_tensors(config)
     entries = _read_headers(root)
     plan = _plan(specs, entries, shard, expert_ids, dspark_expert_ids, text_only)
@@ -411,7 +411,8 @@ def _shard_experts(config: V41Config, shard: ExpertShard | None) -> tuple[tuple[
     return target, dspark
 
 
-def _read_tokenizer(root: Path, config: V41Config) -> Tokenizer:
+def read_tokenizer(root: Path, config: V41Config) -> Tokenizer:
+    """The checkpoint's tokenizer, checked against its config's special tokens."""
     path = root / TOKENIZER_FILE
     if not path.is_file():
         raise CheckpointError(f"{TOKENIZER_FILE}: not found in {root} (the checkpoint's tokenizer is required)")

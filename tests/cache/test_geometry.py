@@ -21,10 +21,10 @@ from cache.geometry import (
     V41PoolGeometry,
 )
 from cluster.pool_layout import pool_geometry
-from model.config import V41Config
+from model.config import FLASH_CONFIG_DIR, V41Config
 
 REPO = Path(__file__).resolve().parents[2]
-FLASH = REPO / "tests" / "fixtures" / "flash"
+FLASH = FLASH_CONFIG_DIR
 
 MakeGeometry = Callable[..., V41PoolGeometry]
 

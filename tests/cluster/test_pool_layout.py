@@ -10,9 +10,9 @@ import pytest
 
 from cache.geometry import GeometryError, PlaneKind
 from cluster.pool_layout import pool_geometry
-from model.config import LayerMode, V41Config
+from model.config import FLASH_CONFIG_DIR, LayerMode, V41Config
 
-FLASH = Path(__file__).resolve().parents[1] / "fixtures" / "flash"
+FLASH = FLASH_CONFIG_DIR
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,11 @@ from safetensors.torch import load_file
 from cluster.engine import Engine
 from cluster.request import SamplingParams
 from deploy.cli import main
+from model.config import FLASH_CONFIG_DIR
 from model.params import load_model_params
 from model.reference import ReferenceModel
 
-FLASH = Path(__file__).parents[1] / "fixtures" / "flash"
+FLASH = FLASH_CONFIG_DIR
 
 
 def test_logits_reference_and_paged_agree_and_match_the_model(tiny_dir: Path, tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from model.config import ConfigError, LayerMode, V41Config
+from model.config import FLASH_CONFIG_DIR, ConfigError, LayerMode, V41Config
 
-FLASH = Path(__file__).parents[1] / "fixtures" / "flash"
+FLASH = FLASH_CONFIG_DIR
 
 
 def _raw() -> dict:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from model.config import ConfigError, V41Config
+from model.config import FLASH_CONFIG_DIR, ConfigError, V41Config
 from model.engram import (
     DEAD,
     EngramHashing,
@@ -27,7 +27,7 @@ from model.engram import (
 )
 from model.formats import dequantize_fp8, quantize_fp8
 
-FLASH_DIR = Path(__file__).parents[1] / "fixtures" / "flash"
+FLASH_DIR = FLASH_CONFIG_DIR
 INT64_MIN = -(2**63)
 
 

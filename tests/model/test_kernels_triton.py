@@ -23,7 +23,7 @@ from cache.pools import PoolSize, V41Pools
 from cluster.engine import Engine
 from cluster.pool_layout import pool_geometry
 from cluster.request import SamplingParams
-from model.config import V41Config
+from model.config import FLASH_CONFIG_DIR, V41Config
 from model.formats import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4, round_fp8, round_mxfp4
 from model.kernels.torch_backend import TorchKernels
 
@@ -37,7 +37,7 @@ from model.kernels.triton.decode import load_rows  # noqa: E402
 from model.kernels.triton.index_scorer import ScorerTiling, plan_entry_span  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FLASH = Path(__file__).resolve().parents[1] / "fixtures" / "flash"
+FLASH = FLASH_CONFIG_DIR
 NUM_PAGES, NUM_SLOTS = 6, 3
 # One program per row and head group (a one-program wave never splits, on any device);
 # the key axis split into 16-key spans (a merge pass); spans of two 16-key tiles (a loop

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import model.loader as loader
-from model.config import ConfigError, LayerMode, V41Config
+from model.config import FLASH_CONFIG_DIR, ConfigError, LayerMode, V41Config
 from model.loader import (
     CheckpointError,
     ExpertShard,
@@ -83,7 +83,7 @@ def full_quantized(tiny_quantized_dir: Path) -> LoadedCheckpoint:
 
 # -- declarations --------------------------------------------------------------------------
 
-FLASH_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "flash"
+FLASH_DIR = FLASH_CONFIG_DIR
 
 
 def test_flash_declarations_follow_the_layer_roles() -> None:

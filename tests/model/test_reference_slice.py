@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from cluster.engine import Engine, EngineOptions
 from cluster.request import SamplingParams
-from model.config import LayerMode, V41Config
+from model.config import FLASH_CONFIG_DIR, LayerMode, V41Config
 from model.loader import (
     SINGLE_FILE,
     TOKENIZER_FILE,
@@ -30,7 +30,7 @@ from model.reference_slice import REFERENCE_SLICE, SMALL_SLICE, SliceModel, Slic
 from model.tiny import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from model.weights import checkpoint_tensors
 
-FLASH = Path(__file__).resolve().parents[1] / "fixtures" / "flash"
+FLASH = FLASH_CONFIG_DIR
 
 # SMALL_SLICE's layer roles at the smallest widths the formats allow, so every
 # (expert format, shard) pair generates and loads in well under a second.
