@@ -15,7 +15,6 @@ Must not import: deploy.
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 from pathlib import Path
 from contextlib import contextmanager
@@ -28,7 +27,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tokenizers import Tokenizer
 
-from actors.rank import RankActor, pack_step
+from actors.rank import RankActor
+from actors.step_wire import StepPacker, session_packers, unpack_result
 from actors.transport import (
     TRANSPORTS,
     RankGroupDead,
@@ -113,6 +113,7 @@ class RankGroup:
         self.ranks: list[Any] = []
         self._placement: PlacementGroup | None = None
         self._transport: StepTransport | None = None
+        self._packers: list[StepPacker] = []
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None
 
@@ -213,6 +214,7 @@ class RankGroup:
         # rank (seconds on a loaded box): it gets the start deadline, not a step's.
         padding = tuple(ScheduledBatch(step_id=0) for _ in range(self.dp.world))
         self._transport = transport
+        self._packers = session_packers(self.dp.world)
         self._exchange(transport, padding, DPMetadata.of(0, padding).to_wire(), opts.start_timeout_s)
 
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor) -> list[StepResult]:
@@ -234,8 +236,10 @@ class RankGroup:
         self, transport: StepTransport, batches: Sequence[ScheduledBatch], metadata: torch.Tensor, timeout_s: float
     ) -> list[StepResult]:
         with self._recording_failure():
-            packed = transport.exchange([pack_step(batch, metadata) for batch in batches], timeout_s)
-        return [pickle.loads(result) for result in packed]
+            words = metadata.tolist()
+            steps = [packer.pack(batch, words) for packer, batch in zip(self._packers, batches)]
+            packed = transport.exchange(steps, timeout_s)
+        return [unpack_result(result) for result in packed]
 
     @contextmanager
     def _recording_failure(self) -> Iterator[None]:

@@ -4,23 +4,21 @@ Owns the process side of a rank: joining the group's process group (the head ran
 serves the rendezvous store at a port free on its node), loading its ``DPRank`` (TP1
 attention, embeddings, head, its own pools, one routed-expert shard; the group's
 offload connector) and running its batch of each step. Everything it computes is
-``cluster.dp_engine.DPRank``'s. It also owns the step's wire between the group and a
-rank (``pack_step``, ``RankActor.execute_packed``; every transport of
-``actors.transport`` carries it, and ``serve_steps`` opens the socket one): each rank's
-batch and the metadata words pickled once by the C pickler into bytes, which no
-transport decodes on the way (no per-object serialiser, no other rank's batch read).
+``cluster.dp_engine.DPRank``'s. Its step comes in as bytes (``execute_packed``: the
+rank's end of ``actors.step_wire``), through whichever transport of ``actors.transport``
+the group runs (``serve_steps`` opens the socket one).
 
 Must not import: deploy.
 """
 
 from __future__ import annotations
 
-import pickle
 import socket
 import threading
 
 import torch
 
+from actors.step_wire import StepUnpacker, pack_result
 from actors.transport import connect_to_driver, serve_connection
 from cluster.batch import ScheduledBatch
 from cluster.distributed import GroupSpec, free_port, open_process_group, tcp_store
@@ -28,13 +26,6 @@ from cluster.dp_engine import DPLayout, DPRank
 from cluster.engine import EngineOptions
 from cluster.offload_connector import OffloadConnector
 from cluster.runner import StepResult
-
-
-def pack_step(batch: ScheduledBatch, metadata_wire: torch.Tensor) -> bytes:
-    """One rank's share of a step as the bytes ``RankActor.execute_packed`` takes. The
-    metadata travels as its int words: a tensor costs ~0.4 ms to pickle and unpickle,
-    its words ~0.01 ms (BENCHMARKS.md, ray_step)."""
-    return pickle.dumps((batch, metadata_wire.tolist()), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class RankActor:
@@ -52,6 +43,7 @@ class RankActor:
         self.rank = rank
         self.offload = offload
         self._worker: DPRank | None = None
+        self._unpacker = StepUnpacker()
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a port free on it: the head rank's store."""
@@ -72,10 +64,10 @@ class RankActor:
         return self._worker.execute(batch, metadata_wire)
 
     def execute_packed(self, step: bytes) -> bytes:
-        """``execute`` over the wire of ``pack_step``; the StepResult comes back pickled."""
-        batch, metadata_words = pickle.loads(step)
-        result = self.execute(batch, torch.tensor(metadata_words, dtype=torch.int64))
-        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        """``execute`` over the step wire (``actors.step_wire``): a StepPacker's bytes
+        in, ``pack_result``'s bytes out."""
+        batch, metadata_words = self._unpacker.unpack(step)
+        return pack_result(self.execute(batch, torch.tensor(metadata_words, dtype=torch.int64)))
 
     def serve_steps(self, host: str, port: int, token: bytes, timeout_s: float) -> None:
         """Connects to a socket transport's driver and serves its steps from a thread

@@ -1,31 +1,33 @@
 """Benchmark of the Ray overhead of one engine-group step, per step transport.
 
 The step path of ``actors/``: a DPEngine schedules every rank's batch and packs the DP
-metadata; ``actors.rank.pack_step`` pickles each rank's share into bytes; the group's
-transport (``actors.group.open_transport``: ``compiled``, the default, or ``calls``)
-carries them to the ranks' ``execute_packed`` and their pickled StepResults back. The
-ranks here are RankActors with a trivial model (token 0 for every sampling segment, no
-compute), so a step is scheduling + packing + transport. ``objects`` is the wire before
-packing, kept as the reference: one call per rank carrying the ScheduledBatch and the
-metadata tensor through Ray's own serialiser.
+metadata; each rank's ``actors.step_wire.StepPacker`` turns its share into bytes; the
+group's transport (``actors.transport.open_transport``: ``sockets``, the default,
+``compiled`` or ``calls``) carries them to the ranks' ``execute_packed`` and their packed
+StepResults back. The ranks here are RankActors with a trivial model (token 0 for every
+sampling segment, no compute), so a step is scheduling + packing + transport.
+``objects`` is the wire before any packing, kept as the reference: one call per rank
+carrying the ScheduledBatch and the metadata tensor through Ray's own serialiser.
 
 Columns: ``step`` is the engine's whole step, ``exchange`` the transport's round trip
 (driver to ranks and back, the ranks' unpacking and packing included), ``pack`` the
 driver's packing of the steps and unpacking of the results, ``engine`` the rest of the
 step (scheduling, the DP metadata, applying the results: the engine's own Python,
-whatever the transport); ``cpu/step`` the CPU time
-the driver and every rank process used per step, and ``idle cpu`` the share of one core
-they use while no step runs (a compiled graph's channels are polled: a waiting reader
-spins on sched_yield rather than sleeping). ``running`` requests of 16
-prompt tokens decode (``ignore_eos``); each configuration runs ``--repeats`` times,
+whatever the transport); ``cpu/step`` the CPU time the driver and every rank process
+used per step, and ``idle cpu`` the share of one core they use while no step runs (a
+compiled graph's channels are polled: a waiting reader spins on sched_yield rather
+than sleeping). ``running`` requests of 16 prompt tokens, each with its own
+SamplingParams, decode (``ignore_eos``); each configuration runs ``--repeats`` times,
 interleaved with the others, ``--steps`` steps each after a warm-up; medians and p90
 are over all steps of all repeats. The load average of the box is recorded (other
 work on it inflates every figure).
 
 A second table prices the wire alone, in this process: one rank's ScheduledBatch (DP1,
-``running`` segments) and its StepResult pickled by the C pickler (``pack_step``) and
-by ``ray.cloudpickle`` (Ray's serialiser for Python objects: a Python-level hook per
-object), and the DP metadata as a tensor and as its int words.
+``running`` segments) of a decode step pickled whole by the C pickler and by
+``ray.cloudpickle`` (Ray's serialiser for Python objects: a Python-level hook per
+object), and through the step wire once the rank has seen its requests (pack and
+unpack); its StepResult the same three ways; and the DP metadata as a tensor and as
+its int words.
 
 Usage: python3 bench/ray_step.py [--steps 200] [--repeats 3] [--out bench/results/ray_step.json]
 """
@@ -55,7 +57,8 @@ import torch  # noqa: E402
 
 from actors.group import GroupOptions  # noqa: E402
 from actors.transport import TRANSPORTS, StepTransport, failing_as, open_transport  # noqa: E402
-from actors.rank import RankActor, pack_step  # noqa: E402
+from actors.rank import RankActor  # noqa: E402
+from actors.step_wire import pack_result, session_packers, unpack_result  # noqa: E402
 from cluster.batch import ScheduledBatch  # noqa: E402
 from cluster.dp_engine import DPEngine, DPLayout  # noqa: E402
 from cluster.engine import EngineOptions, engine_options  # noqa: E402
@@ -116,6 +119,7 @@ class TimedExecutor:
         self.transport: StepTransport | None = None if kind == OBJECTS else open_transport(
             kind, "bench", ranks, STEP_TIMEOUT_S
         )
+        self.packers = session_packers(len(self.ranks))
         self.timings = Timings()
 
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor) -> list[StepResult]:
@@ -129,11 +133,12 @@ class TimedExecutor:
             self.timings.pack_ms.append(0.0)
             return results
         start = time.perf_counter()
-        steps = [pack_step(batch, metadata) for batch in batches]
+        words = metadata.tolist()
+        steps = [packer.pack(batch, words) for packer, batch in zip(self.packers, batches)]
         sent = time.perf_counter()
         packed = self.transport.exchange(steps, STEP_TIMEOUT_S)
         received = time.perf_counter()
-        results = [pickle.loads(result) for result in packed]
+        results = [unpack_result(result) for result in packed]
         done = time.perf_counter()
         self.timings.exchange_ms.append((received - sent) * 1e3)
         self.timings.pack_ms.append((sent - start + done - received) * 1e3)
@@ -149,11 +154,12 @@ class TimedExecutor:
 
 def decoding_engine(model_dir: Path, executor: Any, world: int, running: int, steps: int) -> DPEngine:
     """An engine over ``executor`` whose ``running`` requests decode for ``steps`` more
-    steps after their prefill and a warm-up."""
+    steps after their prefill and a warm-up. Each request has its own SamplingParams,
+    as requests from clients do."""
     options = engine_options(dict(block_size=32, max_num_seqs=64, max_num_batched_tokens=2048))
     engine = DPEngine.over(model_dir, DPLayout(world), executor, options)
-    params = SamplingParams(max_tokens=steps + 10, temperature=0.0, ignore_eos=True)
     for i in range(running):
+        params = SamplingParams(max_tokens=steps + 10, temperature=0.0, ignore_eos=True, seed=i)
         engine.add_request(f"r{i}", list(range(3, 19)), params)
     for _ in range(5):
         engine.step()
@@ -205,17 +211,27 @@ def median_us(work: Callable[[], object], repeats: int = 300) -> float:
 
 def measure_wire(model_dir: Path, running: int) -> dict[str, float]:
     executor = CapturingExecutor()
-    decoding_engine(model_dir, executor, 1, running, steps=1).step()
+    engine = decoding_engine(model_dir, executor, 1, running, steps=2)
+    engine.step()
     assert executor.last is not None
+    (before,), _, _ = executor.last
+    engine.step()
     (batch,), metadata, (result,) = executor.last
     words = metadata.tolist()
+    # The step wire after the rank has seen these requests (a decode step's steady state).
+    (packer,), unpacker = session_packers(1), TrivialRank(1, 0)._unpacker
+    unpacker.unpack(packer.pack(before, words))
+    assert unpacker.unpack(packer.pack(batch, words))[0] == batch
     return {
         "running": running,
         "batch_bytes": len(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)),
+        "step_wire_bytes": len(packer.pack(batch, words)),
         "batch_pickle_us": median_us(lambda: pickle.loads(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))),
         "batch_cloudpickle_us": median_us(lambda: pickle.loads(ray.cloudpickle.dumps(batch, protocol=5))),
+        "step_wire_us": median_us(lambda: unpacker.unpack(packer.pack(batch, words))),
         "result_pickle_us": median_us(lambda: pickle.loads(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))),
         "result_cloudpickle_us": median_us(lambda: pickle.loads(ray.cloudpickle.dumps(result, protocol=5))),
+        "result_wire_us": median_us(lambda: unpack_result(pack_result(result))),
         "metadata_tensor_us": median_us(lambda: pickle.loads(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))),
         "metadata_words_us": median_us(
             lambda: torch.tensor(pickle.loads(pickle.dumps(words, protocol=pickle.HIGHEST_PROTOCOL)))
@@ -292,14 +308,15 @@ def main() -> None:
         )
     print()
     print(
-        "| running | batch bytes | batch pickle µs | batch cloudpickle µs | result pickle µs "
-        "| result cloudpickle µs | metadata tensor µs | metadata words µs |"
+        "| running | batch bytes | step wire bytes | batch pickle µs | batch cloudpickle µs | step wire µs "
+        "| result pickle µs | result cloudpickle µs | result wire µs | metadata tensor µs | metadata words µs |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in wire:
         print(
-            f"| {w['running']} | {w['batch_bytes']} | {w['batch_pickle_us']:.0f} | {w['batch_cloudpickle_us']:.0f} | "
-            f"{w['result_pickle_us']:.0f} | {w['result_cloudpickle_us']:.0f} | {w['metadata_tensor_us']:.0f} | "
+            f"| {w['running']} | {w['batch_bytes']} | {w['step_wire_bytes']} | {w['batch_pickle_us']:.0f} | "
+            f"{w['batch_cloudpickle_us']:.0f} | {w['step_wire_us']:.0f} | {w['result_pickle_us']:.0f} | "
+            f"{w['result_cloudpickle_us']:.0f} | {w['result_wire_us']:.0f} | {w['metadata_tensor_us']:.0f} | "
             f"{w['metadata_words_us']:.0f} |"
         )
     report = {

@@ -12,7 +12,6 @@ then serves the in-process Engine's tokens again.
 
 from __future__ import annotations
 
-import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,8 @@ import ray
 
 from actors.group import EngineGroup, GroupOptions
 from actors.transport import TRANSPORTS, RankGroupFailure, open_transport
-from actors.rank import RankActor, pack_step
+from actors.rank import RankActor
+from actors.step_wire import session_packers, unpack_result
 from cluster.batch import DPMetadata, ScheduledBatch
 from cluster.dp_engine import DPLayout
 from cluster.engine import Engine, EngineOptions
@@ -75,11 +75,12 @@ def _steps(step: int, world: int) -> list[bytes]:
     """Rank i's batch carries the tag (step, i); the metadata says ``step``."""
     batches = tuple(ScheduledBatch(_batch_tag(step, rank)) for rank in range(world))
     metadata = DPMetadata.of(step, batches).to_wire()
-    return [pack_step(b, metadata) for b in batches]
+    words = metadata.tolist()
+    return [packer.pack(b, words) for packer, b in zip(session_packers(world), batches)]
 
 
 def _each_rank_answered_its_own(results: list[bytes], step: int, world: int) -> bool:
-    return [pickle.loads(r) for r in results] == [
+    return [unpack_result(r) for r in results] == [
         StepResult(_batch_tag(step, rank), {f"rank{rank}": SampledToken(step, None)}) for rank in range(world)
     ]
 
