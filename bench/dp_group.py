@@ -4,19 +4,25 @@ Starts a local Ray cluster, runs a staggered mixed workload (prompts of 3..300 t
 arriving over several steps, so ranks prefill, decode and idle at different times,
 chunked by the token budget) through an ``EngineGroup`` of ``--dp`` ranks with EP
 and with TP-sharded experts, and checks every request's greedy tokens against the
-in-process one-rank ``Engine``'s run of the same prompt alone. Then measures output
+in-process one-rank ``Engine``'s run of the same prompt alone; a request whose tokens
+differ is reported with where it leaves and both runs' margin between the greedy token
+and the runner-up there (a near tie flips when only the order of a sum changes, as
+between one rank's expert sum and a DP group's). Then measures output
 tokens/s and step time of each group at the given concurrencies (``ignore_eos``,
-fixed output length). On GPUs each rank holds one GPU and the collectives run on NCCL.
+fixed output length). On GPUs each rank holds one GPU and the collectives run on NCCL,
+or (``--gpus-per-rank`` below 1) ranks share GPUs and the collectives run on gloo.
 Prints a table and writes JSON.
 
 Usage: python3 bench/dp_group.py --dp 2 --device cuda [--model DIR or generated:SLICE] [--dtype bfloat16]
-       [--concurrency 1,16,64,256] [--out FILE]
+       [--concurrency 1,16,64,256] [--gpus-per-rank 0.5] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
 import platform
 import random
@@ -35,11 +41,13 @@ import torch  # noqa: E402
 
 from actors.group import EngineGroup, GroupOptions  # noqa: E402
 from cluster.engine import Engine  # noqa: E402
-from cluster.request import SamplingParams  # noqa: E402
+from cluster.request import RequestOutput, SamplingParams  # noqa: E402
 from model.source import ModelSource  # noqa: E402
 from model.tiny import make_tiny  # noqa: E402
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# Two logprobs per token: the margin between the greedy token and the runner-up says
+# whether a token that differs between two runs was a near tie.
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 ENGINE = dict(block_size=32, max_num_seqs=64, max_num_batched_tokens=256, state_transfer="copy")
 
 
@@ -48,10 +56,10 @@ def workload(vocab: int, count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 300))] for _ in range(count)]
 
 
-def staggered(group: EngineGroup, prompts: list[list[int]]) -> dict[str, tuple[int, ...]]:
-    """Adds a prompt every other step, steps until all finish; tokens by request id."""
+def staggered(group: EngineGroup, prompts: list[list[int]]) -> dict[str, RequestOutput]:
+    """Adds a prompt every other step, steps until all finish; outputs by request id."""
     pending = list(enumerate(prompts))
-    done: dict[str, tuple[int, ...]] = {}
+    done: dict[str, RequestOutput] = {}
     step = 0
     while pending or len(done) < len(prompts):
         if pending and step % 2 == 0:
@@ -60,9 +68,37 @@ def staggered(group: EngineGroup, prompts: list[list[int]]) -> dict[str, tuple[i
         for out in group.step():
             if out.finished:
                 assert out.finish_reason == "length", f"{out.request_id}: {out.finish_reason}"
-                done[out.request_id] = out.token_ids
+                done[out.request_id] = out
         step += 1
     return done
+
+
+def margin(logprobs: dict[int, float]) -> float:
+    """The greedy token's logprob minus the runner-up's."""
+    first, second = sorted(logprobs.values(), reverse=True)[:2]
+    return first - second
+
+
+def divergences(expected: dict[str, RequestOutput], got: dict[str, RequestOutput]) -> list[dict]:
+    """Each request whose tokens leave the reference's: where, and both runs' margin
+    there (a near tie flips on a change of summation order; a real fault does not
+    need one)."""
+    found = []
+    for rid, want in expected.items():
+        have = got[rid]
+        for i, (a, b) in enumerate(zip(want.token_ids, have.token_ids)):
+            if a != b:
+                assert want.logprobs is not None and have.logprobs is not None
+                found.append(
+                    {
+                        "request": rid,
+                        "index": i,
+                        "reference_margin": margin(want.logprobs[i]),
+                        "group_margin": margin(have.logprobs[i]),
+                    }
+                )
+                break
+    return found
 
 
 def throughput(group: EngineGroup, vocab: int, concurrency: int, output_len: int) -> dict:
@@ -102,6 +138,13 @@ def main() -> None:
         help="checkpoint directory or generated slice, e.g. generated:reference-slice (default: the tiny model, made now)",
     )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--gpus-per-rank",
+        type=float,
+        default=1.0,
+        help="on cuda: 1 for a GPU per rank (NCCL); a fraction puts several ranks on one GPU, "
+        "whose collectives then run on gloo through the host (NCCL refuses two ranks on one device)",
+    )
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--output-len", type=int, default=32)
@@ -122,21 +165,31 @@ def main() -> None:
     reference = Engine.from_pretrained(model, **engine_options)
     vocab = reference.config.vocab_size
     prompts = workload(vocab, args.requests, seed=0)
-    expected = {f"r{i}": reference.generate([p], GREEDY)[0].token_ids for i, p in enumerate(prompts)}
+    expected = {f"r{i}": reference.generate([p], GREEDY)[0] for i, p in enumerate(prompts)}
+    margins = [margin(entry) for out in expected.values() for entry in out.logprobs or ()]
     del reference
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()  # rank 0 shares this GPU
-    print(f"in-process reference: {len(expected)} requests on {args.device} ({backend} kernels)", flush=True)
+    print(
+        f"in-process reference: {len(expected)} requests on {args.device} ({backend} kernels); greedy margin "
+        f"median {statistics.median(margins):.2e}, p10 {sorted(margins)[len(margins) // 10]:.2e}",
+        flush=True,
+    )
 
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", str(REPO))}
     env |= {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_", "NVSHMEM_"))}
+    shared_gpus = cuda and args.gpus_per_rank < 1
+    dist_backend = "nccl" if cuda and not shared_gpus else "gloo"
     ray.init(
         num_cpus=max(4, 2 * args.dp),
-        num_gpus=args.dp if cuda else 0,
+        num_gpus=math.ceil(args.dp * args.gpus_per_rank) if cuda else 0,
         runtime_env={"env_vars": env},
         include_dashboard=False,
     )
-    group_options = GroupOptions(rank_num_cpus=1, rank_num_gpus=1 if cuda else 0, step_timeout_s=120, start_timeout_s=300)
+    group_options = GroupOptions(
+        rank_num_cpus=1, rank_num_gpus=args.gpus_per_rank if cuda else 0, step_timeout_s=120, start_timeout_s=300
+    )
     rows: list[dict] = []
     checks: list[dict] = []
     try:
@@ -146,16 +199,25 @@ def main() -> None:
                 model,
                 dp=args.dp,
                 expert_mode=expert_mode,
-                backend="nccl" if cuda else "gloo",
+                backend=dist_backend,
                 group_options=group_options,
                 name=f"dp{args.dp}-{expert_mode}",
                 **engine_options,
             ) as group:
                 print(f"dp{args.dp} {expert_mode}: group up in {time.perf_counter() - started:.1f} s", flush=True)
                 got = staggered(group, prompts)
-                equal = sum(got[rid] == tokens for rid, tokens in expected.items())
-                checks.append({"expert_mode": expert_mode, "requests": len(expected), "tokens_equal": equal})
+                differ = divergences(expected, got)
+                equal = len(expected) - len(differ)
+                checks.append(
+                    {"expert_mode": expert_mode, "requests": len(expected), "tokens_equal": equal, "divergences": differ}
+                )
                 print(f"dp{args.dp} {expert_mode}: {equal}/{len(expected)} requests with the reference's tokens", flush=True)
+                for d in differ:
+                    print(
+                        f"  {d['request']} leaves at token {d['index']}: margin {d['reference_margin']:.2e} "
+                        f"(reference), {d['group_margin']:.2e} (group)",
+                        flush=True,
+                    )
                 for concurrency in concurrencies:
                     row = {"expert_mode": expert_mode, **throughput(group, vocab, concurrency, args.output_len)}
                     rows.append(row)
@@ -178,9 +240,13 @@ def main() -> None:
         "host": platform.platform(),
         "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         "dp": args.dp,
+        "gpus_per_rank": args.gpus_per_rank if cuda else 0,
+        "collectives": dist_backend,
         "kernel_backend": backend,
         "model": str(model) if args.model else "tiny (model/tiny.py TINY, seed 0)",
         "engine": {**engine_options, "dtype": args.dtype},
+        "reference_margin_median": statistics.median(margins),
+        "reference_margin_p10": sorted(margins)[len(margins) // 10],
         "checks": checks,
         "rows": rows,
     }

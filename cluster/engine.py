@@ -212,11 +212,13 @@ def engine_options(options: dict[str, object]) -> EngineOptions:
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of what a replica holds: requests by queue, and each rank's PAGE
-    and prefix-cache counters."""
+    and prefix-cache counters and how many requests its scheduler preempted (both in
+    rank order)."""
 
     requests_running: int
     requests_waiting: int
     ranks: tuple[BlockManagerStats, ...]
+    preemptions: tuple[int, ...]
 
 
 class EngineFrontend(abc.ABC):
@@ -256,6 +258,7 @@ class EngineFrontend(abc.ABC):
             requests_running=sum(len(s.running) for s in schedulers),
             requests_waiting=sum(len(s.waiting) for s in schedulers),
             ranks=tuple(s.block_manager.stats() for s in schedulers),
+            preemptions=tuple(s.num_preemptions for s in schedulers),
         )
 
     @abc.abstractmethod

@@ -1,10 +1,20 @@
 """Runtime validation: scheduled runs finish with the tokens of uninterrupted ones.
 
-Owns the scenarios of the spec's "Scheduler acceptance" on the real engine: chunked
-and reordered batches, prefix forks, replay from a missing image, preemption,
-cancellation at every point, slot recycling, and the parity of paged logits with the
-dense reference. There is no second oracle of the scheduler: each request's expected
-tokens are its own uninterrupted run (alone, one prefill chunk, nothing cached).
+Owns the scenarios of the spec's "Scheduler acceptance" on any replica shape — the
+one-rank in-process ``Engine``, a ``DPEngine`` whose ranks are threads of this
+process, or whatever a caller's ``ReplicaFactory`` builds (``deploy`` builds the Ray
+engine group's): chunked and reordered batches, prefix forks, replay from a missing
+image, preemption, cancellation at every point, slot recycling, and, on the one-rank
+engine, the parity of paged logits with the dense reference. There is no second
+oracle of the scheduler: each request's expected tokens are its own uninterrupted run
+on the replica under test (alone, one prefill chunk, nothing cached), computed once.
+Only the same replica is a fair reference: a DP replica sums its experts in another
+order than one rank does, and at full widths the FP8-rounded KV and the top-k
+selections turn that last-bit difference into different tokens now and then
+(BENCHMARKS.md, dp_group); the tests prove DP equal to one rank where the widths keep
+it exact.
+Every check of a replica reads only its public interface (outputs, ``request``,
+``stats``).
 
 Exact token equality holds under ``state_transfer="copy"`` (every resume is from an
 exact state); ``replay`` changes logits after a hit by design, so its scenario
@@ -16,23 +26,104 @@ Must not import: actors, deploy, ray.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from cluster.engine import Engine, EngineOptions
-from cluster.request import RequestOutput, SamplingParams
-from model.params import ModelParams, load_model_params
+from cluster.distributed import BACKENDS
+from cluster.dp_engine import EXPERT_MODES, DPEngine, DPLayout, ThreadedRanks
+from cluster.engine import Engine, EngineStats, engine_options
+from cluster.request import Request, RequestOutput, SamplingParams
+from model.kernels import KERNEL_BACKENDS
+from model.params import ModelParams
 from model.reference import ReferenceModel
+from model.source import ModelSource
 from tokenizers import Tokenizer
 
 PARITY_CHUNKS = (3, 1, 129, 7, 128)
 PARITY_TOLERANCE = 1e-4
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+REPLICA_KINDS = ("engine", "threads", "ray")
+# PAGEs per rank of a scenario that sets no tighter pool: every scenario's requests
+# and checkpoint images with room to spare, where the default byte budget would give
+# a small model tens of thousands of PAGEs to allocate (seconds per replica and rank).
+SCENARIO_POOL_PAGES = 512
 
 Progress = Callable[[str], None]
+
+
+class ValidationError(ValueError):
+    """A replica shape or scenario selection the validation cannot run."""
+
+
+@dataclass(frozen=True)
+class ReplicaShape:
+    """The replica under test: ``kind`` "engine" (the one-rank in-process Engine),
+    "threads" (a DPEngine whose ranks are threads of this process, gloo among them)
+    or "ray" (an engine group; its factory comes from the caller), over ``dp`` ranks
+    with experts split ``expert_mode``, collectives on ``backend``, on ``device``, with
+    the ``kernel_backend``'s kernels."""
+
+    kind: str = "engine"
+    dp: int = 1
+    expert_mode: str = "ep"
+    backend: str = "gloo"
+    device: str = "cpu"
+    kernel_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.kind not in REPLICA_KINDS:
+            raise ValidationError(f"ReplicaShape.kind: {self.kind!r} (allowed: {', '.join(REPLICA_KINDS)})")
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
+            raise ValidationError(f"ReplicaShape.dp: {self.dp!r} (allowed: an int >= 1)")
+        if self.kind == "engine" and self.dp != 1:
+            raise ValidationError(f"ReplicaShape.dp: {self.dp} for kind 'engine' (allowed: 1; 'threads' or 'ray' for DP)")
+        if self.expert_mode not in EXPERT_MODES:
+            raise ValidationError(f"ReplicaShape.expert_mode: {self.expert_mode!r} (allowed: {', '.join(EXPERT_MODES)})")
+        if self.backend not in BACKENDS:
+            raise ValidationError(f"ReplicaShape.backend: {self.backend!r} (allowed: {', '.join(BACKENDS)})")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValidationError(
+                f"ReplicaShape.kernel_backend: {self.kernel_backend!r} (allowed: {', '.join(KERNEL_BACKENDS)})"
+            )
+        if self.backend == "nccl" and not self.device.startswith("cuda"):
+            raise ValidationError(f"ReplicaShape.backend: 'nccl' on device {self.device!r} (allowed: 'gloo' off CUDA)")
+        # Threads share one device string, and gloo has no CUDA all_gather: in-process
+        # ranks run on the host only.
+        if self.kind == "threads" and (self.device != "cpu" or self.backend != "gloo"):
+            raise ValidationError(
+                f"ReplicaShape.device / backend: {self.device!r} / {self.backend!r} for kind 'threads' "
+                "(allowed: 'cpu' / 'gloo'; kind 'ray' puts each rank on its own GPU)"
+            )
+
+    @property
+    def layout(self) -> DPLayout:
+        return DPLayout(self.dp, self.expert_mode, self.backend)
+
+
+class Replica(Protocol):
+    """What the scenarios drive: the interface ``EngineFrontend`` and the Ray
+    ``EngineGroup`` share."""
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def request(self, request_id: str) -> Request | None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+# Given a scenario's EngineOptions fields, a fresh replica (empty pools) for the
+# scenario; leaving the context stops it.
+ReplicaFactory = Callable[[dict[str, object]], AbstractContextManager[Replica]]
 
 
 @dataclass(frozen=True)
@@ -66,194 +157,372 @@ class Workload:
         return cls(prompts=prompts, block_size=block_size)
 
 
-class _Harness:
-    def __init__(self, params: ModelParams, tokenizer: Tokenizer, block_size: int) -> None:
-        self.params = params
-        self.tokenizer = tokenizer
-        self.block_size = block_size
+@dataclass(frozen=True)
+class _Run:
+    """A scheduled run's finished outputs, the replica's stats at its end, and the
+    prefix hits its schedulers took when admitting requests (summed over ranks)."""
 
-    def engine(self, **options: object) -> Engine:
-        settings: dict[str, object] = {"block_size": self.block_size, "state_transfer": "copy", "max_num_seqs": 8}
-        settings.update(options)
-        return Engine(self.params, self.tokenizer, EngineOptions(**settings))  # type: ignore[arg-type]
-
-    def solo(self, prompts: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:
-        """Each prompt alone in a fresh engine: one prefill chunk, nothing cached."""
-        out = {}
-        for name, prompt in prompts.items():
-            engine = self.engine(enable_prefix_caching=False, max_num_batched_tokens=max(len(prompt), 64))
-            out[name] = engine.generate([prompt], GREEDY)[0].token_ids
-        return out
+    outputs: dict[str, RequestOutput]
+    stats: EngineStats
+    admission_hits: int
+    admission_hit_tokens: int
 
 
-def _run(engine: Engine, arrivals: list[tuple[int, str, list[int]]]) -> dict[str, RequestOutput]:
+def _hit_counts(stats: EngineStats) -> tuple[int, int]:
+    return sum(r.hits for r in stats.ranks), sum(r.hit_tokens for r in stats.ranks)
+
+
+def _run(replica: Replica, arrivals: list[tuple[int, str, list[int]]]) -> _Run:
     """Adds each (step, name, prompt) when the step loop reaches its step; runs all
     to completion."""
     pending = sorted(arrivals, key=lambda a: a[0])
     finished: dict[str, RequestOutput] = {}
+    # DP placement probes every rank's prefix index through the counting lookup, so
+    # the hits counted while requests are added are placement's, not admissions.
+    placement_hits = placement_hit_tokens = 0
     step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, name, prompt = pending.pop(0)
-            engine.add_request(name, prompt, GREEDY)
-        for out in engine.step():
+    while pending or replica.has_unfinished_requests():
+        if pending and pending[0][0] <= step:
+            before = _hit_counts(replica.stats())
+            while pending and pending[0][0] <= step:
+                _, name, prompt = pending.pop(0)
+                replica.add_request(name, prompt, GREEDY)
+            after = _hit_counts(replica.stats())
+            placement_hits += after[0] - before[0]
+            placement_hit_tokens += after[1] - before[1]
+        for out in replica.step():
             if out.finished:
                 finished[out.request_id] = out
         step += 1
-    return finished
+    stats = replica.stats()
+    hits, hit_tokens = _hit_counts(stats)
+    return _Run(finished, stats, hits - placement_hits, hit_tokens - placement_hit_tokens)
 
 
-def _compare(expected: dict[str, tuple[int, ...]], got: dict[str, RequestOutput], names) -> dict[str, bool]:
-    return {name: got[name].token_ids == expected[name] for name in names}
+def _prompt_of(request_id: str) -> str:
+    """A request id is its prompt's name, or ``name/copy`` for one of several copies."""
+    return request_id.partition("/")[0]
 
 
-def _pages_released(engine: Engine) -> bool:
-    stats = engine.block_manager.stats()
-    return stats.requests == 0 and stats.slots_used == 0 and stats.pages_used == stats.image_pages
+def _compare(
+    expected: dict[str, tuple[int, ...]], got: dict[str, RequestOutput], request_ids: Sequence[str]
+) -> dict[str, bool]:
+    return {rid: rid in got and got[rid].token_ids == expected[_prompt_of(rid)] for rid in request_ids}
 
 
-def run_validation(model_dir: str | Path, *, progress: Progress = lambda _: None, block_size: int = 32) -> dict:
-    """Runs every scenario on ``model_dir`` in fp32; returns the JSON report."""
-    params, checkpoint = load_model_params(model_dir)
-    harness = _Harness(params, checkpoint.tokenizer, block_size)
-    workload = Workload.build(params.config.vocab_size, block_size)
-    prompts = workload.prompts
-    progress(f"uninterrupted runs of {len(prompts)} prompts")
-    expected = harness.solo(prompts)
-    scenarios = []
+def _pages_released(stats: EngineStats) -> bool:
+    return all(r.requests == 0 and r.slots_used == 0 and r.pages_used == r.image_pages for r in stats.ranks)
 
-    def record(name: str, checks: dict[str, bool], **facts: object) -> None:
+
+class _Validation:
+    """One validation run: the workload, the replica factory, the expected tokens,
+    the report's scenario records, and, for the one-rank engine, its weights loaded
+    once (its replicas and the parity scenarios)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        params: ModelParams | None,
+        tokenizer: Tokenizer | None,
+        shape: ReplicaShape,
+        factory: ReplicaFactory,
+        block_size: int,
+        progress: Progress,
+    ) -> None:
+        self.params = params
+        self.tokenizer = tokenizer
+        self.shape = shape
+        self.factory = factory
+        self.block_size = block_size
+        self.progress = progress
+        self.prompts = Workload.build(vocab_size, block_size).prompts
+        self.expected: dict[str, tuple[int, ...]] = {}
+        self.records: list[dict] = []
+
+    def settings(self, **options: object) -> dict[str, object]:
+        """A scenario's EngineOptions fields over the validation's defaults."""
+        base: dict[str, object] = {
+            "block_size": self.block_size,
+            "state_transfer": "copy",
+            "max_num_seqs": 8,
+            "num_pages": SCENARIO_POOL_PAGES,
+            "device": self.shape.device,
+            "kernel_backend": self.shape.kernel_backend,
+        }
+        return base | options
+
+    def engine(self, **options: object) -> Engine:
+        """The one-rank in-process Engine over the loaded weights."""
+        if self.params is None or self.tokenizer is None:
+            raise ValidationError(f"the one-rank engine: replica kind {self.shape.kind!r} loads no weights here")
+        return Engine(self.params, self.tokenizer, engine_options(self.settings(**options)))
+
+    def replica(self, **options: object) -> AbstractContextManager[Replica]:
+        return self.factory(self.settings(**options))
+
+    def compute_expected(self) -> None:
+        """Each prompt alone on one replica of the shape under test, one after the
+        other: one prefill chunk each, nothing cached (prefix caching off)."""
+        self.progress(f"uninterrupted runs of {len(self.prompts)} prompts")
+        budget = max(64, *(len(prompt) for prompt in self.prompts.values()))
+        with self.replica(enable_prefix_caching=False, max_num_batched_tokens=budget) as replica:
+            for name, prompt in self.prompts.items():
+                self.expected[name] = _run(replica, [(0, name, prompt)]).outputs[name].token_ids
+
+    def record(self, name: str, checks: dict[str, bool], **facts: object) -> None:
         passed = all(checks.values())
-        scenarios.append({"name": name, "passed": passed, "checks": checks, **facts})
-        progress(f"{name}: {'pass' if passed else 'FAIL'} {facts}")
+        self.records.append({"name": name, "passed": passed, "checks": checks, **facts})
+        self.progress(f"{name}: {'pass' if passed else 'FAIL'} {facts}")
 
-    # Chunked and reordered: a 32-token budget, arrival order shuffled and staggered.
-    engine = harness.engine(max_num_batched_tokens=32, enable_prefix_caching=False)
-    order = list(prompts)
+
+def _chunked_reordered(v: _Validation) -> None:
+    """A 32-token budget, arrival order shuffled and staggered."""
+    order = list(v.prompts)
     random.Random(1).shuffle(order)
-    got = _run(engine, [(i * 3, name, prompts[name]) for i, name in enumerate(order)])
-    record("chunked_reordered", _compare(expected, got, prompts), order=order)
+    with v.replica(max_num_batched_tokens=32, enable_prefix_caching=False) as replica:
+        run = _run(replica, [(i * 3, name, v.prompts[name]) for i, name in enumerate(order)])
+    v.record("chunked_reordered", _compare(v.expected, run.outputs, order), order=order)
 
-    # Prefix forks: "a" first, then prompts sharing its prefix restore its images.
-    engine = harness.engine(max_num_batched_tokens=64)
-    got = _run(engine, [(0, "a", prompts["a"]), (40, "fork-b", prompts["fork-b"]), (40, "fork-c", prompts["fork-c"])])
-    stats = engine.block_manager.stats()
-    checks = _compare(expected, got, ["a", "fork-b", "fork-c"])
-    checks["took_prefix_hits"] = stats.hits >= 2
-    record("prefix_forks", checks, hits=stats.hits, hit_tokens=stats.hit_tokens, images=stats.images)
 
-    # Replay from a missing image: "a" prefilled in one chunk keeps an image only at
-    # its last full PAGE; "fork-c" hits one PAGE below any image and recomputes from 0.
-    engine = harness.engine(max_num_batched_tokens=512)
-    got = _run(engine, [(0, "a", prompts["a"]), (30, "fork-c", prompts["fork-c"])])
-    stats = engine.block_manager.stats()
-    checks = _compare(expected, got, ["a", "fork-c"])
-    checks["hit_without_image"] = stats.hit_tokens > 0
-    record("replay_from_missing_image", checks, hit_tokens=stats.hit_tokens)
+def _prefix_forks(v: _Validation) -> None:
+    """"a" first, then prompts sharing its prefix restore its images. Under DP the
+    forks hit only if placement put them on the rank that cached "a"."""
+    prompts = v.prompts
+    with v.replica(max_num_batched_tokens=64) as replica:
+        run = _run(replica, [(0, "a", prompts["a"]), (40, "fork-b", prompts["fork-b"]), (40, "fork-c", prompts["fork-c"])])
+    checks = _compare(v.expected, run.outputs, ["a", "fork-b", "fork-c"])
+    checks["took_prefix_hits"] = run.admission_hits >= 2
+    v.record(
+        "prefix_forks",
+        checks,
+        hits=run.admission_hits,
+        hit_tokens=run.admission_hit_tokens,
+        images=[r.images for r in run.stats.ranks],
+    )
 
-    # Preemption: PAGEs just above one request's need, a 32-token budget; the edge
-    # prompts are admitted together and outgrow the pool as they decode.
-    edges = [name for name in prompts if name.startswith("edge-")]
-    pages = -(-(len(prompts["edge-3"]) + GREEDY.max_tokens) // block_size) + 1
-    engine = harness.engine(max_num_batched_tokens=32, num_pages=pages, enable_prefix_caching=False)
-    got = _run(engine, [(0, name, prompts[name]) for name in edges])
-    checks = _compare(expected, got, edges)
-    checks["preempted"] = engine.scheduler.num_preemptions > 0
-    checks["pages_released"] = _pages_released(engine)
-    record("preemption", checks, num_pages=pages, preemptions=engine.scheduler.num_preemptions)
 
-    # Tight and mixed: every prompt at once under a 32-token budget with PAGEs just above
-    # the largest request's need, one request aborted mid-run.
+def _replay_from_missing_image(v: _Validation) -> None:
+    """"a" prefilled in one chunk keeps an image only at its last full PAGE;
+    "fork-c" hits one PAGE below any image and recomputes from 0."""
+    prompts = v.prompts
+    with v.replica(max_num_batched_tokens=512) as replica:
+        run = _run(replica, [(0, "a", prompts["a"]), (30, "fork-c", prompts["fork-c"])])
+    checks = _compare(v.expected, run.outputs, ["a", "fork-c"])
+    checks["hit_without_image"] = run.admission_hit_tokens > 0
+    v.record("replay_from_missing_image", checks, hit_tokens=run.admission_hit_tokens)
+
+
+def _preemption(v: _Validation) -> None:
+    """PAGEs per rank just above one request's need, a 32-token budget; one copy of
+    the edge prompts per rank, all admitted at once: a rank given two or more of them
+    outgrows its pool as they decode, and the check asks that every rank preempted."""
+    edges = [name for name in v.prompts if name.startswith("edge-")]
+    pages = -(-(len(v.prompts["edge-3"]) + GREEDY.max_tokens) // v.block_size) + 1
+    request_ids = [f"{name}/{copy}" for copy in range(v.shape.dp) for name in edges]
+    with v.replica(max_num_batched_tokens=32, num_pages=pages, enable_prefix_caching=False) as replica:
+        run = _run(replica, [(0, rid, v.prompts[_prompt_of(rid)]) for rid in request_ids])
+    checks = _compare(v.expected, run.outputs, request_ids)
+    checks["preempted_on_every_rank"] = all(n > 0 for n in run.stats.preemptions)
+    checks["pages_released"] = _pages_released(run.stats)
+    v.record("preemption", checks, num_pages=pages, preemptions=list(run.stats.preemptions))
+
+
+def _tight_mixed(v: _Validation) -> None:
+    """Every prompt at once under a 32-token budget with PAGEs per rank just above
+    the largest request's need, one request aborted mid-run."""
+    prompts = v.prompts
     largest = max(len(p) for p in prompts.values()) + GREEDY.max_tokens
-    pages = -(-largest // block_size) + 1
-    engine = harness.engine(max_num_batched_tokens=32, num_pages=pages, enable_prefix_caching=False)
-    for name, prompt in prompts.items():
-        engine.add_request(name, prompt, GREEDY)
-    got = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = out
-        if "mid" not in got and engine.request("mid") is not None and engine.request("mid").num_output_tokens:
-            engine.abort("mid")
-    kept = [name for name in prompts if name != "mid"]
-    checks = _compare(expected, got, kept)
+    pages = -(-largest // v.block_size) + 1
+    got: dict[str, RequestOutput] = {}
+    with v.replica(max_num_batched_tokens=32, num_pages=pages, enable_prefix_caching=False) as replica:
+        for name, prompt in prompts.items():
+            replica.add_request(name, prompt, GREEDY)
+        while replica.has_unfinished_requests():
+            for out in replica.step():
+                if out.finished:
+                    got[out.request_id] = out
+            if "mid" not in got:
+                mid = replica.request("mid")
+                if mid is not None and mid.num_output_tokens:
+                    replica.abort("mid")
+        stats = replica.stats()
+    checks = _compare(v.expected, got, [name for name in prompts if name != "mid"])
     checks["aborted_mid"] = "mid" not in got
-    checks["pages_released"] = _pages_released(engine)
-    record("tight_mixed", checks, num_pages=pages, preemptions=engine.scheduler.num_preemptions)
-
-    record(*_cancellation(harness, prompts, expected))
-
-    # Slot recycling: two STATE slots serve every request in turn.
-    engine = harness.engine(max_num_seqs=2, num_state_slots=2, max_num_batched_tokens=64)
-    got = _run(engine, [(0, name, prompt) for name, prompt in prompts.items()])
-    checks = _compare(expected, got, prompts)
-    checks["pages_released"] = _pages_released(engine)
-    record("slot_recycle", checks)
-
-    # Replay (the default): hits replay a hash block below; two runs taking the same
-    # hits agree, and the hit really replayed.
-    runs = []
-    for _ in range(2):
-        engine = harness.engine(state_transfer="replay", max_num_batched_tokens=64)
-        runs.append(_run(engine, [(0, "a", prompts["a"]), (40, "fork-b", prompts["fork-b"])]))
-    checks = {name: runs[0][name].token_ids == runs[1][name].token_ids for name in ("a", "fork-b")}
-    checks["a_equals_uninterrupted"] = runs[0]["a"].token_ids == expected["a"]
-    checks["took_prefix_hit"] = engine.block_manager.stats().hits >= 1
-    record("replay_same_hits", checks, fork_b_equals_cold=runs[0]["fork-b"].token_ids == expected["fork-b"])
-
-    scenarios.extend(_parity(harness, prompts["long"], progress))
-    return {"model": str(model_dir), "block_size": block_size, "passed": all(s["passed"] for s in scenarios), "scenarios": scenarios}
+    checks["pages_released"] = _pages_released(stats)
+    v.record("tight_mixed", checks, num_pages=pages, preemptions=list(stats.preemptions))
 
 
-def _cancellation(
-    harness: _Harness, prompts: dict[str, list[int]], expected: dict[str, tuple[int, ...]]
-) -> tuple[str, dict[str, bool]]:
+def _cancellation(v: _Validation) -> None:
     """Aborts one request at each point of its life while the others run on."""
-    engine = harness.engine(max_num_batched_tokens=32, max_num_seqs=3)
-    victims = {"waiting": prompts["long"], "mid-prefill": prompts["a"], "first-step": prompts["short"], "decoding": prompts["mid"]}
+    prompts = v.prompts
+    victims = {
+        "waiting": prompts["long"],
+        "mid-prefill": prompts["a"],
+        "first-step": prompts["short"],
+        "decoding": prompts["mid"],
+    }
     survivors = ["fork-b", "fork-c"]
-    for name in survivors:
-        engine.add_request(name, prompts[name], GREEDY)
-    for name, prompt in victims.items():
-        engine.add_request(f"x-{name}", prompt, GREEDY)
-    engine.abort("x-waiting")
     aborted_at: dict[str, bool] = {}
     finished: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        for out in outputs:
-            if out.finished:
-                finished[out.request_id] = out
-        mid = engine.request("x-mid-prefill")
-        if mid is not None and 0 < mid.num_computed_tokens < mid.num_prompt_tokens and "mid-prefill" not in aborted_at:
-            aborted_at["mid-prefill"] = engine.abort("x-mid-prefill")
-        first = engine.request("x-first-step")
-        if first is not None and first.num_output_tokens == 1 and "first-step" not in aborted_at:
-            aborted_at["first-step"] = engine.abort("x-first-step")
-        decoding = engine.request("x-decoding")
-        if decoding is not None and decoding.num_output_tokens == 3 and "decoding" not in aborted_at:
-            aborted_at["decoding"] = engine.abort("x-decoding")
-    checks = _compare(expected, finished, survivors)
-    for point in ("mid-prefill", "first-step", "decoding"):
+    with v.replica(max_num_batched_tokens=32, max_num_seqs=3) as replica:
+        for name in survivors:
+            replica.add_request(name, prompts[name], GREEDY)
+        for name, prompt in victims.items():
+            replica.add_request(f"x-{name}", prompt, GREEDY)
+        aborted_at["waiting"] = replica.abort("x-waiting")
+        while replica.has_unfinished_requests():
+            for out in replica.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            mid = replica.request("x-mid-prefill")
+            if mid is not None and 0 < mid.num_computed_tokens < mid.num_prompt_tokens and "mid-prefill" not in aborted_at:
+                aborted_at["mid-prefill"] = replica.abort("x-mid-prefill")
+            first = replica.request("x-first-step")
+            if first is not None and first.num_output_tokens == 1 and "first-step" not in aborted_at:
+                aborted_at["first-step"] = replica.abort("x-first-step")
+            decoding = replica.request("x-decoding")
+            if decoding is not None and decoding.num_output_tokens == 3 and "decoding" not in aborted_at:
+                aborted_at["decoding"] = replica.abort("x-decoding")
+        stats = replica.stats()
+    checks = _compare(v.expected, finished, survivors)
+    for point in victims:
         checks[f"aborted_{point}"] = aborted_at.get(point, False)
     checks["no_aborted_output"] = not any(name.startswith("x-") for name in finished)
-    checks["pages_released"] = _pages_released(engine)
-    return "cancellation", checks
+    checks["pages_released"] = _pages_released(stats)
+    v.record("cancellation", checks)
 
 
-def _parity(harness: _Harness, prompt: list[int], progress: Progress) -> list[dict]:
-    reference = ReferenceModel(harness.params).forward(prompt)
-    out = []
-    for kv, index in (("bf16", "fp8"), ("fp4", "fp4")):
-        engine = harness.engine(kv_cache_dtype=kv, index_cache_dtype=index, enable_prefix_caching=False)
-        paged = engine.prompt_logits(prompt, chunk_sizes=PARITY_CHUNKS)
-        max_diff = float((paged.logits - reference.logits).abs().max())
-        checks = {"logits_within_tolerance": torch.allclose(paged.logits, reference.logits, rtol=PARITY_TOLERANCE, atol=PARITY_TOLERANCE)}
-        for layer, selected in reference.selections.items():
-            checks[f"selections_layer_{layer}"] = bool(torch.equal(paged.selections[layer], selected))
-        passed = all(checks.values())
-        name = f"parity_{kv}_{index}"
-        progress(f"{name}: {'pass' if passed else 'FAIL'} max |diff| {max_diff:.2e}")
-        out.append({"name": name, "passed": passed, "checks": checks, "max_abs_diff": max_diff, "chunks": list(PARITY_CHUNKS)})
-    return out
+def _slot_recycle(v: _Validation) -> None:
+    """Two STATE slots per rank serve every request in turn."""
+    with v.replica(max_num_seqs=2, num_state_slots=2, max_num_batched_tokens=64) as replica:
+        run = _run(replica, [(0, name, prompt) for name, prompt in v.prompts.items()])
+    checks = _compare(v.expected, run.outputs, list(v.prompts))
+    # Fewer slots in the replica than requests served: some slot served several.
+    checks["slots_recycled"] = sum(r.num_slots for r in run.stats.ranks) < len(run.outputs)
+    checks["pages_released"] = _pages_released(run.stats)
+    v.record("slot_recycle", checks)
+
+
+def _replay_same_hits(v: _Validation) -> None:
+    """Replay (the default): hits replay a hash block below; two runs taking the same
+    hits agree, and the hit really replayed."""
+    prompts = v.prompts
+    runs = []
+    for _ in range(2):
+        with v.replica(state_transfer="replay", max_num_batched_tokens=64) as replica:
+            runs.append(_run(replica, [(0, "a", prompts["a"]), (40, "fork-b", prompts["fork-b"])]))
+    first, second = (run.outputs for run in runs)
+    checks = {
+        name: name in first and name in second and first[name].token_ids == second[name].token_ids
+        for name in ("a", "fork-b")
+    }
+    checks["a_equals_uninterrupted"] = "a" in first and first["a"].token_ids == v.expected["a"]
+    checks["took_prefix_hit"] = all(run.admission_hits >= 1 for run in runs)
+    v.record(
+        "replay_same_hits", checks, fork_b_equals_cold="fork-b" in first and first["fork-b"].token_ids == v.expected["fork-b"]
+    )
+
+
+def _parity(v: _Validation, kv: str, index: str) -> None:
+    """Every position's paged logits and top-k selections, prefilled in ragged chunks,
+    against the dense reference."""
+    prompt = v.prompts["long"]
+    reference = ReferenceModel(v.params).forward(prompt)
+    engine = v.engine(kv_cache_dtype=kv, index_cache_dtype=index, enable_prefix_caching=False)
+    paged = engine.prompt_logits(prompt, chunk_sizes=PARITY_CHUNKS)
+    max_diff = float((paged.logits - reference.logits).abs().max())
+    checks = {
+        "logits_within_tolerance": torch.allclose(paged.logits, reference.logits, rtol=PARITY_TOLERANCE, atol=PARITY_TOLERANCE)
+    }
+    for layer, selected in reference.selections.items():
+        checks[f"selections_layer_{layer}"] = bool(torch.equal(paged.selections[layer], selected))
+    v.record(f"parity_{kv}_{index}", checks, max_abs_diff=max_diff, chunks=list(PARITY_CHUNKS))
+
+
+SCHEDULER_SCENARIOS: dict[str, Callable[[_Validation], None]] = {
+    "chunked_reordered": _chunked_reordered,
+    "prefix_forks": _prefix_forks,
+    "replay_from_missing_image": _replay_from_missing_image,
+    "preemption": _preemption,
+    "tight_mixed": _tight_mixed,
+    "cancellation": _cancellation,
+    "slot_recycle": _slot_recycle,
+    "replay_same_hits": _replay_same_hits,
+}
+PARITY_SCENARIOS: dict[str, Callable[[_Validation], None]] = {
+    "parity_bf16_fp8": lambda v: _parity(v, "bf16", "fp8"),
+    "parity_fp4_fp4": lambda v: _parity(v, "fp4", "fp4"),
+}
+_EVERY_SCENARIO = {**SCHEDULER_SCENARIOS, **PARITY_SCENARIOS}
+SCENARIOS = tuple(_EVERY_SCENARIO)
+PARITY_NEEDS_ENGINE = (
+    "paged-vs-reference logits come from Engine.prompt_logits, a one-rank forward outside the scheduler; "
+    "a DP replica has no such call (its ranks run the one-rank attention the engine's parity covers)"
+)
+
+
+@contextmanager
+def _threaded_replica(source: ModelSource, layout: DPLayout, settings: dict[str, object]) -> Iterator[DPEngine]:
+    """A DPEngine whose ranks are threads of this process; leaving stops the threads."""
+    options = engine_options(settings)
+    ranks = ThreadedRanks(source, options, layout)
+    try:
+        yield DPEngine.over(source, layout, ranks, options)
+    finally:
+        ranks.close()
+
+
+def _local_factory(
+    shape: ReplicaShape, source: ModelSource, params: ModelParams | None, tokenizer: Tokenizer | None
+) -> ReplicaFactory:
+    """The factory of a replica this process builds itself: "engine" over the loaded
+    weights, else "threads"."""
+    if shape.kind == "engine":
+        assert params is not None and tokenizer is not None
+        return lambda settings: nullcontext(Engine(params, tokenizer, engine_options(settings)))
+    return lambda settings: _threaded_replica(source, shape.layout, settings)
+
+
+def run_validation(
+    model: str | Path | ModelSource,
+    *,
+    shape: ReplicaShape = ReplicaShape(),
+    factory: ReplicaFactory | None = None,
+    scenarios: Sequence[str] | None = None,
+    progress: Progress = lambda _: None,
+    block_size: int = 32,
+) -> dict:
+    """Runs ``scenarios`` (default: every one ``shape`` supports) on replicas of
+    ``model`` in fp32 and returns the JSON report. ``factory`` builds each scenario's
+    replica; None builds the shape's own ("engine" or "threads")."""
+    supported = list(SCENARIOS) if shape.kind == "engine" else list(SCHEDULER_SCENARIOS)
+    wanted = list(supported if scenarios is None else scenarios)
+    unknown = [name for name in wanted if name not in supported]
+    if unknown or not wanted:
+        raise ValidationError(f"scenarios: {unknown or 'none'} (allowed for replica kind {shape.kind!r}: {', '.join(supported)})")
+    if factory is None and shape.kind == "ray":
+        raise ValidationError("factory: None for replica kind 'ray' (allowed: the caller's engine-group factory)")
+    source = ModelSource.parse(model)
+    params = tokenizer = None
+    if shape.kind == "engine":
+        params, tokenizer = source.load_params(dtype=torch.float32, device=shape.device)
+    if factory is None:
+        factory = _local_factory(shape, source, params, tokenizer)
+    v = _Validation(source.config().vocab_size, params, tokenizer, shape, factory, block_size, progress)
+    v.compute_expected()
+    for name, scenario in _EVERY_SCENARIO.items():
+        if name in wanted:
+            scenario(v)
+    skipped = [
+        {"name": name, "reason": "not requested" if name in supported else PARITY_NEEDS_ENGINE}
+        for name in SCENARIOS
+        if name not in wanted
+    ]
+    return {
+        "model": str(source),
+        "replica": asdict(shape),
+        "block_size": block_size,
+        "passed": all(record["passed"] for record in v.records),
+        "scenarios": v.records,
+        "skipped": skipped,
+    }

@@ -13,14 +13,25 @@ import logging
 import math
 import os
 import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+if TYPE_CHECKING:
+    from cluster.validate import ReplicaFactory, ReplicaShape
 
 DEFAULT_HOME = Path(os.environ.get("DSV41_HOME", Path.home() / ".cache" / "dsv41"))
 SERVE_APP_NAME = "dsv41"
 # Seconds `dsv41 serve` waits for every replica to run: loading a large checkpoint takes
 # minutes, and a cluster without the resources a replica asks for never places it.
 DEFAULT_START_TIMEOUT_S = 600.0
+
+
+def _ray_runtime_env() -> dict[str, dict[str, str]]:
+    """Ray workers import the project from where this CLI runs, and what the
+    driver's PYTHONPATH adds (where the workers' own dependencies may live)."""
+    paths = (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", ""))
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(path for path in paths if path)}}
 
 
 def default_model_dir() -> Path:
@@ -117,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         from actors.group import EngineGroup
 
         # Workers import the project from where this CLI runs it.
-        ray.init(runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+        ray.init(runtime_env=_ray_runtime_env())
         try:
             with EngineGroup(str(model_dir), dp=args.dp) as group:
                 _generate(args, group.generate, _tokenizer(model_dir), params)
@@ -173,13 +184,80 @@ def cmd_geometry(args: argparse.Namespace) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
-    from cluster.validate import run_validation
+    from cluster.validate import ReplicaShape, ValidationError, run_validation
 
-    report = run_validation(_model_dir(args.model), progress=lambda line: print(line, file=sys.stderr))
+    model = args.model or default_model_dir()
+    on_ray = args.backend == "ray"
+    if on_ray:
+        kind, backend = "ray", "nccl" if args.device == "cuda" else "gloo"
+    else:
+        kind, backend = "engine" if args.dp == 1 else "threads", "gloo"
+    try:
+        shape = ReplicaShape(
+            kind=kind,
+            dp=args.dp,
+            expert_mode=args.expert_mode,
+            backend=backend,
+            device=args.device,
+            kernel_backend=args.kernel_backend,
+        )
+        with _ray_validation_groups(model, shape) if on_ray else nullcontext(None) as factory:
+            report = run_validation(
+                model,
+                shape=shape,
+                factory=factory,
+                scenarios=args.scenarios.split(",") if args.scenarios else None,
+                progress=lambda line: print(line, file=sys.stderr),
+                block_size=args.block_size,
+            )
+    except ValidationError as exc:
+        raise SystemExit(f"dsv41 validate: {exc}") from exc
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(f"{'PASS' if report['passed'] else 'FAIL'}: report written to {args.output}")
     if not report["passed"]:
         raise SystemExit(1)
+
+
+@contextmanager
+def _ray_validation_groups(model: str | Path, shape: ReplicaShape) -> Iterator[ReplicaFactory]:
+    """The factory of the validation's engine groups: a fresh group of ``shape.dp``
+    ranks per scenario (on CUDA one GPU per rank). Starts Ray for the run, and stops
+    it after, if it is not up."""
+    import itertools
+
+    import ray
+
+    from actors.group import EngineGroup, GroupOptions
+
+    group_options = GroupOptions(rank_num_gpus=1) if shape.device == "cuda" else GroupOptions()
+    groups = itertools.count()
+
+    def group(options: dict[str, object]) -> EngineGroup:
+        # A name per scenario: the previous group's named rank actors may still be dying.
+        return EngineGroup(
+            str(model),
+            dp=shape.dp,
+            expert_mode=shape.expert_mode,
+            backend=shape.backend,
+            group_options=group_options,
+            name=f"dsv41-validate-{next(groups)}",
+            **options,
+        )
+
+    started = not ray.is_initialized()
+    if started:
+        # Enough logical CPUs for every rank's bundle even on a box with fewer cores;
+        # workers import the project from where this CLI runs it.
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, math.ceil(shape.dp * group_options.rank_num_cpus)),
+            include_dashboard=False,
+            runtime_env=_ray_runtime_env(),
+        )
+    try:
+        yield group
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -217,7 +295,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     parsed = AppArgs.from_dict(app_args)
 
     # Replicas import the project from this checkout, whatever else is installed.
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    ray.init(include_dashboard=False, runtime_env=_ray_runtime_env())
     # After ray.init, which installs its own SIGTERM handler (one that aborts the process).
     # The handler takes no lock: one that did (Event.set) deadlocked when a second signal
     # landed while the first handler held it (seen with Ctrl-C twice). While the
@@ -305,8 +383,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_geometry)
 
     p = sub.add_parser("validate", help="runtime validation: scheduled runs equal uninterrupted ones")
-    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument(
+        "--model", help="checkpoint directory or generated:<slice> (model/source.py; default: the embedded tiny model)"
+    )
     p.add_argument("--output", required=True, help="JSON report path")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks of the replica under test")
+    p.add_argument("--expert-mode", choices=("ep", "tp"), default="ep", help="routed experts: whole per rank, or each split")
+    p.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="local: the engine in this process (its DP ranks as threads); ray: an engine group per scenario",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: with ray, one GPU per rank")
+    p.add_argument("--kernel-backend", choices=("torch", "triton"), default="torch", help="the ranks' kernels")
+    p.add_argument(
+        "--block-size", type=int, default=32, help="PAGE tokens (the workload scales with it; >= window - 1 for replay)"
+    )
+    p.add_argument("--scenarios", help="comma-separated scenario names (default: every one the replica supports)")
     p.set_defaults(func=cmd_validate)
 
     from deploy.bench import add_bench_arguments
