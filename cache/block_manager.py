@@ -240,12 +240,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return PrefixHit(hit_tokens=0, forward_start=0, restore_image=None, pages=(), prompt_hashes=())
         hashes = prefix_hashes(token_ids, self.block_size)
-        pages: list[int] = []
-        for h in hashes[: (len(token_ids) - 1) // self.block_size]:
-            page = self._page_of_hash.get(h)
-            if page is None:
-                break
-            pages.append(page)
+        pages = self._cached_pages(token_ids, hashes)
         hit_tokens = len(pages) * self.block_size
         image: StateImage | None = None
         if self.state_transfer is StateTransfer.REPLAY:
@@ -267,6 +262,22 @@ class BlockManager:
             pages=tuple(pages),
             prompt_hashes=tuple(hashes),
         )
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many tokens of ``token_ids`` a ``lookup`` would hit, without counting a
+        lookup: a question placement asks every rank, of which one admits."""
+        if not self.enable_prefix_caching or len(token_ids) == 0:
+            return 0
+        return len(self._cached_pages(token_ids, prefix_hashes(token_ids, self.block_size))) * self.block_size
+
+    def _cached_pages(self, token_ids: Sequence[int], hashes: Sequence[bytes]) -> list[int]:
+        pages: list[int] = []
+        for h in hashes[: (len(token_ids) - 1) // self.block_size]:
+            page = self._page_of_hash.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
 
     def has_hash(self, chain_hash: bytes) -> bool:
         """Whether a PAGE with this chain hash is in the prefix index."""

@@ -245,7 +245,7 @@ class DPEngine(EngineFrontend):
         loads = [
             RankLoad(
                 unfinished=len(s.running) + len(s.waiting),
-                cached_prefix_tokens=s.block_manager.lookup(request.all_token_ids).hit_tokens,
+                cached_prefix_tokens=s.block_manager.cached_prefix_tokens(request.all_token_ids),
             )
             for s in self.schedulers
         ]

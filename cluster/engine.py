@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from cache.block_manager import BlockManager, BlockManagerStats, PrefixHit, StateTransfer
+from cache.block_manager import BlockManager, BlockManagerStats, PrefixHit, StateTransfer, prefix_hashes
 from cache.geometry import V41PoolGeometry
 from cache.offload import TieredStore
 from cache.pools import PoolSize
@@ -448,7 +448,7 @@ class Engine(EngineFrontend):
             forward_start=0,
             restore_image=None,
             pages=(),
-            prompt_hashes=bm.lookup(prompt).prompt_hashes,
+            prompt_hashes=tuple(prefix_hashes(prompt, bm.block_size)) if bm.enable_prefix_caching else (),
         )
         if not bm.allocate_prompt(PARITY_REQUEST_ID, prompt, hit):
             raise EngineError(f"prompt_logits: {len(prompt)} tokens do not fit the pools")

@@ -44,10 +44,11 @@ class ReferenceModel:
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError("token_ids: a non-empty 1-D sequence of token ids")
         tokens = ids.numel()
-        positions = torch.arange(tokens)
-        streams = self.params.embed[ids].to(self.dtype).unsqueeze(1)
+        device = self.params.embed.device
+        positions = torch.arange(tokens, device=device)
+        streams = self.params.embed[ids.to(device)].to(self.dtype).unsqueeze(1)
         streams = streams.expand(tokens, cfg.hc_mult, cfg.hidden_size).contiguous()
-        pre = first_pre(tokens, cfg.hc_mult)
+        pre = first_pre(tokens, cfg.hc_mult, device=device)
         ngrams = self._ngrams(ids)
         published: dict[int, CompressedEntries] = {}
         state = SelectionState()
@@ -71,8 +72,9 @@ class ReferenceModel:
         hashing = self.params.engram_hashing
         if hashing is None:
             return ids.unsqueeze(1)
-        history = torch.full((hashing.history_size,), DEAD, dtype=torch.long)
-        return hashing.ngram_ids(self.params.token_map[ids], history)
+        token_map = self.params.token_map
+        history = torch.full((hashing.history_size,), DEAD, dtype=torch.long, device=token_map.device)
+        return hashing.ngram_ids(token_map[ids.to(token_map.device)], history)
 
     def _compress(self, layer: LayerParams, h: torch.Tensor) -> CompressedEntries:
         w = layer.compressor
@@ -82,10 +84,10 @@ class ReferenceModel:
             v, g = ratio2_projections(h, w)
             groups, dim = h.shape[0] // 2, v.shape[-1]
             pooled = pool_pairs(v[: 2 * groups].reshape(groups, 2, dim), g[: 2 * groups].reshape(groups, 2, dim))
-            entry_positions = torch.arange(groups) * 2
+            entry_positions = torch.arange(groups, device=h.device) * 2
         else:
             pooled = ratio1_latent(h, w)
-            entry_positions = torch.arange(h.shape[0])
+            entry_positions = torch.arange(h.shape[0], device=h.device)
         return finish_entries(pooled, w, self.config.rms_norm_eps, layer.rope, entry_positions, self.dtype)
 
     def _attention(
@@ -101,7 +103,7 @@ class ReferenceModel:
         q_lat = query_latent(h, layer.attn, cfg.rms_norm_eps)
         q = project_query(q_lat, layer.attn, cfg.num_attention_heads, layer.rope, positions)
         kv = project_window_kv(h, layer.attn, cfg.rms_norm_eps, layer.rope, positions)
-        window = positions.unsqueeze(1) - cfg.sliding_window + 1 + torch.arange(cfg.sliding_window)
+        window = positions.unsqueeze(1) - cfg.sliding_window + 1 + torch.arange(cfg.sliding_window, device=positions.device)
         keys, valid = kv[window.clamp_min(0)], window >= 0
         if topo.mode is not LayerMode.WINDOW:
             if topo.mode is LayerMode.FULL:

@@ -199,6 +199,22 @@ def test_counters_count_lookups_hits_and_pages() -> None:
     assert (s.pages_used, s.pages_cached, s.pages_free, s.slots_used) == (0, 2, 8, 0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(cached=st.integers(0, 4), asked=st.integers(1, 6 * B))
+def test_cached_prefix_tokens_is_a_lookup_that_counts_nothing(cached: int, asked: int) -> None:
+    """Placement's question equals lookup()'s hit_tokens for every prompt, and leaves
+    the counters as they were (only an admission's lookup counts)."""
+    bm = _manager(num_pages=12)
+    tokens = list(range(6 * B))
+    if cached:
+        _run(bm, "a", tokens[: cached * B + 1])
+        bm.free("a")
+    before = bm.stats()
+    got = bm.cached_prefix_tokens(tokens[:asked])
+    assert bm.stats() == before
+    assert got == bm.lookup(tokens[:asked]).hit_tokens
+
+
 def test_disabled_prefix_caching_never_hits() -> None:
     """With prefix caching off nothing is published or hit."""
     bm = BlockManager(
