@@ -134,7 +134,7 @@ def test_a_scenario_selection_or_factory_it_cannot_run_is_refused_before_any_wei
 def test_dp_prefix_checks_fail_when_placement_ignores_the_prefix(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The DP prefix checks are not vacuous: with placement reversed (the rank with the
     shortest cached prefix first) the forks land away from "a" and their hit checks
-    fail, though placement's own lookups still find the prefix on a's rank."""
+    fail: placement's questions to every rank's prefix index count no hit."""
 
     def away_from_the_prefix(loads: list[RankLoad], max_num_seqs: int) -> int:
         return min(range(len(loads)), key=lambda r: (loads[r].cached_prefix_tokens, loads[r].unfinished, r))
