@@ -13,6 +13,12 @@ import os
 import pytest
 import torch
 
+# Every test that uses Ray starts its own cluster and shuts it down. A Ray call after a
+# shutdown (a library's background thread, say) must fail where it is made instead of
+# starting a stray cluster that nothing stops: its death later exits the test process.
+# Read by Ray when it is imported.
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+
 # Triton kernels run in its interpreter where no GPU is present; the variable must be
 # set before any kernel module is imported.
 if not torch.cuda.is_available():
