@@ -13,6 +13,7 @@ Must not import: ``cache``, ``cluster``, ``actors``, ``deploy``, ``ray``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,6 +28,15 @@ from model.reference_slice import EXPERT_FORMATS, REFERENCE_SLICE, SMALL_SLICE, 
 
 GENERATED_PREFIX = "generated:"
 SLICES: dict[str, SliceSpec] = {spec.name: spec for spec in (REFERENCE_SLICE, SMALL_SLICE)}
+
+
+@functools.lru_cache(maxsize=None)
+def _slice_model(slice_name: str, expert_format: str) -> SliceModel:
+    """A slice's config and tokenizer, built once per process: building them derives
+    the Engram compressed-token map over the whole vocabulary (~1.5 s at Flash's), and
+    an engine, its ranks and its scheduler each ask for them."""
+    base = V41Config.from_pretrained(FLASH_CONFIG_DIR, text_only=True)
+    return SliceModel.build(SLICES[slice_name], base, expert_format=expert_format)
 
 
 class ModelSourceError(ValueError):
@@ -86,8 +96,7 @@ class ModelSource:
 
     def _slice(self) -> SliceModel:
         assert self.slice_name is not None
-        base = V41Config.from_pretrained(FLASH_CONFIG_DIR, text_only=True)
-        return SliceModel.build(SLICES[self.slice_name], base, expert_format=self.expert_format)
+        return _slice_model(self.slice_name, self.expert_format)
 
     def config(self) -> V41Config:
         """The model's text config (a vision tower is ignored)."""
