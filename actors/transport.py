@@ -229,6 +229,7 @@ class SocketTransport(StepTransport):
         token = secrets.token_bytes(TOKEN_BYTES)
         deadline = time.monotonic() + connect_timeout_s
         self.conns: list[socket.socket] = []
+        self._selector = selectors.DefaultSelector()
         with socket.create_server((host, 0), backlog=len(self.ranks)) as listener:
             port = listener.getsockname()[1]
             with failing_as(f"{self.what}: connecting the ranks"):
@@ -241,7 +242,9 @@ class SocketTransport(StepTransport):
             except BaseException:
                 self.close()
                 raise
-        self._selector = selectors.DefaultSelector()
+        # One reader per connection for the transport's life: the rest of an answer
+        # left unread when an earlier step failed may arrive with the next step.
+        self._readers = [_FrameReader() for _ in self.conns]
         for rank, conn in enumerate(self.conns):
             conn.setblocking(False)
             self._selector.register(conn, selectors.EVENT_READ, rank)
@@ -274,10 +277,8 @@ class SocketTransport(StepTransport):
         deadline = time.monotonic() + timeout_s
         for rank, (conn, step) in enumerate(zip(self.conns, steps)):
             self._send(rank, conn, frame(seq, FRAME_OK, step), deadline)
-        readers = [_FrameReader() for _ in self.conns]
         results: list[bytes | None] = [None] * len(self.conns)
-        waiting = len(self.conns)
-        while waiting:
+        while None in results:
             ready = self._selector.select(max(deadline - time.monotonic(), 0))
             if not ready:
                 late = [rank for rank, result in enumerate(results) if result is None]
@@ -285,13 +286,12 @@ class SocketTransport(StepTransport):
             for key, _ in ready:
                 rank = key.data
                 data = self._recv(rank, key.fileobj)
-                for got_seq, status, payload in readers[rank].frames(data):
+                for got_seq, status, payload in self._readers[rank].frames(data):
                     if got_seq != seq:
                         continue  # the answer to a step that failed on another rank
                     if status != FRAME_OK:
                         raise RankGroupFailure(f"{self.what}: rank {rank} failed step {seq}:\n{payload.decode()}")
                     results[rank] = payload
-                    waiting -= 1
         return [result for result in results if result is not None]
 
     def _send(self, rank: int, conn: socket.socket, data: bytes, deadline: float) -> None:
@@ -320,9 +320,7 @@ class SocketTransport(StepTransport):
         return data
 
     def close(self) -> None:
-        selector = getattr(self, "_selector", None)
-        if selector is not None:
-            selector.close()
+        self._selector.close()
         for conn in self.conns:
             conn.close()
         self.conns = []
