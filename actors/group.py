@@ -288,7 +288,7 @@ class EngineGroup:
 
     def __init__(
         self,
-        model: "str | Path | ModelSource",
+        model: str | Path | ModelSource,
         *,
         dp: int = 1,
         expert_mode: str = "ep",

@@ -15,7 +15,6 @@ import importlib.metadata
 import platform
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Callable
 
 import torch
