@@ -27,9 +27,8 @@ backend it builds). Must not be imported by ``model``, ``cache``, ``cluster``, `
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
 import asyncio
 import logging
-import threading
+import time
 import uuid
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from contextlib import aclosing
@@ -39,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
+from ray.serve.schema import ApplicationStatus
 from ray.serve.handle import DeploymentHandle
 
 from cluster.engine import EngineFrontend, engine_options
@@ -575,6 +575,10 @@ def build_app(args: Mapping[str, Any] | AppArgs) -> serve.Application:
     ).bind(llm, parsed.model_name)
 
 
+# Serve's own wait for an application polls its controller at this pace.
+APP_STATUS_POLL_S = 0.1
+
+
 class AppStartTimeout(TimeoutError):
     """An application whose deployments were not all running in time."""
 
@@ -585,22 +589,32 @@ def run_app(application: serve.Application, *, name: str, route_prefix: str | No
     deployment asking for more CPUs than the cluster has free stays pending, said only
     in the controller's log); this raises :class:`AppStartTimeout` instead, naming each
     deployment not yet healthy with Serve's status message, which states the resources
-    it waits for. The deploy itself goes on: ``serve.delete(name)`` or
-    ``serve.shutdown()`` withdraws it."""
+    it waits for, and ``RuntimeError`` when the deploy fails or the application is
+    withdrawn meanwhile. The deploy itself goes on after a timeout: ``serve.delete(name)``
+    or ``serve.shutdown()`` withdraws it.
+
+    The wait polls ``serve.status()`` in the caller's thread: a waiting thread left
+    behind after a timeout would touch Ray after the caller's ``ray.shutdown()``, which
+    exits the process."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s: {timeout_s!r} (allowed: > 0)")
-    started: Future[DeploymentHandle] = Future()
-
-    def deploy() -> None:
-        try:
-            started.set_result(serve.run(application, name=name, route_prefix=route_prefix))
-        except Exception as exc:  # noqa: BLE001 - handed to the caller (or, after its timeout, to nobody)
-            started.set_exception(exc)
-
-    threading.Thread(target=deploy, name=f"serve-run-{name}", daemon=True).start()
-    if not wait([started], timeout=timeout_s).done:
-        raise AppStartTimeout(f"application {name!r} not running after {timeout_s} s: {_unready_deployments(name)}")
-    return started.result()
+    deadline = time.monotonic() + timeout_s
+    serve.run_many(
+        [serve.RunTarget(application, name=name, route_prefix=route_prefix)],
+        wait_for_ingress_deployment_creation=False,
+        wait_for_applications_running=False,
+    )
+    while (application_status := serve.status().applications.get(name)) is None or (
+        application_status.status != ApplicationStatus.RUNNING
+    ):
+        if application_status is None:
+            raise RuntimeError(f"application {name!r} was withdrawn while it started")
+        if application_status.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"application {name!r} failed to deploy: {_unready_deployments(name)}")
+        if time.monotonic() >= deadline:
+            raise AppStartTimeout(f"application {name!r} not running after {timeout_s} s: {_unready_deployments(name)}")
+        time.sleep(APP_STATUS_POLL_S)
+    return serve.get_app_handle(name)
 
 
 def _unready_deployments(app_name: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +29,8 @@ LLM_SERVER_CPUS = 1
 # a few HTTP round trips; this is dozens of engine steps).
 HOLDER_TOKENS = 64
 BURST_TOKENS = 4
+# Far above what Serve takes to give up on a replica whose constructor raises.
+APP_FAIL_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -140,14 +143,35 @@ def test_a_full_queue_answers_429_and_admitted_requests_complete(base_url: str, 
 def test_an_app_the_cluster_cannot_place_fails_fast(base_url: str, tiny_dir: Path) -> None:
     """An LLM server asking for two CPUs while one is free cannot be placed:
     ``serve.run`` would wait forever, ``run_app`` raises AppStartTimeout after its
-    timeout naming the pending deployment; withdrawn, it leaves the running app serving.
-    (No graceful shutdown for the replica that never started: Serve would otherwise
-    wait its default 20 s for it on withdrawal.)"""
+    timeout naming the pending deployment and leaving no thread of its own behind (one
+    still waiting would touch Ray after the module's ``ray.shutdown()``, which exits the
+    test process); withdrawn, it leaves the running app serving. (No graceful shutdown
+    for the replica that never started: Serve would otherwise wait its default 20 s for
+    it on withdrawal.)"""
     unplaceable = LLMServer.options(ray_actor_options={"num_cpus": 2}, graceful_shutdown_timeout_s=0)
+    threads_before = set(threading.enumerate())
     try:
         with pytest.raises(AppStartTimeout, match="LLMServer"):
             run_app(unplaceable.bind(AppArgs(model=str(tiny_dir))), name="unplaceable", route_prefix=None, timeout_s=5)
+        assert set(threading.enumerate()) <= threads_before
     finally:
         serve.delete("unplaceable")
+    status, _, body = _post(f"{base_url}/v1/completions", _completion([5, 6], 2, stream=False))
+    assert _answer(status, body, stream=False)[1] == 2
+
+
+def test_an_app_whose_server_cannot_start_fails_with_its_cause(base_url: str, tmp_path: Path) -> None:
+    """An LLM server whose checkpoint directory holds no model fails in its constructor:
+    Serve marks the application DEPLOY_FAILED and ``run_app`` raises at once with Serve's
+    message (the constructor's error), not after its timeout; the running app still serves."""
+    broken = LLMServer.options(ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="failed to deploy") as failure:
+            run_app(broken.bind(AppArgs(model=str(tmp_path))), name="broken", route_prefix=None, timeout_s=APP_FAIL_TIMEOUT_S)
+    finally:
+        serve.delete("broken")
+    assert not isinstance(failure.value, AppStartTimeout) and time.monotonic() - started < APP_FAIL_TIMEOUT_S
+    assert str(tmp_path) in str(failure.value)
     status, _, body = _post(f"{base_url}/v1/completions", _completion([5, 6], 2, stream=False))
     assert _answer(status, body, stream=False)[1] == 2
