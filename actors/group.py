@@ -7,7 +7,8 @@ every rank joining the process group at once), the step transport of each genera
 deadline, health pings, and restart: when any rank dies or misses
 the deadline the whole group is torn down and started again (a process group cannot
 lose a member). And ``EngineGroup``, the context-managed client: it starts a
-``SchedulerActor`` (which owns a RankGroup) and forwards the engine interface to it.
+``SchedulerActor`` (which owns a RankGroup) and forwards the engine interface to it,
+rebuilding each step's outputs from the deltas the actor sends (``actors.output_wire``).
 
 Must not import: deploy.
 """
@@ -27,6 +28,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tokenizers import Tokenizer
 
+from actors.output_wire import OutputReceiver
 from actors.rank import RankActor
 from actors.step_wire import StepPacker, session_packers, unpack_result
 from actors.transport import (
@@ -307,8 +309,10 @@ class EngineGroup:
         self.group_options = group_options
         self._actor_class = ray.remote(SchedulerActor)
         self.actor: Any = None
+        self._outputs = OutputReceiver()
 
     def __enter__(self) -> "EngineGroup":
+        self._outputs = OutputReceiver()
         self.actor = self._actor_class.options(num_cpus=0, max_concurrency=4).remote(
             self.name, self.model, self.options, self.dp, self.group_options
         )
@@ -333,9 +337,10 @@ class EngineGroup:
         ray.get(self.actor.add_request.remote(request_id, list(prompt_token_ids), params))
 
     def step(self) -> list[RequestOutput]:
-        return ray.get(self.actor.step.remote())
+        return self._outputs.outputs(ray.get(self.actor.step.remote()))
 
     def abort(self, request_id: str) -> bool:
+        self._outputs.forget(request_id)
         return ray.get(self.actor.abort.remote(request_id))
 
     def has_unfinished_requests(self) -> bool:

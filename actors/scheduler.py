@@ -26,6 +26,7 @@ import ray
 
 from actors.group import GroupOptions, RankGroup, RankGroupDead, RankGroupFailure
 from actors.offload import OffloadActor, RayOffloadConnector
+from actors.output_wire import OutputFrame, OutputSender
 from cluster.dp_engine import DPEngine, DPLayout
 from cluster.engine import EngineOptions, EngineStats, RankLayout
 from cluster.request import Request, RequestOutput, SamplingParams
@@ -66,6 +67,7 @@ class SchedulerActor:
         self.num_health_checks = 0
         self._lock = threading.Lock()
         self._undelivered: list[RequestOutput] = []
+        self._output_sender = OutputSender()
         self._last_contact = time.monotonic()
         self._stopping = threading.Event()
         self._health_thread = threading.Thread(target=self._health_loop, name=f"{name}-health", daemon=True)
@@ -93,6 +95,7 @@ class SchedulerActor:
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
+            self._output_sender.forget(request_id)
             return self.engine.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -101,15 +104,16 @@ class SchedulerActor:
         with self._lock:
             return bool(self._undelivered) or self.engine.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> OutputFrame:
         """One step of every rank, after the outputs of requests a failed health
         check ended; after a rank failure in the step, the error outputs of every
-        request that was in flight (the group is serving again when it returns)."""
+        request that was in flight (the group is serving again when it returns). The
+        outputs travel as deltas (``actors.output_wire``)."""
         with self._lock:
             outputs, self._undelivered = self._undelivered, []
             outputs.extend(self.engine.step())
             self._last_contact = time.monotonic()
-            return outputs
+            return self._output_sender.frame(outputs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
         """Runs prompts to completion (each ends in error if the group fails)."""
