@@ -6,9 +6,10 @@ each (four characters of text per token, no logprobs) and returns the step's out
 either whole (``RequestOutput``s carrying each request's output so far, the wire before
 ``actors.output_wire``) or as the output wire's frame (the actor's ``OutputSender``
 deltas, rebuilt by the client's ``OutputReceiver`` into the same outputs). Columns: the
-pickled bytes of one step's outputs, and the median and p90 of the whole call (Ray's
-call, the actor's building of the outputs, their serialisation, transfer and
-deserialisation, and for the frame the receiver's rebuilding) over ``--steps`` calls.
+pickled bytes of the last step's outputs (``length`` + 5 warm-up + ``--steps`` tokens
+in), and the median and p90 of the whole call (Ray's call, the actor's building of the
+outputs, their serialisation, transfer and deserialisation, and for the frame the
+receiver's rebuilding) over ``--steps`` calls.
 
 Usage: python3 bench/output_wire.py [--requests 64] [--steps 100] [--out bench/results/output_wire.json]
 """
@@ -108,7 +109,7 @@ def main() -> None:
         rows = [measure(args.requests, length, wire, args.steps) for length in LENGTHS for wire in WIRES]
     finally:
         ray.shutdown()
-    print("| output tokens so far | wire | bytes per step | ms per step, median (p90) |")
+    print("| output tokens at the start | wire | bytes per step | ms per step, median (p90) |")
     print("|---:|---|---:|---:|")
     for r in rows:
         print(f"| {r['length']} | {r['wire']} | {r['bytes']:,} | {r['median_ms']:.2f} ({r['p90_ms']:.2f}) |")
