@@ -5,8 +5,8 @@ per rank, opened by the rank to the driver; the default), ``compiled`` (a Ray co
 graph over the ranks) and ``calls`` (one Ray actor call per rank per step); the framing
 of the socket kind on both ends (``serve_connection`` runs in a rank's process); and
 the failures every kind raises the same way (``RankGroupFailure``: a rank's exception,
-a dead rank, a missed deadline). What travels is opaque bytes: ``actors.rank`` packs
-the steps and unpacks the results.
+a dead rank, a missed deadline). What travels is opaque bytes: ``actors.step_wire``
+packs the steps and unpacks the results.
 
 Must not import: deploy.
 """
@@ -67,7 +67,7 @@ def failing_as(what: str) -> Iterator[None]:
 
 
 class StepTransport(abc.ABC):
-    """Carries each rank's packed step (``actors.rank.pack_step``) to the ranks'
+    """Carries each rank's packed step (``actors.step_wire.StepPacker``) to the ranks'
     ``execute_packed`` and their packed results back, one generation of ranks long.
     ``exchange`` returns the results in rank order, or raises RankGroupFailure at the
     first failure: a dead rank (at once), a rank's exception (without waiting for the

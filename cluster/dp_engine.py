@@ -7,7 +7,7 @@ batch into one ``DPMetadata``, and ``DPRank``, one rank's side of a step: its ow
 ModelRunner (TP1 attention, embeddings, head, pools) whose MoE is the DP expert
 exchange over its expert shard. ``ThreadedRanks`` runs the ranks of a replica in
 threads of this process (gloo among them); the Ray actors of ``actors/`` implement the
-same ``DPStepExecutor`` with one call per rank per step.
+same ``DPStepExecutor`` over a step transport (``actors.transport``).
 
 Must not import: actors, deploy, ray.
 """
