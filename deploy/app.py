@@ -583,14 +583,19 @@ class AppStartTimeout(TimeoutError):
     """An application whose deployments were not all running in time."""
 
 
+class AppStartFailed(RuntimeError):
+    """An application that failed to deploy (a replica's constructor raised, say) or
+    was withdrawn while it started."""
+
+
 def run_app(application: serve.Application, *, name: str, route_prefix: str | None, timeout_s: float) -> DeploymentHandle:
     """``serve.run(application, name=..., route_prefix=...)`` that gives up after
     ``timeout_s`` seconds. Serve waits without limit for replicas it cannot place (a
     deployment asking for more CPUs than the cluster has free stays pending, said only
     in the controller's log); this raises :class:`AppStartTimeout` instead, naming each
     deployment not yet healthy with Serve's status message, which states the resources
-    it waits for, and ``RuntimeError`` when the deploy fails or the application is
-    withdrawn meanwhile. The deploy itself goes on after a timeout: ``serve.delete(name)``
+    it waits for, and :class:`AppStartFailed` when the deploy fails or the application
+    is withdrawn meanwhile. The deploy itself goes on after a timeout: ``serve.delete(name)``
     or ``serve.shutdown()`` withdraws it.
 
     The wait polls ``serve.status()`` in the caller's thread: a waiting thread left
@@ -608,9 +613,9 @@ def run_app(application: serve.Application, *, name: str, route_prefix: str | No
         application_status.status != ApplicationStatus.RUNNING
     ):
         if application_status is None:
-            raise RuntimeError(f"application {name!r} was withdrawn while it started")
+            raise AppStartFailed(f"application {name!r} was withdrawn while it started")
         if application_status.status == ApplicationStatus.DEPLOY_FAILED:
-            raise RuntimeError(f"application {name!r} failed to deploy: {_unready_deployments(name)}")
+            raise AppStartFailed(f"application {name!r} failed to deploy: {_unready_deployments(name)}")
         if time.monotonic() >= deadline:
             raise AppStartTimeout(f"application {name!r} not running after {timeout_s} s: {_unready_deployments(name)}")
         time.sleep(APP_STATUS_POLL_S)

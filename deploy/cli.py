@@ -277,7 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from ray.serve.config import gRPCOptions
 
-    from deploy.app import AppArgs, AppStartTimeout, build_app, run_app
+    from deploy.app import AppArgs, AppStartFailed, AppStartTimeout, build_app, run_app
     from deploy.grpc_service import GRPC_SERVICER_FUNCTIONS
 
     host, port, grpc_port, route_prefix, app_args = "127.0.0.1", 8000, 9000, "/", {}
@@ -321,7 +321,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
             )
             run_app(build_app(parsed), name=SERVE_APP_NAME, route_prefix=route_prefix, timeout_s=args.start_timeout)
-        except AppStartTimeout as exc:
+        except (AppStartTimeout, AppStartFailed) as exc:
             raise SystemExit(f"dsv41 serve: {exc}") from exc
         except KeyboardInterrupt:
             raise SystemExit(f"dsv41 serve: {signal.Signals(received[0]).name} before the application was running") from None
