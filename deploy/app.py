@@ -609,17 +609,17 @@ def run_app(application: serve.Application, *, name: str, route_prefix: str | No
         wait_for_ingress_deployment_creation=False,
         wait_for_applications_running=False,
     )
-    while (application_status := serve.status().applications.get(name)) is None or (
-        application_status.status != ApplicationStatus.RUNNING
-    ):
+    while True:
+        application_status = serve.status().applications.get(name)
         if application_status is None:
             raise AppStartFailed(f"application {name!r} was withdrawn while it started")
+        if application_status.status == ApplicationStatus.RUNNING:
+            return serve.get_app_handle(name)
         if application_status.status == ApplicationStatus.DEPLOY_FAILED:
             raise AppStartFailed(f"application {name!r} failed to deploy: {_unready_deployments(name)}")
         if time.monotonic() >= deadline:
             raise AppStartTimeout(f"application {name!r} not running after {timeout_s} s: {_unready_deployments(name)}")
         time.sleep(APP_STATUS_POLL_S)
-    return serve.get_app_handle(name)
 
 
 def _unready_deployments(app_name: str) -> str:
