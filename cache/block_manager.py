@@ -238,7 +238,7 @@ class BlockManager:
         self._lookups += 1
         self._lookup_tokens += len(token_ids)
         if not self.enable_prefix_caching:
-            return PrefixHit(hit_tokens=0, forward_start=0, restore_image=None, pages=(), prompt_hashes=())
+            return self.miss(token_ids)
         hashes = prefix_hashes(token_ids, self.block_size)
         pages = self._cached_pages(token_ids, hashes)
         hit_tokens = len(pages) * self.block_size
@@ -262,6 +262,12 @@ class BlockManager:
             pages=tuple(pages),
             prompt_hashes=tuple(hashes),
         )
+
+    def miss(self, token_ids: Sequence[int]) -> PrefixHit:
+        """The PrefixHit of a prompt computed from its first token, reusing nothing
+        (what ``lookup`` finds with nothing cached), without counting a lookup."""
+        hashes = tuple(prefix_hashes(token_ids, self.block_size)) if self.enable_prefix_caching else ()
+        return PrefixHit(hit_tokens=0, forward_start=0, restore_image=None, pages=(), prompt_hashes=hashes)
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """How many tokens of ``token_ids`` a ``lookup`` would hit, without counting a

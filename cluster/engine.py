@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from cache.block_manager import BlockManager, BlockManagerStats, PrefixHit, StateTransfer, prefix_hashes
+from cache.block_manager import BlockManager, BlockManagerStats, StateTransfer
 from cache.geometry import V41PoolGeometry
 from cache.offload import TieredStore
 from cache.pools import PoolSize
@@ -443,14 +443,7 @@ class Engine(EngineFrontend):
         prompt = tuple(token_ids)
         sizes = itertools.cycle(chunk_sizes or (len(prompt),))
         bm = self.block_manager
-        hit = PrefixHit(
-            hit_tokens=0,
-            forward_start=0,
-            restore_image=None,
-            pages=(),
-            prompt_hashes=tuple(prefix_hashes(prompt, bm.block_size)) if bm.enable_prefix_caching else (),
-        )
-        if not bm.allocate_prompt(PARITY_REQUEST_ID, prompt, hit):
+        if not bm.allocate_prompt(PARITY_REQUEST_ID, prompt, bm.miss(prompt)):
             raise EngineError(f"prompt_logits: {len(prompt)} tokens do not fit the pools")
         params = SamplingParams(max_tokens=1, temperature=0.0)
         rows: list[torch.Tensor] = []

@@ -175,6 +175,13 @@ class _Run:
         return sum(r.hit_tokens for r in self.stats.ranks)
 
 
+def _step(replica: Replica, finished: dict[str, RequestOutput]) -> None:
+    """One step of ``replica``; keeps the outputs of the requests it finished."""
+    for out in replica.step():
+        if out.finished:
+            finished[out.request_id] = out
+
+
 def _run(replica: Replica, arrivals: list[tuple[int, str, list[int]]]) -> _Run:
     """Adds each (step, name, prompt) when the step loop reaches its step; runs all
     to completion."""
@@ -185,9 +192,7 @@ def _run(replica: Replica, arrivals: list[tuple[int, str, list[int]]]) -> _Run:
         while pending and pending[0][0] <= step:
             _, name, prompt = pending.pop(0)
             replica.add_request(name, prompt, GREEDY)
-        for out in replica.step():
-            if out.finished:
-                finished[out.request_id] = out
+        _step(replica, finished)
         step += 1
     return _Run(finished, replica.stats())
 
@@ -331,9 +336,7 @@ def _tight_mixed(v: _Validation) -> None:
         for name, prompt in prompts.items():
             replica.add_request(name, prompt, GREEDY)
         while replica.has_unfinished_requests():
-            for out in replica.step():
-                if out.finished:
-                    got[out.request_id] = out
+            _step(replica, got)
             if "mid" not in got:
                 mid = replica.request("mid")
                 if mid is not None and mid.num_output_tokens:
@@ -364,9 +367,7 @@ def _cancellation(v: _Validation) -> None:
             replica.add_request(f"x-{name}", prompt, GREEDY)
         aborted_at["waiting"] = replica.abort("x-waiting")
         while replica.has_unfinished_requests():
-            for out in replica.step():
-                if out.finished:
-                    finished[out.request_id] = out
+            _step(replica, finished)
             mid = replica.request("x-mid-prefill")
             if mid is not None and 0 < mid.num_computed_tokens < mid.num_prompt_tokens and "mid-prefill" not in aborted_at:
                 aborted_at["mid-prefill"] = replica.abort("x-mid-prefill")

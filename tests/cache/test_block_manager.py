@@ -215,6 +215,21 @@ def test_cached_prefix_tokens_is_a_lookup_that_counts_nothing(cached: int, asked
     assert got == bm.lookup(tokens[:asked]).hit_tokens
 
 
+@settings(max_examples=30, deadline=None)
+@given(asked=st.integers(1, 6 * B), caching=st.booleans())
+def test_miss_is_what_a_lookup_finds_with_nothing_cached(asked: int, caching: bool) -> None:
+    """``miss`` equals ``lookup`` on a manager that caches nothing yet, with prefix
+    caching on or off, and counts no lookup."""
+    bm = BlockManager(
+        num_pages=12, num_slots=2, block_size=B, state_transfer=StateTransfer.REPLAY, enable_prefix_caching=caching
+    )
+    tokens = list(range(asked))
+    before = bm.stats()
+    got = bm.miss(tokens)
+    assert bm.stats() == before
+    assert got == bm.lookup(tokens)
+
+
 def test_disabled_prefix_caching_never_hits() -> None:
     """With prefix caching off nothing is published or hit."""
     bm = BlockManager(
