@@ -27,6 +27,7 @@ from tokenizers import Regex, Tokenizer, normalizers
 
 from model.config import ConfigError, V41Config
 from model.formats import FP8_BLOCK, dequantize_fp8
+from model.linalg import linear, pointwise, row_mean, row_sum
 
 DEAD: int = -1  # a history slot before the sequence start (the STATE cursor's sentinel)
 
@@ -439,12 +440,12 @@ def engram_update(
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(weight.shape) != (hc, hidden):
             raise ValueError(f"{name}: shape {tuple(weight.shape)} (allowed: [{hc}, {hidden}])")
-    projected = (embeddings.to(wkv.dtype) @ wkv.t()).float()
+    projected = linear(embeddings.to(wkv.dtype), wkv).float()
     keys = projected[:, : hc * hidden].reshape(tokens, hc, hidden)
     value = projected[:, hc * hidden :].unsqueeze(1)
     h = streams.float()
-    dot = (h * q_weight.float() * k_weight.float() * keys).sum(-1)
-    dot = dot * torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(keys.square().mean(-1) + eps)
+    dot = row_sum(h * q_weight.float() * k_weight.float() * keys)
+    dot = dot * torch.rsqrt(row_mean(h.square()) + eps) * torch.rsqrt(row_mean(keys.square()) + eps)
     dot = dot / math.sqrt(hidden)
-    gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(_GATE_DOT_FLOOR)))
+    gate = pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(_GATE_DOT_FLOOR)))
     return (h + gate.unsqueeze(-1) * value).to(streams.dtype)

@@ -55,8 +55,27 @@ def _blocks(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
 
 
 def pow2_scale(amax: torch.Tensor, grid_max: float, floor: float) -> torch.Tensor:
-    """2^ceil(log2(max(amax, floor) / grid_max)): the E8M0 scale of a block."""
-    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(floor) / grid_max)))
+    """2^ceil(log2(max(amax, floor) / grid_max)): the E8M0 scale of a block, with the
+    log2 rounded to float32 before the ceiling (as the published model's torch.log2
+    gives it), computed from y's bits instead of a log2 whose last bit depends on the
+    library and on where an element sits in a vectorised loop.
+
+    For y = 2^e (1 + f), float32 rounds e + log2(1 + f) down to e when log2(1 + f) is
+    under half the float32 gap above e, 2^g, and the scale is then 2^e, not 2^(e+1):
+    that is f * 2^23 <= ln2 * 2^(g + 23) on f's grid of 2^-23 (never within 0.09 of an
+    integer for the exponents a block scale reaches). model/kernels/triton/store.py's
+    pow2_exponent is the same derivation in a kernel."""
+    y = amax.float().clamp_min(floor) / grid_max
+    bits = y.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    f_bits = bits & 0x7FFFFF
+    magnitude_bits = e.abs().float().view(torch.int32)
+    magnitude_exponent = ((magnitude_bits >> 23) & 0xFF) - 127
+    negative_power_of_two = (e < 0) & ((magnitude_bits & 0x7FFFFF) == 0)
+    g = magnitude_exponent - 24 - negative_power_of_two.to(torch.int32)
+    threshold = 0.6931471805599453 * ((g + 23 + 127) << 23).view(torch.float32)
+    rounds_up = torch.where(e == 0, f_bits > 0, f_bits.float() > threshold)
+    return ((e + rounds_up.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 # -- E8M0 ---------------------------------------------------------------------------
