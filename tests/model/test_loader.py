@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -25,6 +26,7 @@ from model.loader import (
     load_checkpoint,
     read_safetensors_header,
 )
+from model.tiny import TINY, make_tiny
 from model.weights import TensorKind, TensorSpec, checkpoint_tensors, routed_expert
 
 Tensors = dict[str, torch.Tensor]
@@ -527,6 +529,57 @@ def test_engram_tables_are_memory_mapped_from_the_shard(fixture: str, request: p
             first = tensor.data_ptr()
             last = first + tensor.numel() * tensor.element_size() - 1
             assert _mapping_of(first) == shard and _mapping_of(last) == shard, (layer_id, suffix)
+
+
+ENGRAM_WIDTHS = (16, 48, 256)
+
+
+@pytest.fixture(scope="module")
+def engram_width_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, bool], Path]:
+    """TINY with Engram rows of 16 (half a scale group), 48 (one and a half) and 256
+    values, plain and quantised (the same underlying weights per width)."""
+    return {
+        (width, quantized): make_tiny(
+            tmp_path_factory.mktemp(f"engram-{width}-{'fp8' if quantized else 'plain'}"),
+            quantized=quantized,
+            spec=dataclasses.replace(TINY, engram_head_dim=width),
+        )
+        for width in ENGRAM_WIDTHS
+        for quantized in (False, True)
+    }
+
+
+def _fp8_rounding_by_definition(rows: torch.Tensor) -> torch.Tensor:
+    """Each group of 32 consecutive values of a row (the last one partial) divided by
+    the power of two 2^ceil(log2(max(amax, 1e-4) / 448)), cast to E4M3 and multiplied
+    back: MODEL_FACTS' FP8 with E8M0 scales, written out here without model/formats.py."""
+    out = torch.empty_like(rows)
+    for start in range(0, rows.shape[1], 32):
+        group = rows[:, start : start + 32]
+        scale = torch.exp2(torch.ceil(torch.log2(group.abs().amax(1, keepdim=True).clamp_min(1e-4) / 448)))
+        out[:, start : start + 32] = (group / scale).to(torch.float8_e4m3fn).float() * scale
+    return out
+
+
+@pytest.mark.parametrize("width", ENGRAM_WIDTHS)
+def test_engram_tables_of_any_width_load_their_rows(width: int, engram_width_dirs: dict[tuple[int, bool], Path]) -> None:
+    """An Engram table of any head_dim loads: its scale sibling holds ceil(head_dim / 32)
+    E8M0 bytes per row, the plain table's rows are the stored values, and the quantised
+    table's rows are those same values' FP8 rounding with one scale per group of 32,
+    the last group partial."""
+    plain_dir, quantized_dir = engram_width_dirs[(width, False)], engram_width_dirs[(width, True)]
+    written = _stored_tensors(plain_dir)
+    stored_quantized = _stored_tensors(quantized_dir)
+    plain, quantized = load_checkpoint(plain_dir), load_checkpoint(quantized_dir)
+    for layer_id in plain.config.engram_layer_ids:
+        name = f"layers.{layer_id}.engram.embed"
+        rows = written[f"{name}.weight"].float()
+        assert tuple(stored_quantized[f"{name}.scale"].shape) == (rows.shape[0], -(-width // 32))
+        all_rows = torch.arange(rows.shape[0]).unsqueeze(1)
+        assert plain.engram_tables[layer_id].scales is None
+        assert torch.equal(plain.engram_tables[layer_id].lookup(all_rows), rows)
+        assert quantized.engram_tables[layer_id].scales is not None
+        assert torch.equal(quantized.engram_tables[layer_id].lookup(all_rows), _fp8_rounding_by_definition(rows))
 
 
 def test_progress_reaches_every_shards_total(tiny_dir: Path) -> None:
