@@ -108,9 +108,10 @@ def _pad_last_dim(x: torch.Tensor, block: int) -> torch.Tensor:
 def quantize_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 bytes [..., D] (uint8) and E8M0 scale bytes [..., ceil(D / block)]."""
     width = x.shape[-1]
-    xb = _blocks(_pad_last_dim(x, block), block, "quantize_fp8")
+    padded = _pad_last_dim(x, block)
+    xb = _blocks(padded, block, "quantize_fp8")
     scale = pow2_scale(xb.abs().amax(-1, keepdim=True), FP8_E4M3_MAX, FP8_AMAX_FLOOR)
-    values = _to_e4m3(xb / scale).view(torch.uint8).reshape(*x.shape[:-1], -1)[..., :width]
+    values = _to_e4m3(xb / scale).view(torch.uint8).reshape(padded.shape)[..., :width]
     return values, e8m0_encode(scale.squeeze(-1))
 
 
