@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import shutil
 import tempfile
@@ -360,7 +361,6 @@ def _edit_config(path: str, value: object) -> Callable[[dict], None]:
     ("edit", "field"),
     [
         (_edit_config("text_config.scoring_func", "softmax"), "scoring_func"),
-        (_edit_config("text_config.frobnicate_layers", 3), "frobnicate_layers"),
         (_edit_config("vision_config.num_hidden_layers", 24), "vision_config.num_hidden_layers"),
         (
             _edit_config("text_config.engram_num_embeddings", lambda rows: [rows[0] + 1, *rows[1:]]),
@@ -377,7 +377,32 @@ def test_a_bad_config_fails_before_any_shard_is_opened(
 ) -> None:
     """A bad config value is a ConfigError naming the field, raised before any shard or
     the index is opened: no such open happens, and the shards are garbage anyway."""
-    damaged = Path(shutil.copytree(tiny_dir, tmp_path / "ckpt"))
+    _assert_refused_before_any_shard_is_opened(tiny_dir, tmp_path, monkeypatch, edit, field)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (_edit_config("is_encoder_decoder", True), "^is_encoder_decoder: true is not supported"),
+        (_edit_config("text_config.add_cross_attention", True), "^text_config.add_cross_attention: true"),
+        (_edit_config("text_config.tie_word_embeddings", True), "^tie_word_embeddings: true"),
+        (_edit_config("pad_token_id", 5), "^pad_token_id: the top level says 5"),
+        (_edit_config("quantization_config.activation_scheme", "static"), "quantization_config.activation_scheme"),
+    ],
+)
+def test_a_transformers_written_config_with_an_unsupported_value_fails_before_any_shard_is_opened(
+    hf_written_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: Callable[[dict], None], field: str
+) -> None:
+    """A config written by transformers whose known field (generic or V4.1's, at the top
+    level or in a section) has a value V4.1 cannot mean is refused naming the field,
+    before any shard or the index is opened."""
+    _assert_refused_before_any_shard_is_opened(hf_written_dir, tmp_path, monkeypatch, edit, field)
+
+
+def _assert_refused_before_any_shard_is_opened(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: Callable[[dict], None], field: str
+) -> None:
+    damaged = Path(shutil.copytree(source, tmp_path / "ckpt"))
     raw = json.loads((damaged / "config.json").read_text())
     edit(raw)
     (damaged / "config.json").write_text(json.dumps(raw))
@@ -387,6 +412,27 @@ def test_a_bad_config_fails_before_any_shard_is_opened(
     with pytest.raises(ConfigError, match=field):
         load_checkpoint(damaged)
     assert not [name for name in opened if name.endswith((".safetensors", loader.INDEX_FILE))]
+
+
+def test_a_transformers_written_checkpoint_loads_like_the_released_one(
+    hf_written_dir: Path, full_quantized: LoadedCheckpoint, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The quantised tiny checkpoint with its config.json as transformers writes it
+    loads the same config and tensors; with a field no one knows added, it still loads,
+    and the one warning the load logs names that field exactly once."""
+    checkpoint = load_checkpoint(hf_written_dir)
+    assert checkpoint.config == full_quantized.config
+    assert checkpoint.tensors.keys() == full_quantized.tensors.keys()
+    assert all(torch.equal(checkpoint.tensors[name], t) for name, t in full_quantized.tensors.items())
+    extended = Path(shutil.copytree(hf_written_dir, tmp_path / "ckpt"))
+    raw = json.loads((extended / "config.json").read_text())
+    raw["text_config"]["frobnicate_layers"] = 3
+    (extended / "config.json").write_text(json.dumps(raw))
+    with caplog.at_level(logging.WARNING, logger="model.config"):
+        assert load_checkpoint(extended).config == full_quantized.config
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(messages) == 1 and messages[0].count("frobnicate_layers") == 1
+    assert "text_config.frobnicate_layers" in messages[0]
 
 
 @pytest.mark.parametrize(
