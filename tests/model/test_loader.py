@@ -118,6 +118,20 @@ def test_flash_declarations_follow_the_layer_roles() -> None:
     assert "mtp.1.markov_head.head.weight" not in specs and "mtp.2.main_proj.weight" not in specs
 
 
+@pytest.mark.parametrize("width", [1, 16, 32, 48, 256, 257])
+def test_row_scaled_kinds_declare_one_scale_per_started_group(width: int) -> None:
+    """An Engram table of any width declares ceil(width / 32) E8M0 scales per row; an
+    FP4 expert must hold whole groups of 32 (TP slices split at group boundaries)."""
+    table = TensorSpec("layers.1.engram.embed.weight", (7, width), TensorKind.ENGRAM_TABLE, "core")
+    assert table.quantized_shape == (7, width) and table.scale_shape == (7, -(-width // 32))
+    if width % 32:
+        with pytest.raises(ValueError, match=f"last dim {width} must be a multiple of 32"):
+            TensorSpec("layers.0.ffn.experts.0.w1.weight", (7, width), TensorKind.FP4_EXPERT, "core")
+    else:
+        expert = TensorSpec("layers.0.ffn.experts.0.w1.weight", (7, width), TensorKind.FP4_EXPERT, "core")
+        assert expert.scale_shape == (7, width // 32)
+
+
 # -- round trip ----------------------------------------------------------------------------
 
 
