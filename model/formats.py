@@ -5,7 +5,9 @@ the model's fake quantisation, the cache's packed planes and the checkpoint
 loader/writer alike:
 
 - FP8 E4M3 in blocks of 32 channels with a power-of-two (E8M0) scale: window KV,
-  and (in 32x32 blocks) the FP8 weights.
+  Engram table rows, and (in 32x32 blocks) the FP8 weights. A row whose width 32 does
+  not divide ends in a partial block with a scale of its own, as the weights' edge
+  tiles do (an Engram row of 16 values has one scale).
 - E2M1 (FP4) codes, two per byte, low nibble = even element.
 - MXFP4: E2M1 in blocks of 32 with a power-of-two (E8M0) scale: index query/keys,
   and the FP4 routed experts (blocks along the input dim).
@@ -108,18 +110,40 @@ def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def row_scale_groups(width: int, block: int) -> int:
+    """The scales of a row of ``width`` values in groups of ``block``: ceil(width /
+    block), the last group partial where ``block`` does not divide ``width``."""
+    return -(-width // block)
+
+
+def _pad_last_dim(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` in float32 with zeros appended to its last dim up to a multiple of
+    ``block``. Zeros never raise a group's amax, so a partial group gets the scale
+    of its own values."""
+    pad = (-x.shape[-1]) % block
+    return torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
+
+
 def quantize_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 bytes [..., D] (uint8) and E8M0 scale bytes [..., D / block]."""
-    xb = _blocks(x, block, "quantize_fp8")
+    """E4M3 bytes [..., D] (uint8) and E8M0 scale bytes [..., ceil(D / block)]."""
+    width = x.shape[-1]
+    padded = _pad_last_dim(x, block)
+    xb = _blocks(padded, block, "quantize_fp8")
     scale = pow2_scale(xb.abs().amax(-1, keepdim=True), FP8_E4M3_MAX, FP8_AMAX_FLOOR)
-    values = _to_e4m3(xb / scale).view(torch.uint8).reshape(x.shape)
+    values = _to_e4m3(xb / scale).view(torch.uint8).reshape(padded.shape)[..., :width]
     return values, e8m0_encode(scale.squeeze(-1))
 
 
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     v = values.view(torch.float8_e4m3fn).float()
-    vb = v.reshape(*v.shape[:-1], v.shape[-1] // block, block)
-    return (vb * e8m0_decode(scales).unsqueeze(-1)).reshape(v.shape)
+    width = v.shape[-1]
+    groups = row_scale_groups(width, block)
+    if scales.shape[-1] != groups:
+        raise FormatError(
+            f"dequantize_fp8: {scales.shape[-1]} scales per row of {width} values (expected ceil({width} / {block}) = {groups})"
+        )
+    vb = _pad_last_dim(v, block).reshape(*v.shape[:-1], groups, block)
+    return (vb * e8m0_decode(scales).unsqueeze(-1)).reshape(*v.shape[:-1], groups * block)[..., :width]
 
 
 def round_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:

@@ -15,6 +15,7 @@ formats, dtypes and checkpoints run the two ragged chunkings.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import torch
 from cluster.engine import Engine
 from cluster.request import SamplingParams
 from model.reference import ReferenceModel
+from model.tiny import TINY, make_tiny
 
 EVERY_CHUNKING = ((1,), (2,), (3,), (5,), (16,), (3, 1, 29, 7), (3, 1, 129, 7, 128), None)
 RAGGED = ((3, 1, 29, 7), (3, 1, 129, 7, 128))
@@ -71,6 +73,18 @@ def test_parity_holds_on_the_quantised_and_the_second_checkpoint(tiny_quantized_
     _assert_parity(quantized, _prompt(quantized.config.vocab_size, 200, 9), RAGGED)
     alt = Engine.from_pretrained(tiny_alt_dir, block_size=64, enable_prefix_caching=False, max_num_seqs=4)
     _assert_parity(alt, _prompt(alt.config.vocab_size, 260, 8), RAGGED)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "fp8"])
+@pytest.mark.parametrize("engram_head_dim", [16, 48, 256])
+def test_parity_holds_at_any_engram_width(tmp_path: Path, engram_head_dim: int, quantized: bool) -> None:
+    """A checkpoint whose Engram rows are 16, 48 or 256 wide (FP8 tables with a partial
+    last scale group at 16 and 48) loads, and the paged runtime gives the reference's
+    logits and selections bit for bit."""
+    model_dir = make_tiny(tmp_path, quantized=quantized, spec=dataclasses.replace(TINY, engram_head_dim=engram_head_dim))
+    engine = Engine.from_pretrained(model_dir, block_size=32, enable_prefix_caching=False, max_num_seqs=4)
+    assert engine.config.engram_head_dim == engram_head_dim
+    _assert_parity(engine, _prompt(engine.config.vocab_size, 120, 7), RAGGED)
 
 
 def test_parity_holds_in_bfloat16(tiny_dir: Path) -> None:
