@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 import torch
@@ -147,14 +147,21 @@ class RayOffloadConnector:
         logger.info("offload store back: lookups reach it again")
         return True
 
+    def _answer(self, call: Callable[[], ray.ObjectRef]) -> Any | None:
+        """What ``call``'s ref resolves to within ``call_timeout_s``; None (and a ping
+        sent) when the store is unreachable, at once while it is known to be."""
+        if not self.available:
+            return None
+        try:
+            return ray.get(call(), timeout=self.call_timeout_s)
+        except ray.exceptions.RayError as exc:
+            logger.warning("offload store unreachable (%s): prompts recompute until it is back", type(exc).__name__)
+            self._ping = self.actor.ping.remote()
+            return None
+
     def lookup(self, keys: Sequence[OffloadKey]) -> list[Any | None]:
-        if self.available:
-            try:
-                return ray.get(self.actor.lookup.remote(list(keys)), timeout=self.call_timeout_s)
-            except ray.exceptions.RayError as exc:
-                logger.warning("offload store unreachable (%s): prompts recompute until it is back", type(exc).__name__)
-                self._ping = self.actor.ping.remote()
-        return [None] * len(keys)
+        handles = self._answer(lambda: self.actor.lookup.remote(list(keys)))
+        return handles if handles is not None else [None] * len(keys)
 
     def fetch(self, handle: Any) -> torch.Tensor:
         # No deadline of its own: the step's bounds it, and a store that restarted
@@ -169,9 +176,4 @@ class RayOffloadConnector:
 
     def stats(self) -> dict[str, int] | None:
         """The store's counters, or None while it is unreachable."""
-        if self.available:
-            try:
-                return ray.get(self.actor.stats.remote(), timeout=self.call_timeout_s)
-            except ray.exceptions.RayError:
-                self._ping = self.actor.ping.remote()
-        return None
+        return self._answer(self.actor.stats.remote)

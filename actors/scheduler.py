@@ -49,13 +49,7 @@ class SchedulerActor:
     its own): one lock admits one caller of the engine and the ranks at a time."""
 
     def __init__(
-        self,
-        name: str,
-        model: str,
-        options: EngineOptions,
-        dp: DPLayout,
-        group_options: GroupOptions,
-        placement: GroupPlacement,
+        self, name: str, model: str, options: EngineOptions, dp: DPLayout, group_options: GroupOptions, placement: GroupPlacement
     ) -> None:
         self.group_options = group_options
         self.offload_actor: Any = None
