@@ -75,6 +75,7 @@ from deploy.openai_api import (
     model_not_found,
     now,
     parse_body,
+    replica_lost,
     sse,
     usage,
 )
@@ -598,14 +599,6 @@ def _overloaded() -> OpenAIError:
     )
 
 
-def _replica_lost() -> OpenAIError:
-    """The answer when the LLM server replica serving a call died (what a handle call
-    then raises: RayActorError); Serve replaces it, so a retry can succeed."""
-    return OpenAIError(
-        503, "the LLM server replica serving this request stopped; retry", error_type="server_error", code="replica_lost"
-    )
-
-
 async def _forward(first: str, events: Any) -> AsyncIterator[str]:
     """The LLM server's events; a client that goes away cancels the call, which
     aborts the request and frees its cache. A replica that dies mid-stream ends it
@@ -616,7 +609,7 @@ async def _forward(first: str, events: Any) -> AsyncIterator[str]:
             yield event
     except RayActorError:
         logger.exception("the LLM server replica of a stream died")
-        yield sse(_replica_lost().body())
+        yield sse(replica_lost().body())
         yield SSE_DONE
     finally:
         events.cancel()
@@ -654,7 +647,7 @@ class OpenAIIngress(GenerateServicer):
         try:
             error = await self.llm.health.remote()
         except RayActorError:
-            error = _replica_lost()
+            error = replica_lost()
         return Response(status_code=200) if error is None else _error_response(error)
 
     @api.get("/metrics")
@@ -678,7 +671,7 @@ class OpenAIIngress(GenerateServicer):
             return _error_response(_overloaded())
         except RayActorError:
             logger.exception("the LLM server replica of a request died")
-            return _error_response(_replica_lost())
+            return _error_response(replica_lost())
         return _error_response(result) if isinstance(result, OpenAIError) else JSONResponse(result)
 
 

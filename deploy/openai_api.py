@@ -142,6 +142,14 @@ def request_failed(reason: str) -> OpenAIError:
     return OpenAIError(500, f"Internal server error: {reason}", error_type="server_error", code="request_failed")
 
 
+def replica_lost() -> OpenAIError:
+    """The answer when the LLM server replica serving a call died (what a handle call
+    then raises: RayActorError); Serve replaces it, so a retry can succeed."""
+    return OpenAIError(
+        503, "the LLM server replica serving this request stopped; retry", error_type="server_error", code="replica_lost"
+    )
+
+
 # Every exception error_for answers: a request refused (by this module, the chat
 # protocol, the sampling parameters or the engine), one the engine failed, or an
 # engine that died under it.
