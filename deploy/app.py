@@ -42,7 +42,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from contextlib import aclosing
-from typing import Any, AsyncGenerator, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -79,6 +79,9 @@ from deploy.openai_api import (
     sse,
     usage,
 )
+
+if TYPE_CHECKING:
+    from actors.group import EngineGroup, GroupOptions
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +214,7 @@ class AppArgs:
         options["dtype"] = {"float32": torch.float32, "bfloat16": torch.bfloat16}[options.get("dtype", "float32")]
         return options
 
-    def group_options(self) -> Any:
+    def group_options(self) -> "GroupOptions":
         """``group`` as ``actors.group.GroupOptions``."""
         from actors.group import GroupOptions
 
@@ -245,7 +248,7 @@ def llm_server_placement(args: AppArgs) -> dict[str, Any]:
     """The LLM server's Serve options that give each ``backend: ray`` replica a
     placement group of its own, made and removed by Serve with the replica: bundle 0
     the replica's resources (and its group's zero-resource actors), bundles 1..dp the
-    ranks', STRICT_PACK (the ranks and their driver share a node). None for ``local``."""
+    ranks', STRICT_PACK (the ranks and their driver share a node); none for ``local``."""
     if args.backend != "ray":
         return {}
     ranks = [args.group_options().rank_bundle()] * args.dp
@@ -333,7 +336,7 @@ class LLMServer:
         self.model_name = args.model_name
         engine = make_engine(args)
         # An engine group (backend ray) has processes of its own to watch and release.
-        self._group: Any = engine if args.backend == "ray" else None
+        self._group: "EngineGroup | None" = engine if args.backend == "ray" else None
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.config.vocab_size
