@@ -235,10 +235,11 @@ def _is_count(value: object) -> bool:
 
 def _replica_bundle(ray_actor_options: Mapping[str, Any]) -> dict[str, float]:
     """The first bundle of a ``backend: ray`` replica's placement group: what the
-    replica actor itself reserves (Serve places it there)."""
+    replica actor itself reserves (Serve places it there), as Ray Serve LLM builds it."""
     bundle = {
         "CPU": ray_actor_options.get("num_cpus", SERVE_REPLICA_NUM_CPUS),
         "GPU": ray_actor_options.get("num_gpus", 0),
+        "memory": ray_actor_options.get("memory", 0),
         **ray_actor_options.get("resources", {}),
     }
     return {name: amount for name, amount in bundle.items() if amount}

@@ -96,9 +96,10 @@ def test_a_ray_replica_reserves_its_ranks_in_its_own_placement_group() -> None:
     """Under backend ray each LLM server replica asks Serve for one STRICT_PACK
     placement group: its own resources first, then a bundle per rank (GPUs included);
     a local replica asks for none."""
-    args = AppArgs(backend="ray", dp=2, ray_actor_options={"num_cpus": 0.5, "resources": {"head": 1}}, group={"rank_num_gpus": 1})
+    replica = {"num_cpus": 0.5, "memory": 1 << 30, "resources": {"head": 1}}
+    args = AppArgs(backend="ray", dp=2, ray_actor_options=replica, group={"rank_num_gpus": 1})
     assert llm_server_placement(args) == {
-        "placement_group_bundles": [{"CPU": 0.5, "head": 1}, {"CPU": 0.5, "GPU": 1}, {"CPU": 0.5, "GPU": 1}],
+        "placement_group_bundles": [{"CPU": 0.5, "memory": 1 << 30, "head": 1}, {"CPU": 0.5, "GPU": 1}, {"CPU": 0.5, "GPU": 1}],
         "placement_group_strategy": "STRICT_PACK",
     }
     assert llm_server_placement(AppArgs()) == {}
