@@ -23,11 +23,12 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Mapping, NoReturn
 
 import grpc
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from deploy.openai_api import OpenAIError, bad_request
+from deploy.openai_api import OpenAIError, bad_request, replica_lost
 from deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, Usage
 
 GRPC_SERVICER_FUNCTIONS = ("deploy.proto.generate_pb2_grpc.add_GenerateServiceServicer_to_server",)
@@ -38,6 +39,7 @@ _GRPC_CODES: Mapping[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,
 }
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
@@ -105,6 +107,8 @@ class GenerateServicer:
                 yield response_for(delta)
         except BackPressureError as exc:
             _end(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"every LLM server queue is full; retry later ({exc})")
+        except RayActorError:
+            _refuse(grpc_context, replica_lost())
         finally:
             # A caller that goes away cancels this call; the LLM server then aborts the
             # request and frees its cache.

@@ -12,7 +12,7 @@ and the writers of completion and chat responses, stream chunks, usage and logpr
 
 Must not import: ``ray``, ``fastapi``, ``torch``, ``model``, ``cache``, ``actors``,
 ``deploy.app``. From ``cluster`` only ``cluster.request`` and ``cluster.engine``'s error
-type; from ``deploy.async_engine`` only its error type.
+type; from ``deploy.async_engine`` only its error types.
 
 Choices where the docs are unsure, each made in one place (marked (?) where made):
 - a chat request without ``max_tokens`` gets the rest of the context (vLLM's rule); a
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from cluster.engine import EngineError
 from cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError
-from deploy.async_engine import EngineDeadError
+from deploy.async_engine import EngineDeadError, RequestFailedError
 from deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, parse_assistant_output
 from deploy.chat_protocol import ChatRequestError
 
@@ -136,20 +136,45 @@ def engine_unavailable(reason: str) -> OpenAIError:
     return OpenAIError(503, f"the engine is unavailable: {reason}", error_type="server_error", code="engine_dead")
 
 
+def request_failed(reason: str) -> OpenAIError:
+    """A request the engine ended in error: a 500, as vLLM answers a finish reason of
+    ``error`` (which is not one of OpenAI's)."""
+    return OpenAIError(500, f"Internal server error: {reason}", error_type="server_error", code="request_failed")
+
+
+def replica_lost() -> OpenAIError:
+    """The answer when the LLM server replica serving a call died (what a handle call
+    then raises: RayActorError); Serve replaces it, so a retry can succeed."""
+    return OpenAIError(
+        503, "the LLM server replica serving this request stopped; retry", error_type="server_error", code="replica_lost"
+    )
+
+
 # Every exception error_for answers: a request refused (by this module, the chat
-# protocol, the sampling parameters or the engine) or an engine that died under it.
-REFUSALS: tuple[type[Exception], ...] = (OpenAIError, ChatRequestError, SamplingParamsError, EngineError, EngineDeadError)
+# protocol, the sampling parameters or the engine), one the engine failed, or an
+# engine that died under it.
+REFUSALS: tuple[type[Exception], ...] = (
+    OpenAIError,
+    ChatRequestError,
+    SamplingParamsError,
+    EngineError,
+    EngineDeadError,
+    RequestFailedError,
+)
 
 
 def error_for(exc: Exception) -> OpenAIError:
     """The answer to one of :data:`REFUSALS`: an OpenAIError is its own; a dead engine
     is a 503 ``engine_dead`` (the HTTP layer adds ``Retry-After``: another replica, or
-    this one's replacement, can take the retry); anything the protocol, the sampling
+    this one's replacement, can take the retry); a failed request a 500
+    ``request_failed``; anything the protocol, the sampling
     parameters or the engine refused is a 400 naming the field its message starts with."""
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(str(exc))
+    if isinstance(exc, RequestFailedError):
+        return request_failed(str(exc))
     if isinstance(exc, ChatRequestError):
         return bad_request(exc.field, str(exc))
     if isinstance(exc, (SamplingParamsError, EngineError)):

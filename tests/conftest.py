@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints made once per test session.
+"""Shared fixtures: tiny checkpoints made once per test session, and the SIGKILL of a
+Ray actor by its pid (the fault tests' crash).
 
 The directories are shared by every test of the session: treat them as read-only
 (copy one before tampering with it).
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import os
+import signal
 
 import pytest
 import torch
@@ -101,3 +103,21 @@ def hf_written_dir(tiny_quantized_dir: Path, tmp_path_factory: pytest.TempPathFa
     raw = json.loads((tiny_quantized_dir / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(_transformers_written(raw, "4.57.6"), indent=2))
     return out
+
+
+def _sigkill_actor(name: str) -> int:
+    """SIGKILLs the live Ray actor called ``name`` (in any namespace) by the pid Ray
+    records for it, as a crash would end it; returns the pid. Reads the GCS actor
+    table (the state API would need a dashboard, which the test clusters do not run)."""
+    from ray._private import state
+
+    pids = [a["Pid"] for a in state.actors().values() if a["Name"] == name and a["State"] == "ALIVE"]
+    assert len(pids) == 1, f"live actors named {name!r}: pids {pids}"
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
+
+
+@pytest.fixture(name="sigkill_actor", scope="session")
+def sigkill_actor_fixture() -> Callable[[str], int]:
+    """``sigkill_actor(name)``: SIGKILLs the live Ray actor ``name``; returns its pid."""
+    return _sigkill_actor
