@@ -609,7 +609,9 @@ class BlockManager:
             raise BlockManagerError("invariant: an image PAGE is shared or cached")
         restoring = Counter(b.restoring for b in self._requests.values() if b.restoring is not None)
         if restoring != self._restores:
-            raise BlockManagerError(f"invariant: image holds {dict(self._restores)}, requests restore {dict(restoring)}")
+            raise BlockManagerError(
+                f"invariant: image holds {dict(self._restores)}, requests restoring {dict(restoring)}"
+            )
         for h in self._images:
             if h not in self._page_of_hash:
                 raise BlockManagerError("invariant: an image hangs off no cached PAGE")
@@ -623,7 +625,9 @@ class BlockManager:
             raise BlockManagerError("invariant: the idle image PAGE count is off")
         slots = [blocks.slot for blocks in self._requests.values()] + list(self._free_slots)
         if sorted(slots) != list(range(self.num_slots)):
-            raise BlockManagerError(f"invariant: slots {sorted(slots)} (allowed: each of 0..{self.num_slots - 1} once)")
+            raise BlockManagerError(
+                f"invariant: slots {sorted(slots)} (allowed: each of 0..{self.num_slots - 1} once)"
+            )
 
     # -- internals --------------------------------------------------------------------
 

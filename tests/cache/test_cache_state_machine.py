@@ -322,10 +322,11 @@ class CacheMachine(RuleBasedStateMachine):
 def test_random_cache_operations_keep_every_invariant(
     make_geometry: MakeGeometry, state_transfer: StateTransfer, dtypes: tuple[str, str]
 ) -> None:
-    """Under any sequence of operations: no PAGE is leaked or freed twice, reference
-    counts equal the holders, an evicted PAGE is never referenced, every computed PAGE
-    keeps its rows, a restored image equals the stored bytes (leaving the slot's tails
-    and other slots alone), and an image under another layout_id is refused."""
+    """Under any sequence of operations: the block manager's own check_invariants
+    holds, no PAGE is leaked or freed twice, reference counts equal the holders, an
+    evicted PAGE is never referenced, every computed PAGE keeps its rows, a restored
+    image equals the stored bytes (leaving the slot's tails and other slots alone),
+    and an image under another layout_id is refused."""
     geometry = make_geometry(kv_cache_dtype=dtypes[0], index_cache_dtype=dtypes[1])
     foreign = make_geometry(kv_cache_dtype=dtypes[0], index_cache_dtype=dtypes[1], window=8)
     run_state_machine_as_test(
