@@ -37,7 +37,7 @@ import torch
 
 from model.attention import output_projection, project_query, project_window_kv, query_latent, sparse_attention
 from model.config import V41Config
-from model.linalg import batch_invariant, linear, ordered_sum, pointwise, row_sum
+from model.linalg import batch_invariant, linear, ordered_sum, pointwise
 from model.mhc import collapse, first_pre, run_site
 from model.moe import moe_forward
 from model.norm import rms_norm
@@ -170,9 +170,7 @@ def markov_bias(dspark: DSparkParams, previous: torch.Tensor) -> torch.Tensor:
 def confidence(dspark: DSparkParams, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     """c_k = sigmoid(proj([h_k ; markov_embed[x_{k-1}]])) in fp32, h_k pre-norm [..., hidden]."""
     joined = torch.cat((hidden.float(), dspark.markov_embed[previous].float()), dim=-1)
-    # One output: a per-row dot product (a one-column GEMM's reduction order follows the
-    # row count in MKL, even through linear's fixed tiles).
-    return pointwise(torch.sigmoid, row_sum(joined * dspark.confidence_proj.float()[0]))
+    return pointwise(torch.sigmoid, linear(joined, dspark.confidence_proj.float()).squeeze(-1))
 
 
 @dataclass(frozen=True)
