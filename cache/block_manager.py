@@ -209,11 +209,13 @@ class BlockManager:
 
     # -- prefix lookup ----------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int]) -> PrefixHit:
+    def lookup(self, token_ids: Sequence[int], image_limit: int | None = None) -> PrefixHit:
         """The longest cached prefix of a prompt in whole PAGEs, at most
         floor((len - 1) / block_size) of them so at least one prompt token is
-        computed, and where its forward starts (see ``PrefixHit``). Changes nothing
-        but the lookup counters."""
+        computed, and where its forward starts (see ``PrefixHit``): under COPY the
+        newest image at most ``image_limit`` tokens in (None: any; decoder bounded
+        replay cannot resume above the prompt's tail). Changes nothing but the lookup
+        counters."""
         if len(token_ids) == 0:
             raise BlockManagerError("token_ids: empty prompt (allowed: at least one token)")
         self._lookups += 1
@@ -229,6 +231,8 @@ class BlockManager:
         else:
             forward_start = 0
             for i in reversed(range(len(pages))):
+                if image_limit is not None and (i + 1) * self.block_size > image_limit:
+                    continue
                 image = self.pool.image(hashes[i])
                 if image is not None:
                     forward_start = (i + 1) * self.block_size

@@ -46,24 +46,22 @@ class ScheduledSegment:
     params: SamplingParams
     seed: int
     output_index: int  # how many tokens the request has generated (the sampler's counter)
+    # The request's prompt length: decoder SWA bounded replay runs the decoder on its
+    # last rows (and every row after), in whichever forward computes them.
+    num_prompt_tokens: int
     reset: SlotReset | None = None
     restore: StateImage | None = None
     store_after: StateImage | None = None  # write the slot's image here after the forward
     fetch: tuple[PageFill, ...] = ()  # offloaded PAGEs/images to write before the forward
     publish: tuple[PagePublish, ...] = ()  # PAGEs/images to send to the offload store after it
     want_prompt_logits: bool = False  # return logits of every row (prompt logprobs, parity)
-    # The request's prompt length, whose last rows decoder SWA bounded replay runs
-    # the decoder on in whichever forward computes them (None: not stated; then only a
-    # forward that finishes the prompt and holds those rows runs them).
-    num_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError(f"ScheduledSegment {self.request_id}: no tokens")
-        if self.num_prompt_tokens is not None and self.num_prompt_tokens < 1:
+        if self.num_prompt_tokens < 1:
             raise ValueError(
-                f"ScheduledSegment {self.request_id}: num_prompt_tokens {self.num_prompt_tokens} "
-                "(allowed: None or >= 1)"
+                f"ScheduledSegment {self.request_id}: num_prompt_tokens {self.num_prompt_tokens} (allowed: >= 1)"
             )
         if self.reset is not None and self.restore is not None:
             raise ValueError(f"ScheduledSegment {self.request_id}: reset and restore are exclusive")

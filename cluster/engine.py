@@ -100,9 +100,12 @@ class EngineOptions:
     # (model/linalg.py), so a scheduled run is token for token an uninterrupted one.
     # None: on for the CPU, off on a GPU (it costs GEMM throughput there).
     batch_invariant: bool | None = None
-    # Decoder SWA bounded replay (model/bounded_replay.py): the forward finishing a
-    # prompt runs the decoder on the prompt's last sliding_window rows alone.
-    decoder_swa_bounded_replay: bool = False
+    # Decoder SWA bounded replay (model/bounded_replay.py; the spec's default): the
+    # decoder runs a prompt's last sliding_window rows and the rows after, with windows
+    # cut at that tail, and only the logit rows reach the last layer's attention and
+    # FFN. It changes a prompt's last logits from a full prefill's (the spec's
+    # accuracy note); prompt logits and prompt logprobs always run the full prefill.
+    decoder_swa_bounded_replay: bool = True
     # Offload store of PAGE units and STATE images (0: none): host bytes, then an
     # optional disk tier.
     offload_host_bytes: int = 0
@@ -207,6 +210,7 @@ class RankLayout:
                 state_transfer=StateTransfer(options.state_transfer),
                 enable_prefix_caching=options.enable_prefix_caching,
                 engram_history=config.engram_max_ngram_size - 1,
+                decoder_replay_window=config.sliding_window if options.decoder_swa_bounded_replay else None,
             ),
             block_manager,
             layout_id=self.geometry.layout_id,
@@ -500,6 +504,7 @@ class Engine(EngineFrontend):
                     params=params,
                     seed=0,
                     output_index=0,
+                    num_prompt_tokens=len(prompt),
                     reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
                     want_prompt_logits=True,
                 )

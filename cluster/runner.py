@@ -48,38 +48,24 @@ def decoder_view(seg: ScheduledSegment, window: int) -> tuple[int, int]:
 
     The decoder runs a prompt's tail (model/bounded_replay.py) and every row after
     it, each row in whichever forward computes it, its windows never reaching below
-    the tail. A segment that wants its rows' logits (prompt logprobs, parity checks)
-    runs the full prefill instead: every row. Where the segment states the prompt's
-    length, the rule is applied as it stands: a chunk ending before the tail runs no
-    decoder row, one reaching past it the rows from there, reading the decoder rows
-    its request's earlier forwards wrote. Where it does not, only what the segment
-    shows is known: a forward that does not finish its prompt runs no decoder row; a
-    decode step (one row after the first sampled token) runs its row; the forward
-    finishing a prompt of P tokens (or its recompute after a preemption: P is the end
-    less the tokens generated) must hold the tail and runs it. A slot just reset or
-    restored holds no decoder row of the request: its forward must start at or
-    before the tail.
+    the tail: a chunk ending before the tail runs no decoder row, one reaching past it
+    the rows from there, reading the decoder rows its request's earlier forwards
+    wrote. A segment that wants its rows' logits (prompt logprobs, parity checks)
+    runs the full prefill instead: every row. A slot just reset or restored holds no
+    decoder row of the request: its forward must start at or before the tail (the
+    scheduler resumes no image above it).
     """
     if seg.want_prompt_logits:
         return seg.start, seg.window_start
-    if seg.num_prompt_tokens is not None:
-        tail = tail_start(seg.num_prompt_tokens, window)
-    elif not seg.sample:
-        return seg.end, seg.window_start
-    elif seg.length == 1 and seg.output_index > 0:
-        return seg.start, seg.window_start
-    else:
-        tail = tail_start(seg.end - seg.output_index, window)
+    tail = tail_start(seg.num_prompt_tokens, window)
     first = max(seg.start, tail)
     if first >= seg.end:
         return seg.end, seg.window_start
-    fresh_slot = seg.reset is not None or seg.restore is not None
-    if first > tail and (fresh_slot or seg.num_prompt_tokens is None):
+    if first > tail and (seg.reset is not None or seg.restore is not None):
         raise DecoderReplayError(
             f"request {seg.request_id}: its forward from {seg.start} needs the decoder rows of positions "
             f"[{tail}, {seg.start}) (decoder bounded replay runs the prompt's last {window} rows), which no forward "
             "of its slot computed: the scheduler must start the forward at or before the tail"
-            + ("" if fresh_slot else ", or state num_prompt_tokens on every chunk of the prompt")
         )
     return first, max(seg.window_start, tail)
 

@@ -33,6 +33,7 @@ from cache.offload import OffloadKey, UnitKind
 from cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
 from cluster.offload_connector import OffloadConnector, PageFill, PagePublish
 from cluster.request import Request, RequestStatus
+from model.bounded_replay import tail_start
 
 
 class SchedulerError(ValueError):
@@ -49,6 +50,10 @@ class SchedulerConfig:
     state_transfer: StateTransfer = StateTransfer.REPLAY
     enable_prefix_caching: bool = True
     engram_history: int = 3  # tokens a reset slot's cursor needs before its first row
+    # Decoder SWA bounded replay's window (None: off). Under it a forward resumes from
+    # no image above its prompt's tail: a slot restored there would hold no decoder
+    # row of the tail below the image.
+    decoder_replay_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -181,7 +186,8 @@ class Scheduler:
     def _admit(self, request: Request) -> bool:
         tokens = request.all_token_ids
         bm = self.block_manager
-        hit = bm.lookup(tokens)
+        image_limit = self._image_limit(request)
+        hit = bm.lookup(tokens, image_limit)
         page_handles: list[object] = []
         image_handle = None
         if request.params.prompt_logprobs is not None:
@@ -190,7 +196,7 @@ class Scheduler:
         elif self.offload is not None and bm.has_room(len(tokens), hit):
             # Only a prompt that fits now asks the store: one left waiting would pin
             # units (and make a round trip) at every step.
-            hit, page_handles, image_handle = self._extend_from_offload(self.offload, hit, len(tokens))
+            hit, page_handles, image_handle = self._extend_from_offload(self.offload, hit, len(tokens), image_limit)
         if not bm.allocate_prompt(request.request_id, tokens, hit):
             # A fetched image was taken only with room for it. A local one that does
             # not fit beside the prompt is let go: waiting for it could wait forever.
@@ -216,13 +222,19 @@ class Scheduler:
         )
         return True
 
+    def _image_limit(self, request: Request) -> int | None:
+        """The last boundary an admission may resume an image at (None: any)."""
+        window = self.config.decoder_replay_window
+        return None if window is None else tail_start(request.num_prompt_tokens, window)
+
     def _extend_from_offload(
-        self, offload: OffloadConnector, hit: PrefixHit, num_tokens: int
+        self, offload: OffloadConnector, hit: PrefixHit, num_tokens: int, image_limit: int | None
     ) -> tuple[PrefixHit, list[object], object]:
         """``hit`` extended by the PAGEs the offload store holds right after it (up to
         the first one cached here or missing there), resuming under COPY from the
-        newest offloaded image among them when PAGEs for it are free. Returns the
-        hit, a handle per fetched PAGE and the image's handle (or None)."""
+        newest offloaded image among them (at most ``image_limit`` tokens in) when
+        PAGEs for it are free. Returns the hit, a handle per fetched PAGE and the
+        image's handle (or None)."""
         bm = self.block_manager
         limit = (num_tokens - 1) // self.config.block_size
         wanted: list[bytes] = []
@@ -243,7 +255,8 @@ class Scheduler:
             return hit, [], None
         image_handles = handles[len(wanted) : len(wanted) + len(page_handles)]
         for j in reversed(range(len(image_handles))):
-            if image_handles[j] is None:
+            boundary = (len(hit.pages) + j + 1) * self.config.block_size
+            if image_handles[j] is None or (image_limit is not None and boundary > image_limit):
                 continue
             pages = bm.allocate_pages(self.image_pages, keep=hit)
             if pages is None:
@@ -252,7 +265,7 @@ class Scheduler:
                 layout_id=self.layout_id,
                 pages=tuple(pages),
                 image_bytes=self.image_bytes,
-                num_tokens=(len(hit.pages) + j + 1) * self.config.block_size,
+                num_tokens=boundary,
             )
             extended = bm.extend_hit(hit, len(page_handles), image)
             if bm.has_room(num_tokens, extended):
@@ -292,6 +305,7 @@ class Scheduler:
             params=request.params,
             seed=request.sampling_seed,
             output_index=request.num_output_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
             reset=prep if isinstance(prep, SlotReset) else None,
             restore=prep if isinstance(prep, StateImage) else None,
             store_after=store_after,

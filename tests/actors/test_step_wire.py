@@ -54,6 +54,7 @@ def batch_sequences(draw: st.DrawFn) -> list[ScheduledBatch]:
                     params=draw(st.sampled_from(PARAMS)),
                     seed=draw(st.integers(0, 2**32)),
                     output_index=draw(st.integers(0, 9)),
+                    num_prompt_tokens=draw(st.integers(1, 400)),
                 )
             )
         batches.append(ScheduledBatch(step_id, tuple(segments)))
@@ -74,6 +75,7 @@ def _decode_segment(request_id: str, pages: tuple[int, ...], start: int) -> Sche
     return ScheduledSegment(
         request_id=request_id, slot=0, page_table=pages, start=start, token_ids=(5,), write_from=0,
         window_start=0, sample=True, params=SamplingParams(temperature=0.5, seed=9), seed=1, output_index=start,
+        num_prompt_tokens=start + 1,
     )
 
 

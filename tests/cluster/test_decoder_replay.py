@@ -52,13 +52,11 @@ def _runner(engine: Engine) -> ModelRunner:
     return engine.executor.runner  # type: ignore[attr-defined]
 
 
-def _prefill(
-    engine: Engine, prompt: list[int], chunks: Sequence[int] | None, state_prompt_len: bool
-) -> tuple[list[StepOutput], int]:
+def _prefill(engine: Engine, prompt: list[int], chunks: Sequence[int] | None) -> tuple[list[StepOutput], int]:
     """Feeds ``prompt`` to the runner in ``chunks`` (cycling; None: one chunk), the
-    last one sampling, outside the scheduler; ``state_prompt_len``: every segment
-    states the prompt's length. Returns every forward's StepOutput (the real forward,
-    recorded on its way out) and the slot, which the caller frees with the request."""
+    last one sampling, outside the scheduler. Returns every forward's StepOutput (the
+    real forward, recorded on its way out) and the slot, which the caller frees with
+    the request."""
     runner = _runner(engine)
     outputs: list[StepOutput] = []
     forward = runner.runtime.forward
@@ -90,7 +88,7 @@ def _prefill(
                 seed=0,
                 output_index=0,
                 reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
-                num_prompt_tokens=len(prompt) if state_prompt_len else None,
+                num_prompt_tokens=len(prompt),
             )
             engine.executor.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
             start = end
@@ -138,30 +136,40 @@ def test_paged_replay_equals_the_oracle_at_every_chunking(engine: Engine, chunks
     want = ReferenceModel(engine.params).forward(prompt, decoder_replay=True)
     assert want.tail_start == length - engine.config.sliding_window
     try:
-        outputs, slot = _prefill(engine, prompt, chunks, state_prompt_len=True)
+        outputs, slot = _prefill(engine, prompt, chunks)
         _assert_replay_equals_oracle(engine, prompt, want, outputs, slot)
     finally:
         engine.block_manager.free("replay")
 
 
-def test_a_finishing_forward_holding_its_tail_needs_no_stated_length(engine: Engine) -> None:
-    """Without the prompt's length (what today's scheduler sends) the forward
-    finishing the prompt runs the decoder on the tail it holds, the earlier ones the
-    encoder alone: the same bits as the oracle. One whose first row is past the tail
-    is refused before anything is written: nothing computed the tail's first rows."""
-    prompt = _prompt(engine.config.vocab_size, 300, 8)
-    want = ReferenceModel(engine.params).forward(prompt, decoder_replay=True)
+def test_a_fresh_slot_resuming_above_the_tail_is_refused(engine: Engine) -> None:
+    """A forward that resets (or restores) its slot above the prompt's tail would need
+    decoder rows nothing computed: the runner refuses it before anything is written,
+    naming the positions."""
+    prompt = _prompt(engine.config.vocab_size, 100, 10)
+    bm = engine.block_manager
+    assert bm.allocate_prompt("above-tail", prompt, bm.miss(prompt))
+    start = len(prompt) - engine.config.sliding_window + 4
+    seg = ScheduledSegment(
+        request_id="above-tail",
+        slot=bm.slot("above-tail"),
+        page_table=bm.page_table("above-tail"),
+        start=start,
+        token_ids=tuple(prompt[start:]),
+        write_from=0,
+        window_start=start,
+        sample=True,
+        params=SamplingParams(max_tokens=1, temperature=0.0),
+        seed=0,
+        output_index=0,
+        num_prompt_tokens=len(prompt),
+        reset=SlotReset(position=start, history_token_ids=tuple(prompt[start - 2 : start])),
+    )
     try:
-        outputs, slot = _prefill(engine, prompt, (130, 130, 40), state_prompt_len=False)
-        assert all(out.logits.shape[0] == 0 for out in outputs[:-1])
-        _assert_replay_equals_oracle(engine, prompt, want, outputs, slot)
+        with pytest.raises(DecoderReplayError, match=rf"\[{start - 4}, {start}\)"):
+            engine.executor.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
     finally:
-        engine.block_manager.free("replay")
-    with pytest.raises(DecoderReplayError, match=r"\[268, 290\)"):
-        try:
-            _prefill(engine, prompt, (145, 145, 10), state_prompt_len=False)
-        finally:
-            engine.block_manager.free("replay")
+        bm.free("above-tail")
 
 
 def test_a_short_prompt_replays_as_the_full_prefill(engine: Engine) -> None:
@@ -171,7 +179,7 @@ def test_a_short_prompt_replays_as_the_full_prefill(engine: Engine) -> None:
     full = ReferenceModel(engine.params).forward(prompt)
     for chunks in ((7,), None):
         try:
-            outputs, _ = _prefill(engine, prompt, chunks, state_prompt_len=True)
+            outputs, _ = _prefill(engine, prompt, chunks)
             assert torch.equal(outputs[-1].logits, full.logits[-1:])
         finally:
             engine.block_manager.free("replay")

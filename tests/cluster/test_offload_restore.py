@@ -74,12 +74,14 @@ def test_offload_survives_preemption_pressure_with_unchanged_tokens(tiny_dir: Pa
     without offload (replay hits resume from the same boundaries either way)."""
     vocab = Engine.from_pretrained(tiny_dir, **OPTIONS).config.vocab_size
     shared = _prompt(vocab, 2 * BLOCK, seed=3)
-    prompts = [shared + _prompt(vocab, 9 + i, seed=20 + i) for i in range(4)] + [_prompt(vocab, 70, seed=9)]
+    # Suffixes longer than the window: decoder bounded replay resumes no image above a
+    # prompt's tail, so an image at the shared prefix's end is usable.
+    prompts = [shared + _prompt(vocab, 33 + i, seed=20 + i) for i in range(4)] + [_prompt(vocab, 70, seed=9)]
 
     def run(**extra: object) -> tuple[list[list[int]], Engine]:
-        # Seven PAGEs: one prompt's three beside one image's four, so prompts evict
+        # Eight PAGEs: one prompt's four beside one image's four, so prompts evict
         # each other's prefixes (with more, reclaiming images alone makes room).
-        engine = Engine.from_pretrained(tiny_dir, state_transfer="copy", num_pages=7, **OPTIONS, **extra)
+        engine = Engine.from_pretrained(tiny_dir, state_transfer="copy", num_pages=8, **OPTIONS, **extra)
         outs = []
         for p in prompts + prompts[::-1]:
             outs.append(engine.generate([p], GREEDY)[0].token_ids)
