@@ -9,7 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.request import (
+    MAX_INT64,
     MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     FinishReason,
     Request,
     RequestOutput,
@@ -49,10 +53,21 @@ INVALID_VALUES = [
     ("logprobs", 1.0),
     ("n", 0),
     ("prompt_logprobs", MAX_LOGPROBS + 1),
+    # Beyond int64 (the sampling metadata's type) and beyond the stop check's bounds.
+    ("max_tokens", MAX_INT64 + 1),
+    ("max_tokens", 10**5000),
+    ("top_k", MAX_INT64 + 1),
+    ("n", MAX_INT64 + 1),
+    ("n", 10**5000),
+    ("stop", ["x"] * (MAX_STOP_STRINGS + 1)),
+    ("stop", "x" * (MAX_STOP_STRING_CHARS + 1)),
+    ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
 ]
 
 
-@pytest.mark.parametrize(("field_name", "value"), INVALID_VALUES)
+@pytest.mark.parametrize(
+    ("field_name", "value"), INVALID_VALUES, ids=[f"{name}-{i}" for i, (name, _) in enumerate(INVALID_VALUES)]
+)
 def test_invalid_params_raise_naming_the_field(field_name: str, value: object) -> None:
     """Every out-of-range parameter raises SamplingParamsError whose message starts
     with the field's name and states what is allowed."""
@@ -60,6 +75,8 @@ def test_invalid_params_raise_naming_the_field(field_name: str, value: object) -
         SamplingParams(**{field_name: value})
     assert str(raised.value).startswith(f"{field_name}:")
     assert "must be" in str(raised.value)
+    # A refusal quotes what it refuses, briefly: never a megabyte, never int()'s own error.
+    assert len(str(raised.value)) < 200
 
 
 valid_params = st.builds(
@@ -117,19 +134,41 @@ def test_validate_for_enforces_the_context_limit(max_tokens: int, prompt_len: in
     a refusal names max_tokens and the largest allowed value."""
     params = SamplingParams(max_tokens=max_tokens)
     if prompt_len + max_tokens <= max_model_len:
-        params.validate_for(vocab_size=100, max_model_len=max_model_len, prompt_len=prompt_len)
+        params.validate_for(vocab_size=100, max_model_len=max_model_len, prompt_len=prompt_len, max_num_seqs=8)
     else:
         with pytest.raises(SamplingParamsError, match=r"^max_tokens:.*max_tokens <= "):
-            params.validate_for(vocab_size=100, max_model_len=max_model_len, prompt_len=prompt_len)
+            params.validate_for(vocab_size=100, max_model_len=max_model_len, prompt_len=prompt_len, max_num_seqs=8)
+
+
+@given(top_k=st.integers(-1, 10**30), n=st.integers(1, 10**30), vocab_size=st.integers(1, 1000), max_num_seqs=st.integers(1, 256))
+def test_validate_for_bounds_top_k_by_the_vocabulary_and_n_by_the_batch(
+    top_k: int, n: int, vocab_size: int, max_num_seqs: int
+) -> None:
+    """top_k is accepted exactly when off (-1) or at most the vocabulary, n exactly
+    when at most max_num_seqs (the sequences one step decodes); a refusal names the
+    field and its bound."""
+    if top_k == 0 or top_k > MAX_INT64 or n > MAX_INT64:
+        return
+    params = SamplingParams(top_k=top_k, n=n)
+    try:
+        params.validate_for(vocab_size=vocab_size, max_model_len=10**6, prompt_len=1, max_num_seqs=max_num_seqs)
+    except SamplingParamsError as refused:
+        message = str(refused)
+        if top_k > vocab_size:
+            assert message.startswith("top_k:") and f"1..{vocab_size}" in message
+        else:
+            assert n > max_num_seqs and message.startswith("n:") and f"1..{max_num_seqs}" in message
+    else:
+        assert top_k <= vocab_size and n <= max_num_seqs
 
 
 def test_validate_for_checks_stop_token_ids_and_empty_prompts() -> None:
     """Stop token ids must lie inside the vocabulary; an empty prompt is refused."""
-    SamplingParams(stop_token_ids=[99]).validate_for(vocab_size=100, max_model_len=64, prompt_len=4)
+    SamplingParams(stop_token_ids=[99]).validate_for(vocab_size=100, max_model_len=64, prompt_len=4, max_num_seqs=8)
     with pytest.raises(SamplingParamsError, match=r"^stop_token_ids: \[100\] outside the vocabulary"):
-        SamplingParams(stop_token_ids=[5, 100]).validate_for(vocab_size=100, max_model_len=64, prompt_len=4)
+        SamplingParams(stop_token_ids=[5, 100]).validate_for(vocab_size=100, max_model_len=64, prompt_len=4, max_num_seqs=8)
     with pytest.raises(SamplingParamsError, match=r"^prompt:"):
-        SamplingParams().validate_for(vocab_size=100, max_model_len=64, prompt_len=0)
+        SamplingParams().validate_for(vocab_size=100, max_model_len=64, prompt_len=0, max_num_seqs=8)
 
 
 def test_status_finished_and_finish_reasons() -> None:

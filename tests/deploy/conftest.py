@@ -54,26 +54,21 @@ def _scraped_metric(base_url: str, name: str) -> float:
 @contextmanager
 def _local_serve(app_args: Mapping[str, Any], *, name: str, grpc_port: int | None = None) -> Iterator[str]:
     """``build_app(app_args)`` running as ``name`` at ``/`` on a fresh local Ray of
-    SERVE_CLUSTER_CPUS CPUs, behind Serve's HTTP proxy on a free port (and its gRPC proxy
-    on ``grpc_port``); yields the HTTP base URL. Serve and Ray are shut down on exit,
+    SERVE_CLUSTER_CPUS CPUs, behind Serve's HTTP proxy on a free port (and the ingress's
+    gRPC listener on ``grpc_port``); yields the HTTP base URL. Serve and Ray are shut down on exit,
     also when the start fails."""
     import ray
     from ray import serve
-    from ray.serve.config import gRPCOptions
 
     from deploy.app import build_app, run_app
-    from deploy.grpc_service import GRPC_SERVICER_FUNCTIONS
 
     # Replica workers import the project from this checkout, like the test process.
     ray.init(num_cpus=SERVE_CLUSTER_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
         http_port = _free_port()
-        grpc_options = (
-            None
-            if grpc_port is None
-            else gRPCOptions(port=grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS))
-        )
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options)
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        if grpc_port is not None:
+            app_args = {**app_args, "grpc_port": grpc_port}
         run_app(build_app(app_args), name=name, route_prefix="/", timeout_s=APP_START_TIMEOUT_S)
         yield f"http://127.0.0.1:{http_port}"
     finally:

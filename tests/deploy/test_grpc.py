@@ -197,5 +197,5 @@ def test_client_example_streams_the_http_completion(addresses: tuple[str, str], 
     assert main(["--address", grpc_address, "--prompt", "hello", "--max-tokens", "-3"]) == 2
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
     request = GenerateRequest(text="hello world", max_tokens=7, temperature=0, ignore_eos=True)
-    last = generate(grpc_address, request, io.StringIO(), application="default")
+    last = generate(grpc_address, request, io.StringIO())
     assert last.usage.completion_tokens == whole["usage"]["completion_tokens"]
