@@ -486,7 +486,8 @@ class LLMServer:
         request = CompletionRequest.from_json(body)
         params = request.params()
         sequences = len(request.prompts) * params.n
-        if sequences > self.max_num_seqs:
+        # (n alone past the bound is validate_for's, naming n.)
+        if len(request.prompts) > 1 and sequences > self.max_num_seqs:
             raise bad_request(
                 "prompt",
                 f"prompt: {len(request.prompts)} prompts x n={params.n} = {sequences} sequences "

@@ -8,7 +8,6 @@ Heavy imports happen inside the command that needs them, so ``dsv41 --help`` is 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import logging
 import math
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:
     from cluster.validate import ReplicaFactory, ReplicaShape
+    from deploy.app import AppArgs
 
 DEFAULT_HOME = Path(os.environ.get("DSV41_HOME", Path.home() / ".cache" / "dsv41"))
 SERVE_APP_NAME = "dsv41"
@@ -271,28 +271,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     run_bench_command(args)
 
 
-def listening_addresses(port: int) -> list[str]:
-    """``host:port`` of every TCP socket of this machine listening on ``port`` (read
-    from Linux's /proc/net/tcp and tcp6; empty where they do not exist)."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            local, state = row.split()[1], row.split()[3]
-            address, _, hex_port = local.partition(":")
-            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
-                continue
-            # Each 32-bit word of the address is in host (little-endian) order.
-            raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, len(address), 8))
-            host = ipaddress.ip_address(raw)
-            found.append(f"[{host}]:{port}" if host.version == 6 else f"{host}:{port}")
-    return found
-
-
-def _serve_settings(args: argparse.Namespace) -> tuple[str, int, str, dict]:
+def _serve_settings(args: argparse.Namespace) -> tuple[str, int, str, dict[str, object]]:
     """HTTP host, HTTP port, route prefix and the application's args of `dsv41 serve`:
     the flags, else the config's values (the HTTP host only where the config sets it:
     Serve's own default is every interface), else the defaults, which listen on
@@ -386,8 +365,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         ray.shutdown()
 
 
-def _print_serving(parsed, host: str, port: int, route_prefix: str, grpc_address: str | None) -> None:
+def _print_serving(parsed: "AppArgs", host: str, port: int, route_prefix: str, grpc_address: str | None) -> None:
     """What `dsv41 serve` listens on, read back from the sockets the machine holds."""
+    from deploy.procfs import listening_addresses
+
     base = f"http://{host}:{port}{route_prefix.rstrip('/')}/v1"
     bound = ", ".join(listening_addresses(port)) or "no socket found"
     print(f"serving {parsed.model_name} at {base} (Ctrl-C to stop); HTTP listening on {bound}", flush=True)

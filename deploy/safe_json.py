@@ -112,20 +112,21 @@ def _key_of(text: str, literal: str) -> str | None:
     return None if key is None else key.group(1)
 
 
-def _lone_surrogate_path(value: Any, path: str) -> str | None:
-    """The path of the first string (key or value) holding a lone surrogate."""
+def _lone_surrogate(value: Any, path: str) -> tuple[str, str] | None:
+    """(path, what) of the first string holding a lone surrogate: a value at ``path``
+    or a key of the object at ``path``."""
     if isinstance(value, str):
-        return path if _SURROGATE.search(value) else None
+        return (path, "a lone UTF-16 surrogate") if _SURROGATE.search(value) else None
     if isinstance(value, list):
         for i, item in enumerate(value):
-            found = _lone_surrogate_path(item, f"{path}[{i}]")
+            found = _lone_surrogate(item, f"{path}[{i}]")
             if found is not None:
                 return found
     elif isinstance(value, dict):
         for key, item in value.items():
             if _SURROGATE.search(key):
-                return f"{path} (a key)"
-            found = _lone_surrogate_path(item, f"{path}.{key}" if path else key)
+                return path, "a key holding a lone UTF-16 surrogate"
+            found = _lone_surrogate(item, f"{path}.{key}" if path else key)
             if found is not None:
                 return found
     return None
@@ -146,7 +147,8 @@ def loads(text: str, *, max_depth: int) -> Any:
         raise JSONLimitError(str(refused) if key is None else f"{key}: {refused}", key) from None
     # A lone surrogate arrives only through a \\u escape (or is in the text already).
     if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
-        path = _lone_surrogate_path(value, "")
-        if path is not None:
-            raise JSONLimitError(f"{path or 'the value'}: a lone UTF-16 surrogate (allowed: valid Unicode text)", path or None)
+        found = _lone_surrogate(value, "")
+        if found is not None:
+            path, what = found
+            raise JSONLimitError(f"{path or 'the value'}: {what} (allowed: valid Unicode text)", path or None)
     return value

@@ -1,6 +1,7 @@
 """Helpers shared by the serving tests, as fixtures: a free TCP port for a server to
-listen on, a metric's value read from Prometheus text or from a live ``/metrics``, and
-a live application on a local Ray cluster of its own.
+listen on, this machine's address other than loopback, a metric's value read from
+Prometheus text or from a live ``/metrics``, and a live application on a local Ray
+cluster of its own.
 
 They are fixtures rather than importable functions because ``tests/`` is not a package:
 every directory's ``conftest`` is the same module name, so ``from conftest import ...``
@@ -36,6 +37,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _non_loopback_ip() -> str | None:
+    """This machine's address on its default route (UDP connect sends no packet), if any."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
 
 
 def _metric_value(exposition: str, name: str) -> float:
@@ -80,6 +92,13 @@ def _local_serve(app_args: Mapping[str, Any], *, name: str, grpc_port: int | Non
 def free_port_fixture() -> Callable[[], int]:
     """``free_port()``: a port no socket holds now."""
     return _free_port
+
+
+@pytest.fixture(name="non_loopback_ip", scope="session")
+def non_loopback_ip_fixture() -> str | None:
+    """An address of this machine a listener bound to loopback must refuse (None when
+    the machine has no other)."""
+    return _non_loopback_ip()
 
 
 @pytest.fixture(name="metric_value", scope="session")

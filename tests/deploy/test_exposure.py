@@ -21,7 +21,7 @@ import pytest
 import ray
 import requests
 
-from deploy.cli import listening_addresses
+from deploy.procfs import listening_addresses
 from deploy.proto.generate_pb2 import GenerateRequest
 from deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
@@ -139,27 +139,15 @@ def test_grpc_needs_the_key_as_metadata(addresses: tuple[str, int]) -> None:
     assert chunks[-1].usage.completion_tokens == 2
 
 
-def _non_loopback_ip() -> str | None:
-    """This machine's address on its default route (no packet is sent), if any."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.1", 9))
-        except OSError:
-            return None
-        address = probe.getsockname()[0]
-    return None if address.startswith("127.") else address
-
-
-def test_the_grpc_listener_binds_loopback_only(addresses: tuple[str, int]) -> None:
+def test_the_grpc_listener_binds_loopback_only(addresses: tuple[str, int], non_loopback_ip: str | None) -> None:
     """Unless grpc_host says otherwise the gRPC listener is bound to 127.0.0.1 alone
     (Serve's own gRPC proxy would bind every interface): the kernel's socket table
     lists only that address, and the machine's other address refuses connections."""
     _, grpc_port = addresses
     assert listening_addresses(grpc_port) == [f"127.0.0.1:{grpc_port}"]
-    address = _non_loopback_ip()
-    if address is not None:
+    if non_loopback_ip is not None:
         with pytest.raises(ConnectionRefusedError):
-            socket.create_connection((address, grpc_port), timeout=5).close()
+            socket.create_connection((non_loopback_ip, grpc_port), timeout=5).close()
 
 
 def _kill_llm_server() -> None:
