@@ -4,7 +4,11 @@ Owns: :class:`SamplingParams` (the validated, frozen sampling declaration of one
 request), :class:`RequestStatus` and :class:`FinishReason`, :class:`Request` (the
 mutable per-request record the scheduler owns: tokens, status, cursor, sampling seed,
 collected logprobs and text), :class:`RequestOutput` (the frozen snapshot handed back
-to callers) and :class:`SeedSource` (where a request without a seed gets one).
+to callers) and :class:`SeedSource` (where a request without a seed gets one); and the
+bounds one request's work is held to: those of any engine at construction
+(:data:`MAX_INT64`, the stop limits), those of a given engine in
+``SamplingParams.validate_for`` (vocabulary, ``max_num_seqs``, the context), each cheap
+whatever the values (:func:`short_repr` keeps the refusals short too).
 
 Must not import: torch, tokenizers, ray, ``model``, ``cache``, ``actors``, ``deploy``,
 or the other ``cluster`` modules (they import this one). The text fields are written

@@ -50,6 +50,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.schema import ApplicationStatus
 from ray.serve.handle import DeploymentHandle
@@ -304,7 +305,9 @@ def _sample_index(output: RequestOutput) -> int:
 class LLMServer:
     """One engine per replica; the ingress calls it through a DeploymentHandle. Every
     method answers a refused request with an :class:`OpenAIError` value (not raised:
-    the ingress turns it into the HTTP answer)."""
+    the ingress turns it into the HTTP answer); the endpoints take the ingress's
+    ``request_id`` (Serve's), under which a refusal that hides its reason from the
+    client (a dead engine) is logged."""
 
     def __init__(self, args: AppArgs) -> None:
         self.args = args
@@ -587,9 +590,14 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 @api.exception_handler(Exception)
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    """Anything a route did not answer: logged with its traceback, answered generically."""
+    """Anything a route did not answer: logged with its traceback, answered generically
+    (a call Serve cancelled because its client went away is no failure: nobody reads
+    the answer)."""
     request_id = _request_id(request)
-    logger.error("request %s failed", request_id, exc_info=exc)
+    if isinstance(exc, TaskCancelledError):
+        logger.debug("request %s: cancelled (the client went away)", request_id)
+    else:
+        logger.error("request %s failed", request_id, exc_info=exc)
     return _error_response(internal_error(request_id))
 
 
@@ -605,8 +613,8 @@ def _is_json(content_type: str | None) -> bool:
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 once it passes ``limit`` bytes: by its declared
     length before any byte is read, else while it streams in."""
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+    declared = request.headers.get("content-length")  # the HTTP server refused a malformed one
+    if declared is not None and declared.isdigit() and int(declared) > limit:
         raise payload_too_large(limit)
     chunks, size = [], 0
     async for piece in request.stream():

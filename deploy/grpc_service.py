@@ -27,12 +27,12 @@ import uuid
 from typing import Any, AsyncIterator, Mapping
 
 import grpc
+from google.protobuf.message import DecodeError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from deploy.openai_api import OpenAIError, bad_request, bearer_matches, internal_error, unauthorized
-from deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, Usage
-from deploy.proto.generate_pb2_grpc import add_GenerateServiceServicer_to_server
+from deploy.proto.generate_pb2 import DESCRIPTOR, GenerateRequest, GenerateResponse, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +95,15 @@ class GenerateServicer:
         self.api_key = api_key
 
     async def Generate(  # noqa: N802 - gRPC calls the method named like the RPC
-        self, request: GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: GenerateRequest | DecodeError, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[GenerateResponse]:
         request_id = uuid.uuid4().hex
         if self.api_key is not None:
             metadata = dict(context.invocation_metadata() or ())
             if not bearer_matches(metadata.get("authorization"), self.api_key):
                 await _refuse(context, unauthorized())
+        if isinstance(request, DecodeError):
+            await _refuse(context, bad_request(None, f"the request is not a GenerateRequest: {request}"))
         try:
             body = request_body(request)
         except OpenAIError as error:
@@ -130,15 +132,31 @@ async def _refuse(context: grpc.aio.ServicerContext, error: OpenAIError) -> None
     await context.abort(grpc_code(error), error.message)
 
 
+def _read_request(data: bytes) -> GenerateRequest | DecodeError:
+    """A request off the wire, or why it is not one (invalid UTF-8 in a string, say):
+    handed to ``Generate``, which answers INVALID_ARGUMENT; a deserializer that raised
+    would end the call INTERNAL, a server error for a client's bytes."""
+    try:
+        return GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return exc
+
+
 async def start_generate_server(
     servicer: GenerateServicer, host: str, port: int, max_message_bytes: int
 ) -> tuple[grpc.aio.Server, int]:
     """A started ``grpc.aio`` server of ``servicer`` on ``host:port`` (port 0: any free
     one) that takes messages of at most ``max_message_bytes``; returns it and the port
     it bound. Several ingress replicas of one node share the port (gRPC sets
-    SO_REUSEPORT), the kernel spreading connections over them."""
+    SO_REUSEPORT), the kernel spreading connections over them. The method is registered
+    here rather than by the generated ``add_GenerateServiceServicer_to_server``, for
+    :func:`_read_request`."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
-    add_GenerateServiceServicer_to_server(servicer, server)
+    generate = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=_read_request, response_serializer=GenerateResponse.SerializeToString
+    )
+    service = DESCRIPTOR.services_by_name["GenerateService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {"Generate": generate}),))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_insecure_port(address)
     if not bound:

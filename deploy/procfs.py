@@ -62,12 +62,17 @@ def descendants(pid: int) -> set[int]:
 
 def process_title(pid: int) -> str | None:
     """A process's name: the title it gave itself (Ray's workers: ``ray::...``), else
-    its program's file name."""
+    its program's file name (with the script's, for a Python program)."""
     try:
-        title = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        argv = [part.decode(errors="replace") for part in (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")]
     except OSError:
         return None
-    return title if title.startswith("ray::") else Path(title).name
+    if argv[0].startswith("ray::"):
+        return argv[0]
+    program = Path(argv[0]).name
+    if program.startswith("python") and len(argv) > 1 and argv[1]:
+        return f"{program} {Path(argv[1]).name}"
+    return program
 
 
 def rss_bytes(pid: int) -> int | None:

@@ -22,7 +22,7 @@ import ray
 import requests
 
 from deploy.procfs import listening_addresses
-from deploy.proto.generate_pb2 import GenerateRequest
+from deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse
 from deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
 API_KEY = "test-key-0123456789"
@@ -137,6 +137,17 @@ def test_grpc_needs_the_key_as_metadata(addresses: tuple[str, int]) -> None:
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         chunks = list(stub.Generate(request, metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=120))
     assert chunks[-1].usage.completion_tokens == 2
+
+
+def test_grpc_bytes_that_are_no_request_get_invalid_argument(addresses: tuple[str, int]) -> None:
+    """A message that does not parse as a GenerateRequest (a text field of invalid
+    UTF-8) ends INVALID_ARGUMENT, a client error, not INTERNAL."""
+    _, grpc_port = addresses
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        call = channel.unary_stream("/dsv41.GenerateService/Generate", response_deserializer=GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(call(b"\x0a\x02\xed\xa0", metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in refused.value.details()
 
 
 def test_the_grpc_listener_binds_loopback_only(addresses: tuple[str, int], non_loopback_ip: str | None) -> None:
