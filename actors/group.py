@@ -1,8 +1,9 @@
 """Engine-group lifecycle and the client handle of a group.
 
-Owns ``RankGroup``: the RankActors of one replica in a placement group (one bundle
-per rank, STRICT_PACK), their rendezvous (a free TCP port on the head rank's node,
-every rank joining the process group at once), the step transport of each generation
+Owns ``GroupPlacement`` (which placement group a group's actors go in, and which
+bundle each takes), ``RankGroup``: the RankActors of one replica, one bundle each,
+their rendezvous (a free TCP port on the head rank's node, every rank joining the
+process group at once), the step transport of each generation
 (``GroupOptions.transport``, one of ``actors.transport``), each step gathered with a
 deadline, health pings, and restart: when any rank dies or misses
 the deadline the whole group is torn down and started again (a process group cannot
@@ -10,13 +11,22 @@ lose a member). And ``EngineGroup``, the context-managed client: it starts a
 ``SchedulerActor`` (which owns a RankGroup) and forwards the engine interface to it,
 rebuilding each step's outputs from the deltas the actor sends (``actors.output_wire``).
 
+Lifetimes follow Ray's ownership: the client owns the SchedulerActor, which owns the
+ranks and the OffloadActor, and an actor that is not detached dies with its owner, so
+whatever kills the client or the scheduler takes everything below it along. A
+placement group outlives its creator (until the creator's job ends), so the group never
+creates one it does not remove: the placement is given (a Serve replica's own,
+created and removed by Serve with the replica) or made and removed by the EngineGroup.
+
 Must not import: deploy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import uuid
 from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +61,7 @@ from model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineGroup", "GroupOptions", "RankGroup", "RankGroupDead", "RankGroupFailure", "TRANSPORTS"]
+__all__ = ["EngineGroup", "GroupOptions", "GroupPlacement", "RankGroup", "RankGroupDead", "RankGroupFailure", "TRANSPORTS"]
 
 
 @dataclass(frozen=True)
@@ -85,9 +95,49 @@ class GroupOptions:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"GroupOptions.transport: {self.transport!r} (allowed: {', '.join(TRANSPORTS)})")
 
+    def rank_bundle(self) -> dict[str, float]:
+        """The placement-group bundle one rank takes."""
+        return {"CPU": self.rank_num_cpus} | ({"GPU": self.rank_num_gpus} if self.rank_num_gpus else {})
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where a group's actors run: ``placement_group``, the bundle of each rank
+    (``rank_bundles``, one per rank, each a ``GroupOptions.rank_bundle``), and the bundle
+    the group's zero-resource actors share (``actors_bundle``: the SchedulerActor and the
+    OffloadActor). Whoever made the placement group removes it; removing it also ends
+    every actor placed in it."""
+
+    placement_group: PlacementGroup
+    rank_bundles: tuple[int, ...]
+    actors_bundle: int
+
+    def __post_init__(self) -> None:
+        count = self.placement_group.bundle_count
+        bundles = (*self.rank_bundles, self.actors_bundle)
+        if not self.rank_bundles or any(not isinstance(b, int) or not 0 <= b < count for b in bundles):
+            raise ValueError(
+                f"GroupPlacement: bundles {self.rank_bundles} / {self.actors_bundle} "
+                f"(allowed: at least one rank bundle, each index in 0..{count - 1})"
+            )
+        if len(set(self.rank_bundles)) != len(self.rank_bundles):
+            raise ValueError(f"GroupPlacement.rank_bundles: {self.rank_bundles} (allowed: one bundle per rank, distinct)")
+
+    @classmethod
+    def create(cls, name: str, world: int, options: GroupOptions) -> "GroupPlacement":
+        """A new STRICT_PACK placement group of ``world`` rank bundles (the caller
+        removes it); the zero-resource actors share rank 0's bundle."""
+        group = placement_group([options.rank_bundle()] * world, strategy="STRICT_PACK", name=f"{name}-ranks")
+        return cls(group, tuple(range(world)), 0)
+
+    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.placement_group, placement_group_bundle_index=bundle)
+
 
 class RankGroup:
-    """The RankActors of one replica (a ``DPStepExecutor``).
+    """The RankActors of one replica (a ``DPStepExecutor``), each in its bundle of
+    ``placement`` (which the group only uses: a restart places the new ranks in the
+    same bundles).
 
     ``restart`` ends the generation at once and starts the next one in a background
     thread, so that the step which found the failure returns its error outputs without
@@ -102,18 +152,21 @@ class RankGroup:
         options: EngineOptions,
         dp: DPLayout,
         group_options: GroupOptions,
+        placement: GroupPlacement,
         offload: OffloadConnector | None = None,
     ) -> None:
+        if len(placement.rank_bundles) != dp.world:
+            raise ValueError(f"placement.rank_bundles: {placement.rank_bundles} (allowed: one per rank, {dp.world})")
         self.name = name
         self.model = model
         self.options = options
         self.dp = dp
         self.group_options = group_options
+        self.placement = placement
         self.offload = offload
         self.generation = 0
         self.last_failure: str | None = None
         self.ranks: list[Any] = []
-        self._placement: PlacementGroup | None = None
         self._transport: StepTransport | None = None
         self._packers: list[StepPacker] = []
         self._starter: threading.Thread | None = None
@@ -132,6 +185,11 @@ class RankGroup:
     def starting(self) -> bool:
         """Whether a generation is starting in the background."""
         return self._starter is not None and self._starter.is_alive()
+
+    @property
+    def dead(self) -> bool:
+        """Whether the group can serve no more (a generation failed to start)."""
+        return self._start_error is not None
 
     def start(self) -> None:
         """Places, wires and loads every rank, opens the step transport and runs one
@@ -184,9 +242,7 @@ class RankGroup:
 
     def _open(self) -> None:
         opts = self.group_options
-        bundle = {"CPU": opts.rank_num_cpus} | ({"GPU": opts.rank_num_gpus} if opts.rank_num_gpus else {})
-        self._placement = placement_group([bundle] * self.dp.world, strategy="STRICT_PACK")
-        if not self._placement.wait(opts.start_timeout_s):
+        if not self.placement.placement_group.wait(opts.start_timeout_s):
             raise RankGroupFailure(f"group {self.name}: placement group of {self.dp.world} ranks not ready")
         actor_class = ray.remote(RankActor)
         self.ranks = [
@@ -195,9 +251,7 @@ class RankGroup:
                 num_cpus=opts.rank_num_cpus,
                 num_gpus=opts.rank_num_gpus,
                 max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._placement, placement_group_bundle_index=rank
-                ),
+                scheduling_strategy=self.placement.strategy(self.placement.rank_bundles[rank]),
             ).remote(self.model, self.options, self.dp, rank, self.offload)
             for rank in range(self.dp.world)
         ]
@@ -272,9 +326,6 @@ class RankGroup:
         self.ranks = []
         if transport is not None and ranks_first:
             transport.close()
-        if self._placement is not None:
-            remove_placement_group(self._placement)
-            self._placement = None
 
     def _gather(self, refs: list[ray.ObjectRef], timeout_s: float) -> list[Any]:
         """The calls' results in order, or RankGroupFailure (see ``failing_as``)."""
@@ -286,7 +337,13 @@ class EngineGroup:
     """Client of one engine group: ``with EngineGroup(model, dp=2) as group:``
     starts a SchedulerActor and its ranks, and stops them on exit. ``model`` is a
     checkpoint directory or a generated slice (``model.source.ModelSource``), which
-    every rank loads (its expert shard) on its own device."""
+    every rank loads (its expert shard) on its own device.
+
+    ``name`` prefixes every Ray actor name of the group (``{name}-scheduler``,
+    ``{name}-offload``, ``{name}-g{generation}-rank{i}``): groups that share a Ray
+    namespace need distinct names (the default is a fresh one). ``placement``: the
+    placement group the group runs in, which its caller made and removes (a Serve
+    replica's own); without one the group makes its own and removes it on close."""
 
     def __init__(
         self,
@@ -296,28 +353,42 @@ class EngineGroup:
         expert_mode: str = "ep",
         backend: str = "gloo",
         group_options: GroupOptions = GroupOptions(),
-        name: str = "dsv41",
+        name: str | None = None,
+        placement: GroupPlacement | None = None,
         **engine_options: object,
     ) -> None:
         # actors.scheduler builds on RankGroup above: imported here, not at the top.
         from actors.scheduler import SchedulerActor
 
-        self.name = name
+        self.name = name if name is not None else f"dsv41-{uuid.uuid4().hex[:8]}"
         self.model = str(ModelSource.parse(model))
         self.dp = DPLayout(dp, expert_mode, backend)
         self.options = parse_engine_options(dict(engine_options))
         self.group_options = group_options
+        self._given_placement = placement
+        self._own_placement: PlacementGroup | None = None
         self._actor_class = ray.remote(SchedulerActor)
         self.actor: Any = None
         self._outputs = OutputReceiver()
 
     def __enter__(self) -> "EngineGroup":
         self._outputs = OutputReceiver()
-        self.actor = self._actor_class.options(num_cpus=0, max_concurrency=4).remote(
-            self.name, self.model, self.options, self.dp, self.group_options
-        )
-        ray.get(self.actor.ready.remote())
-        self.config, tokenizer_json, self.max_model_len = ray.get(self.actor.describe.remote())
+        placement = self._given_placement
+        if placement is None:
+            placement = GroupPlacement.create(self.name, self.dp.world, self.group_options)
+            self._own_placement = placement.placement_group
+        try:
+            self.actor = self._actor_class.options(
+                name=f"{self.name}-scheduler",
+                num_cpus=0,
+                max_concurrency=4,
+                scheduling_strategy=placement.strategy(placement.actors_bundle),
+            ).remote(self.name, self.model, self.options, self.dp, self.group_options, placement)
+            ray.get(self.actor.ready.remote())
+            self.config, tokenizer_json, self.max_model_len = ray.get(self.actor.describe.remote())
+        except BaseException:
+            self.close()
+            raise
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         return self
 
@@ -325,10 +396,30 @@ class EngineGroup:
         self.close()
 
     def close(self) -> None:
-        if self.actor is not None:
-            ray.get(self.actor.shutdown.remote())
-            ray.kill(self.actor)
-            self.actor = None
+        """Stops the group and releases what it holds; idempotent. A scheduler that
+        died took its ranks and store along (it owned them); one that does not answer
+        within the start deadline is killed."""
+        actor, self.actor = self.actor, None
+        if actor is not None:
+            try:
+                ray.get(actor.shutdown.remote(), timeout=self.group_options.start_timeout_s)
+            except ray.exceptions.RayError as exc:
+                logger.warning("group %s: the scheduler did not shut down (%s); killing it", self.name, type(exc).__name__)
+            ray.kill(actor)
+        if self._own_placement is not None:
+            remove_placement_group(self._own_placement)
+            self._own_placement = None
+
+    async def check_alive(self) -> None:
+        """Raises RankGroupDead when the group cannot serve: its scheduler is dead or
+        gives no answer within a step's deadline (it answers without waiting for a
+        step), or its ranks could not be started again."""
+        if self.actor is None:
+            raise RankGroupDead(f"group {self.name}: closed")
+        try:
+            await asyncio.wait_for(self.actor.check_health.remote(), self.group_options.step_timeout_s)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            raise RankGroupDead(f"group {self.name}: the scheduler cannot serve ({type(exc).__name__})") from exc
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
         return ray.get(self.actor.generate.remote([list(p) for p in prompts], params))

@@ -10,7 +10,14 @@ the whole group restarts with empty pools, in the background (the failing step r
 its error outputs at once; the next step waits for the new ranks); outputs ended by the
 health loop are handed out by the next ``step``. When the options ask for offload it
 also starts the group's ``OffloadActor``, which outlives rank restarts: a group that
-comes back with empty pools restores prefixes from it.
+comes back with empty pools restores prefixes from it. Ray restarts the OffloadActor
+when its process dies (empty); meanwhile ``RayOffloadConnector`` answers every lookup
+with misses, so prompts are recomputed and the engine serves on.
+
+The actor itself is the group's one point of failure: it holds every request and the
+ranks' bookkeeping, and the ranks and the store die with it (it owns them). A client
+sees it gone through ``check_health`` (``EngineGroup.check_alive``) and replaces the
+whole group; in Serve that is the replica (``deploy.app.LLMServer``).
 
 Must not import: deploy.
 """
@@ -24,7 +31,7 @@ from typing import Any, Sequence
 
 import ray
 
-from actors.group import GroupOptions, RankGroup, RankGroupDead, RankGroupFailure
+from actors.group import GroupOptions, GroupPlacement, RankGroup, RankGroupDead, RankGroupFailure
 from actors.offload import OffloadActor, RayOffloadConnector
 from actors.output_wire import OutputFrame, OutputSender
 from cluster.dp_engine import DPEngine, DPLayout
@@ -42,16 +49,23 @@ class SchedulerActor:
     its own): one lock admits one caller of the engine and the ranks at a time."""
 
     def __init__(
-        self, name: str, model: str, options: EngineOptions, dp: DPLayout, group_options: GroupOptions
+        self, name: str, model: str, options: EngineOptions, dp: DPLayout, group_options: GroupOptions, placement: GroupPlacement
     ) -> None:
         self.group_options = group_options
         self.offload_actor: Any = None
-        offload = None
+        self.offload: RayOffloadConnector | None = None
         if options.offload_host_bytes:
             layout = RankLayout.build(ModelSource.parse(model).config(), options)
+            # Restarted by Ray when its process dies (a cache may come back empty);
+            # calls in flight then fail rather than run twice.
             self.offload_actor = (
                 ray.remote(OffloadActor)
-                .options(name=f"{name}-offload", num_cpus=0)
+                .options(
+                    name=f"{name}-offload",
+                    num_cpus=0,
+                    max_restarts=-1,
+                    scheduling_strategy=placement.strategy(placement.actors_bundle),
+                )
                 .remote(
                     layout.geometry.layout_id,
                     layout.geometry.page_bytes,
@@ -60,10 +74,11 @@ class SchedulerActor:
                     options.offload_disk_bytes,
                 )
             )
-            offload = RayOffloadConnector(self.offload_actor, layout.geometry.layout_id)
-        self.ranks = RankGroup(name, model, options, dp, group_options, offload)
+            self.offload = RayOffloadConnector(self.offload_actor, layout.geometry.layout_id)
+            ray.get(self.offload_actor.ping.remote(), timeout=group_options.start_timeout_s)
+        self.ranks = RankGroup(name, model, options, dp, group_options, placement, self.offload)
         self.ranks.start()
-        self.engine = DPEngine.over(model, dp, self.ranks, options, offload)
+        self.engine = DPEngine.over(model, dp, self.ranks, options, self.offload)
         self.num_health_checks = 0
         self._lock = threading.Lock()
         self._undelivered: list[RequestOutput] = []
@@ -75,6 +90,13 @@ class SchedulerActor:
 
     def ready(self) -> int:
         return self.ranks.generation
+
+    def check_health(self) -> None:
+        """Answers at once (no lock: a step may be running) unless the group is dead
+        (a generation failed to start: RankGroupDead). A failed rank is not a failure
+        here: the group restarts it on its own."""
+        if self.ranks.dead:
+            raise RankGroupDead(f"group {self.ranks.name}: generation {self.ranks.generation} failed to start")
 
     def describe(self) -> tuple[V41Config, str, int]:
         """What a client needs to validate and encode requests: the config, the
@@ -160,7 +182,8 @@ class SchedulerActor:
 
     def stats(self) -> dict[str, Any]:
         """The group's life: its generation, transport, restarts, health checks, the
-        last failure and each rank's PAGE counters."""
+        last failure, each rank's PAGE counters and the offload store's
+        (``RayOffloadConnector.stats``)."""
         with self._lock:
             return {
                 "generation": self.ranks.generation,
@@ -169,7 +192,7 @@ class SchedulerActor:
                 "health_checks": self.num_health_checks,
                 "last_failure": self.ranks.last_failure,
                 "ranks": [vars(s.block_manager.stats()) for s in self.engine.schedulers],
-                "offload": ray.get(self.offload_actor.stats.remote()) if self.offload_actor is not None else None,
+                "offload": self.offload.stats() if self.offload is not None else None,
             }
 
     def rank_names(self) -> list[str]:

@@ -36,9 +36,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--kernel-backend", default="torch")
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument(
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+        help="the engine's batch-invariant mode (default: the engine's, on for the CPU, off on a GPU)",
+    )
     parser.add_argument("--out", default="bench/results/batch_invariance.json")
     args = parser.parse_args()
-    options = dict(ENGINE, dtype=getattr(torch, args.dtype), device=args.device, kernel_backend=args.kernel_backend)
+    options = dict(
+        ENGINE,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        kernel_backend=args.kernel_backend,
+        batch_invariant=args.batch_invariant,
+    )
     engine = Engine.from_pretrained(args.model, **options)
     prompts = workload(engine.config.vocab_size, args.requests, seed=0)
     alone = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]

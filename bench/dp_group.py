@@ -146,6 +146,11 @@ def main() -> None:
         "whose collectives then run on gloo through the host (NCCL refuses two ranks on one device)",
     )
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument(
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+        help="the engines' batch-invariant mode (default: the engine's, on for the CPU, off on a GPU); with it, "
+        "an EP group's logprobs must equal the in-process engine's bit for bit",
+    )
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--out", default="bench/results/dp_group.json")
@@ -160,6 +165,7 @@ def main() -> None:
         dtype=getattr(torch, args.dtype),
         device=args.device,
         kernel_backend=backend,
+        batch_invariant=args.batch_invariant,
     )
 
     reference = Engine.from_pretrained(model, **engine_options)
@@ -208,10 +214,21 @@ def main() -> None:
                 got = staggered(group, prompts)
                 differ = divergences(expected, got)
                 equal = len(expected) - len(differ)
+                logprobs_equal = sum(got[rid].logprobs == out.logprobs for rid, out in expected.items() if rid in got)
                 checks.append(
-                    {"expert_mode": expert_mode, "requests": len(expected), "tokens_equal": equal, "divergences": differ}
+                    {
+                        "expert_mode": expert_mode,
+                        "requests": len(expected),
+                        "tokens_equal": equal,
+                        "logprobs_equal": logprobs_equal,
+                        "divergences": differ,
+                    }
                 )
-                print(f"dp{args.dp} {expert_mode}: {equal}/{len(expected)} requests with the reference's tokens", flush=True)
+                print(
+                    f"dp{args.dp} {expert_mode}: {equal}/{len(expected)} requests with the reference's tokens, "
+                    f"{logprobs_equal} with its logprobs bit for bit",
+                    flush=True,
+                )
                 for d in differ:
                     print(
                         f"  {d['request']} leaves at token {d['index']}: margin {d['reference_margin']:.2e} "

@@ -59,6 +59,10 @@ def add_slice_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights seed")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument(
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+        help="the engine's batch-invariant mode (default: the engine's, on for the CPU, off on a GPU)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None,
         help="torch intra-op threads on the CPU (default 1: on a shared box more threads spin against each other)",
     )
@@ -105,6 +109,7 @@ def build_slice_engine(
         enable_prefix_caching=False,
         kernel_backend=backend,
         device=device,
+        batch_invariant=args.batch_invariant,
     )
     geometry = RankLayout.build(model.config, options).geometry
     # One page more than the requests need: the sizing must never be what preempts.
@@ -164,6 +169,7 @@ def environment(args: argparse.Namespace, engine: Engine, ceilings: dict[str, fl
         "experts": args.experts,
         "seed": args.seed,
         "kernel_backend": backend,
+        "batch_invariant": engine.options.batch_invariant,
         "block_size": engine.options.block_size,
         "kv_cache_dtype": engine.options.kv_cache_dtype,
         "index_cache_dtype": engine.options.index_cache_dtype,

@@ -4,11 +4,21 @@ Owns: opening one torch.distributed process group per rank (gloo on CPU, NCCL on
 from a key-value store (a TCP store at the head rank's free port across processes, a
 hash store among threads of one process), and ``DPExpertExchange``, the MoE of one
 layer when every rank holds an expert shard and its own attention rows: gather every
-rank's rows (padded to the step's largest rank), each rank's routed partial sums over
+rank's rows (padded to the step's largest rank), each rank's routed contributions over
 its experts for all rows in fp32 (through the kernels backend's grouped expert GEMMs),
 the sum across ranks (gloo: all_reduce, it has no reduce_scatter; NCCL: reduce_scatter),
 each rank keeping its own rows, the shared expert on its own rows. Padding rows of an
 idle rank are zero rows that nobody keeps.
+
+What crosses ranks depends on the batch-invariant mode (model/linalg.py). Outside it,
+each rank's partial sum of a row. In it, a row's result must not depend on which rank
+holds which expert: under EP the ranks sum whole (row, slot) contributions, each of
+which one rank computed and the others hold as zeros (so the sum is exact in any
+order), and every rank adds a row's slots in slot order, as one rank holding every
+expert does; under TP the ranks gather each other's slot partials and add them in
+rank order, so every placement of a request gives the same bits (though not a
+one-rank engine's: its down projection reduces the intermediate dimension in one
+GEMM, a TP group in ``world`` pieces).
 
 Must not import: actors, deploy, ray.
 """
@@ -26,7 +36,8 @@ import torch.distributed as dist
 from model.config import V41Config
 from model.kernels.interface import PagedKernels
 from model.kernels.torch_backend import TorchKernels
-from model.moe import expert_ffn, route
+from model.linalg import ordered_sum
+from model.moe import combine_slots, expert_ffn, route
 from model.params import LayerParams
 from model.runtime import ExpertBanks
 
@@ -94,8 +105,11 @@ class DPExpertExchange:
 
     Call ``begin_step`` with every rank's row count (from the step's DPMetadata)
     before the forward; every layer's call then runs the same collectives on every
-    rank, an idle rank contributing zero rows. The rank's routed partial sums run on
-    ``kernels`` (default: the torch reference)."""
+    rank, an idle rank contributing zero rows. The rank's routed contributions run on
+    ``kernels`` (default: the torch reference); ``expert_mode`` is how the experts are
+    split ("ep": whole experts per rank, "tp": an intermediate slice of each);
+    ``batch_invariant`` is the replica's mode, fixed here rather than read from the
+    calling thread because every rank's collectives must have the same shapes."""
 
     def __init__(
         self,
@@ -104,9 +118,15 @@ class DPExpertExchange:
         rank: int,
         backend: str,
         kernels: PagedKernels | None = None,
+        expert_mode: str = "ep",
+        batch_invariant: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise DistributedError(f"backend: {backend!r} (allowed: {', '.join(BACKENDS)})")
+        if expert_mode not in ("ep", "tp"):
+            raise DistributedError(f"expert_mode: {expert_mode!r} (allowed: 'ep', 'tp')")
+        self.expert_mode = expert_mode
+        self.batch_invariant = batch_invariant
         self.config = config
         self.group = group
         self.rank = rank
@@ -139,9 +159,15 @@ class DPExpertExchange:
         valid = torch.cat([torch.arange(r * pad, r * pad + n, device=h.device) for r, n in enumerate(counts)])
         rows = padded[valid]
         routing = route(rows, layer.moe.gate, layer.moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-        partial = torch.zeros(self.world * pad, h.shape[1], dtype=torch.float32, device=h.device)
-        partial[valid] = self.experts.routed(layer, rows, routing)
-        out = self._reduce_own(partial, pad)[: h.shape[0]]
+        slots = self.experts.slots(layer, rows, routing)
+        if not self.batch_invariant:
+            partial = torch.zeros(self.world * pad, h.shape[1], dtype=torch.float32, device=h.device)
+            partial[valid] = combine_slots(slots)
+            out = self._reduce_own(partial, pad)[: h.shape[0]]
+        else:
+            every = slots.new_zeros(self.world * pad, *slots.shape[1:])
+            every[valid] = slots
+            out = combine_slots(self._exact_slot_sum(every, pad)[: h.shape[0]])
         if layer.moe.shared is not None:
             out = out + expert_ffn(h, layer.moe.shared, cfg.swiglu_limit)
         return out.to(h.dtype)
@@ -151,6 +177,15 @@ class DPExpertExchange:
             self.group._allgather_base(gathered.view(-1, own.shape[1]), own).wait()
             return
         self.group.allgather([list(gathered.unbind(0))], [own]).wait()
+
+    def _exact_slot_sum(self, slots: torch.Tensor, pad: int) -> torch.Tensor:
+        """This rank's ``pad`` rows of every rank's (row, slot) contributions [world *
+        pad, k, hidden], summed in an order no placement changes."""
+        if self.expert_mode == "ep":
+            return self._reduce_own(slots.flatten(1), pad).view(pad, *slots.shape[1:])
+        gathered = slots.new_empty(self.world, *slots.shape)
+        self._all_gather(gathered.flatten(2), slots.flatten(1))
+        return ordered_sum(gathered[:, self.rank * pad : (self.rank + 1) * pad].unbind(0))
 
     def _reduce_own(self, partial: torch.Tensor, pad: int) -> torch.Tensor:
         """Sums every rank's partials and returns this rank's ``pad`` rows."""

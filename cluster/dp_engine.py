@@ -98,6 +98,7 @@ class DPRank:
         device: str = "cpu",
         kernels: PagedKernels | None = None,
         offload: OffloadConnector | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.rank = rank
         self.exchange = exchange
@@ -109,6 +110,7 @@ class DPRank:
             moe=exchange,
             kernels=kernels,
             offload=offload,
+            batch_invariant=batch_invariant,
         )
 
     @classmethod
@@ -131,9 +133,20 @@ class DPRank:
         if dp.world > 1:
             if group is None:
                 raise DPError(f"group: None for rank {rank} of a {dp.world}-rank replica (allowed: its process group)")
-            exchange = DPExpertExchange(params.config, group, rank, dp.backend, kernels)
+            exchange = DPExpertExchange(
+                params.config, group, rank, dp.backend, kernels, dp.expert_mode, bool(options.batch_invariant)
+            )
         layout = RankLayout.build(params.config, options)
-        return cls(params, layout, rank, exchange, device=options.device, kernels=kernels, offload=offload)
+        return cls(
+            params,
+            layout,
+            rank,
+            exchange,
+            device=options.device,
+            kernels=kernels,
+            offload=offload,
+            batch_invariant=bool(options.batch_invariant),
+        )
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor) -> StepResult:
         """Runs this rank's batch of a step (padding when it has no rows)."""

@@ -37,6 +37,7 @@ from cluster.scheduler import Scheduler, SchedulerConfig
 from cluster.stopping import StopChecker
 from model.config import V41Config
 from model.kernels import KERNEL_BACKENDS, load_kernels
+from model.linalg import default_batch_invariant
 from model.params import ModelParams
 from model.source import ModelSource
 
@@ -104,6 +105,10 @@ class EngineOptions:
     seed: int = 0
     kernel_backend: str = "torch"  # "torch" (reference, anywhere) | "triton" (GPU) | "aiter" (ROCm)
     device: str = "cpu"  # where weights, pools and the forward live ("cuda", "cuda:1", ...)
+    # Every row computed in an order that does not depend on the step's other rows
+    # (model/linalg.py), so a scheduled run is token for token an uninterrupted one.
+    # None: on for the CPU, off on a GPU (it costs GEMM throughput there).
+    batch_invariant: bool | None = None
     # Offload store of PAGE units and STATE images (0: none): host bytes, then an
     # optional disk tier.
     offload_host_bytes: int = 0
@@ -137,6 +142,14 @@ class EngineOptions:
             )
         if self.offload_host_bytes and not self.enable_prefix_caching:
             raise EngineError("offload_host_bytes: needs enable_prefix_caching (offloaded units are prefix-cache PAGEs)")
+        if self.batch_invariant is None:
+            object.__setattr__(self, "batch_invariant", default_batch_invariant(self.device))
+        if self.batch_invariant and self.kernel_backend == "torch" and not self.device.startswith("cpu"):
+            raise EngineError(
+                f"batch_invariant: True with kernel_backend 'torch' on {self.device!r} (allowed: kernel_backend "
+                "'triton' on a GPU, or the CPU: the torch backend's attention there runs cuBLAS batched GEMMs, "
+                "whose algorithm follows the batch)"
+            )
         for name in ("num_pages", "num_state_slots", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -437,6 +450,7 @@ class Engine(EngineFrontend):
                 device=options.device,
                 kernels=load_kernels(options.kernel_backend),
                 offload=self.offload,
+                batch_invariant=bool(options.batch_invariant),
             )
         )
         logger.info(

@@ -28,6 +28,7 @@ from cluster.offload_connector import OffloadConnector
 from cluster.sampler import Sampler, SamplingMetadata
 from model.device import move_tensors
 from model.kernels.interface import PagedKernels
+from model.linalg import batch_invariant, cpu_threads
 from model.params import LayerParams, ModelParams
 from model.runtime import PagedRuntime
 
@@ -61,6 +62,7 @@ class ModelRunner:
         moe: Callable[[LayerParams, torch.Tensor], torch.Tensor] | None = None,
         kernels: PagedKernels | None = None,
         offload: OffloadConnector | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         config = params.config
         self.offload = offload
@@ -69,7 +71,8 @@ class ModelRunner:
         self.pools = V41Pools(geometry, size, device)
         self.store = PlaneIO(self.pools)
         self.checkpoints = Checkpoints(self.pools)
-        self.runtime = PagedRuntime(params, moe=moe, kernels=kernels)
+        cpu_threads(batch_invariant, device)
+        self.runtime = PagedRuntime(params, moe=moe, kernels=kernels, batch_invariant=batch_invariant)
         self.sampler = Sampler(config.vocab_size)
         self.shape = PoolShape(
             block_size=geometry.block_size,
@@ -136,8 +139,9 @@ class ModelRunner:
         empty = torch.zeros(
             0, self.params.config.hidden_size, dtype=self.params.embed.dtype, device=self.pools.device
         )
-        for layer in self.params.layers:
-            self.runtime.moe(layer, empty)
+        with batch_invariant(self.runtime.batch_invariant):
+            for layer in self.params.layers:
+                self.runtime.moe(layer, empty)
         return StepResult(step_id=step_id)
 
     # -- around the forward -------------------------------------------------------------

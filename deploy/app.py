@@ -26,6 +26,16 @@ Overload is Serve's: each deployment has ``max_ongoing_requests`` and
 full ingress queue is answered 503 by Serve's proxy. Replicas scale through Serve's
 ``autoscaling_config`` on ongoing requests; a replica is a whole engine.
 
+Faults: a replica is the unit Serve replaces. Its health check fails once its engine
+cannot serve (the step loop died, or a ``backend: ray`` group's SchedulerActor is
+gone), and Serve starts a new replica. A ``backend: ray`` replica runs its group in the
+replica's own placement group (``placement_group_bundles``: the replica's resources,
+then one bundle per rank), which Serve creates with the replica and removes when the
+replica stops or dies; the group's actors are owned by the replica, so they die with it
+too, and its actor names carry the replica's id. A request that fails is answered in
+the OpenAI error shape (a stream: an error event, then ``[DONE]``, as vLLM does),
+including when the replica serving it dies (the ingress answers 503).
+
 Resources: an LLM server replica reserves what ``ray_actor_options`` asks (Serve's
 default: one CPU, which its engine's step loop uses); the ingress, which only relays,
 reserves no CPU unless ``ingress_ray_actor_options`` says so. With Serve's default of a
@@ -44,13 +54,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from contextlib import aclosing
-from typing import Any, AsyncGenerator, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Mapping
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import TaskCancelledError
+from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.schema import ApplicationStatus
 from ray.serve.handle import DeploymentHandle
@@ -58,7 +68,7 @@ from starlette.exceptions import HTTPException
 
 from cluster.engine import EngineFrontend, engine_options
 from cluster.request import RequestOutput, SamplingParams
-from deploy.async_engine import AsyncEngine, parent_request_id
+from deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
 from deploy.chat_protocol import PromptEncoder, render_pieces
 from deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
 from deploy.metrics import METRICS_CONTENT_TYPE, ServingMetrics
@@ -83,11 +93,15 @@ from deploy.openai_api import (
     now,
     parse_body,
     payload_too_large,
+    replica_lost,
     sse,
     unauthorized,
     unsupported_media_type,
     usage,
 )
+
+if TYPE_CHECKING:
+    from actors.group import EngineGroup, GroupOptions
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +114,12 @@ RETRY_AFTER_S = 1
 # The ingress parses JSON and relays: like Serve's own proxy it reserves no CPU, so
 # every CPU of a node is left to the engines.
 INGRESS_NUM_CPUS = 0
+# Serve's are 10 s and 30 s. An LLM server's check is one call to its engine, and a
+# replica whose engine died is replaced only once a check sees it.
+DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
+DEFAULT_HEALTH_CHECK_TIMEOUT_S = 30.0
+# Serve's default for a replica's ray_actor_options.
+SERVE_REPLICA_NUM_CPUS = 1
 # Routes an API key may leave open (probes and scrapers rarely carry one).
 OPEN_ROUTES = ("/health", "/metrics")
 LOOPBACK_HOST = "127.0.0.1"
@@ -116,7 +136,10 @@ class AppArgs:
     ``num_replicas`` or ``autoscaling_config`` (Serve's) sizes the LLM servers.
     ``ray_actor_options`` are an LLM server replica's (Serve's defaults: one CPU);
     ``ingress_ray_actor_options`` the ingress's, ``num_cpus`` defaulting to
-    :data:`INGRESS_NUM_CPUS`.
+    :data:`INGRESS_NUM_CPUS`. ``group`` (``backend: ray`` only): the engine group's
+    ``actors.group.GroupOptions`` fields (a rank's CPUs and GPUs, deadlines, the step
+    transport). ``health_check_period_s`` / ``health_check_timeout_s``: Serve's health
+    check of an LLM server replica, which fails once its engine cannot serve.
 
     ``api_key``: when set, required on every route but ``public_routes`` (a subset of
     :data:`OPEN_ROUTES`, all of them by default) and on the gRPC call. ``limits``:
@@ -139,6 +162,9 @@ class AppArgs:
     ingress_max_ongoing_requests: int = 512
     ingress_max_queued_requests: int = 1024
     ingress_ray_actor_options: Mapping[str, Any] = field(default_factory=dict)
+    group: Mapping[str, Any] = field(default_factory=dict)
+    health_check_period_s: float = DEFAULT_HEALTH_CHECK_PERIOD_S
+    health_check_timeout_s: float = DEFAULT_HEALTH_CHECK_TIMEOUT_S
     api_key: str | None = field(default=None, repr=False)
     public_routes: tuple[str, ...] = OPEN_ROUTES
     limits: Mapping[str, Any] = field(default_factory=dict)
@@ -181,6 +207,21 @@ class AppArgs:
         for name in ("ray_actor_options", "ingress_ray_actor_options"):
             if not isinstance(getattr(self, name), Mapping):
                 raise ValueError(f"{name}: {getattr(self, name)!r} (allowed: Ray actor options)")
+        for name in ("health_check_period_s", "health_check_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}: {value!r} (allowed: a positive number of seconds)")
+        if not isinstance(self.group, Mapping):
+            raise ValueError(f"group: {self.group!r} (allowed: a mapping of GroupOptions fields)")
+        if self.group and self.backend != "ray":
+            raise ValueError(f"group: {dict(self.group)!r} needs backend 'ray' (allowed with {self.backend!r}: empty)")
+        if self.backend == "ray":
+            self.group_options()
+            if not _replica_bundle(self.ray_actor_options):
+                raise ValueError(
+                    f"ray_actor_options: {dict(self.ray_actor_options)!r} reserves nothing (allowed with backend "
+                    "'ray': some CPU, GPU or resource, the first bundle of the replica's placement group)"
+                )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key: (allowed: a non-empty string, or null for none)")
         if not isinstance(self.public_routes, (list, tuple)) or not set(self.public_routes) <= set(OPEN_ROUTES):
@@ -218,6 +259,15 @@ class AppArgs:
         options["dtype"] = {"float32": torch.float32, "bfloat16": torch.bfloat16}[options.get("dtype", "float32")]
         return options
 
+    def group_options(self) -> "GroupOptions":
+        """``group`` as ``actors.group.GroupOptions``."""
+        from actors.group import GroupOptions
+
+        unknown = sorted(set(self.group) - set(GroupOptions.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"group: unknown {unknown} (allowed: {sorted(GroupOptions.__dataclass_fields__)})")
+        return GroupOptions(**self.group)
+
     def model_dir(self) -> Path:
         from deploy.cli import default_model_dir
 
@@ -251,18 +301,61 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _replica_bundle(ray_actor_options: Mapping[str, Any]) -> dict[str, float]:
+    """The first bundle of a ``backend: ray`` replica's placement group: what the
+    replica actor itself reserves (Serve places it there), as Ray Serve LLM builds it."""
+    bundle = {
+        "CPU": ray_actor_options.get("num_cpus", SERVE_REPLICA_NUM_CPUS),
+        "GPU": ray_actor_options.get("num_gpus", 0),
+        "memory": ray_actor_options.get("memory", 0),
+        **ray_actor_options.get("resources", {}),
+    }
+    return {name: amount for name, amount in bundle.items() if amount}
+
+
+def llm_server_placement(args: AppArgs) -> dict[str, Any]:
+    """The LLM server's Serve options that give each ``backend: ray`` replica a
+    placement group of its own, made and removed by Serve with the replica: bundle 0
+    the replica's resources (and its group's zero-resource actors), bundles 1..dp the
+    ranks', STRICT_PACK (the ranks and their driver share a node); none for ``local``."""
+    if args.backend != "ray":
+        return {}
+    ranks = [args.group_options().rank_bundle()] * args.dp
+    return {
+        "placement_group_bundles": [_replica_bundle(args.ray_actor_options), *ranks],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
 def make_engine(args: AppArgs) -> EngineFrontend:
-    """The engine of one replica: ``local`` loads it in this process, ``ray`` starts an
-    engine group of RankActors (``actors.group``) that lives as long as the replica."""
+    """The engine of this replica: ``local`` loads it in this process; ``ray`` (inside
+    a Serve replica deployed with :func:`llm_server_placement`) starts an engine group
+    in the replica's placement group, its actors named after the replica
+    (``dsv41-{app}-{replica id}``), so that any number of replicas share a cluster."""
     model_dir = args.model_dir()
     options = args.engine_options()
     if args.backend == "local":
         from cluster.engine import Engine
 
         return Engine.from_pretrained(model_dir, **options)
-    from actors.group import EngineGroup
+    import ray
 
-    group = EngineGroup(str(model_dir), dp=args.dp, expert_mode=args.expert_mode, **options)
+    from actors.group import EngineGroup, GroupPlacement
+
+    placement_group = ray.util.get_current_placement_group()
+    if placement_group is None:
+        raise RuntimeError("backend 'ray': the replica has no placement group (deploy it with llm_server_placement)")
+    context = serve.get_replica_context()
+    placement = GroupPlacement(placement_group, tuple(range(1, args.dp + 1)), 0)
+    group = EngineGroup(
+        str(model_dir),
+        dp=args.dp,
+        expert_mode=args.expert_mode,
+        group_options=args.group_options(),
+        name=f"dsv41-{context.app_name}-{context.replica_tag}",
+        placement=placement,
+        **options,
+    )
     return group.__enter__()
 
 
@@ -313,6 +406,8 @@ class LLMServer:
         self.args = args
         self.model_name = args.model_name
         engine = make_engine(args)
+        # An engine group (backend ray) has processes of its own to watch and release.
+        self._group: "EngineGroup | None" = engine if args.backend == "ray" else None
         self.tokenizer = engine.tokenizer
         self.prompts = PromptEncoder(engine.tokenizer)
         self.limits = args.request_limits()
@@ -324,20 +419,36 @@ class LLMServer:
 
     # -- Serve hooks ------------------------------------------------------------------
 
-    def check_health(self) -> None:
-        """Serve's replica health check: a dead engine makes Serve replace the replica."""
+    async def check_health(self) -> None:
+        """Serve's replica health check (and ``/health``'s): raises EngineDeadError once
+        the step loop has died or the engine group cannot serve (its SchedulerActor is
+        gone, or its ranks could not be started again), and Serve replaces the replica.
+        A group that restarts after a rank failure is healthy: it recovers in place."""
         self.engine.check_health()
+        if self._group is not None:
+            from actors.group import RankGroupDead
+
+            try:
+                await self._group.check_alive()
+            except RankGroupDead as exc:
+                raise EngineDeadError("the engine group cannot serve") from exc
 
     def __del__(self) -> None:
+        """Serve's shutdown hook: stops the step loop, then the engine group."""
         engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        try:
+            if engine is not None:
+                engine.shutdown()
+        finally:
+            group = getattr(self, "_group", None)
+            if group is not None:
+                group.close()
 
     # -- endpoints --------------------------------------------------------------------
 
-    def health(self) -> OpenAIError | None:
+    async def health(self) -> OpenAIError | None:
         try:
-            self.engine.check_health()
+            await self.check_health()
         except REFUSALS as exc:
             return error_for(exc)
         return None
@@ -399,6 +510,7 @@ class LLMServer:
         except REFUSALS as exc:
             # The status line is already sent: the error ends the stream as an event.
             yield sse(error_for(exc, request_id).body())
+            yield SSE_DONE
             return
         if request.include_usage:
             counts = usage(sum(map(len, prompts)), sum(sent_tokens.values()))
@@ -473,6 +585,7 @@ class LLMServer:
         except REFUSALS as exc:
             # The status line is already sent: the error ends the stream as an event.
             yield sse(error_for(exc, request_id).body())
+            yield SSE_DONE
             return
         for event in writer.closing(len(prompt)):
             yield event
@@ -628,14 +741,20 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def _forward(first: str, events: Any, request_id: str) -> AsyncIterator[str]:
     """The LLM server's events; a client that goes away cancels the call, which
     aborts the request and frees its cache. A failure past the status line ends the
-    stream with a generic error event (the details go to the log)."""
+    stream with an error event and ``[DONE]``: a replica that died mid-stream with
+    ``replica_lost``, anything else with a generic error (the details go to the log)."""
     try:
         yield first
         async for event in events:
             yield event
+    except RayActorError:
+        logger.exception("request %s: the LLM server replica of a stream died", request_id)
+        yield sse(replica_lost(request_id).body())
+        yield SSE_DONE
     except Exception:  # noqa: BLE001 - the client gets the generic error, the log the details
         logger.exception("request %s failed while streaming", request_id)
         yield sse(internal_error(request_id).body())
+        yield SSE_DONE
     finally:
         events.cancel()
 
@@ -688,9 +807,14 @@ class OpenAIIngress:
 
     @api.get("/health")
     async def health(self, request: Request) -> Response:
+        """200 while the LLM server replica that answers can serve (its health check
+        passes); 503 in the OpenAI error shape otherwise."""
         if not self._authorized(request):
             return _error_response(unauthorized())
-        error = await self.llm.health.remote()
+        try:
+            error = await self.llm.health.remote()
+        except RayActorError:
+            error = replica_lost(_request_id(request))
         return Response(status_code=200) if error is None else _error_response(error)
 
     @api.get("/metrics")
@@ -725,6 +849,9 @@ class OpenAIIngress:
             return _error_response(error)
         except BackPressureError:
             return _error_response(_overloaded())
+        except RayActorError:
+            logger.exception("request %s: the LLM server replica of a request died", request_id)
+            return _error_response(replica_lost(request_id))
         return _error_response(result) if isinstance(result, OpenAIError) else JSONResponse(result)
 
 
@@ -741,6 +868,9 @@ def build_app(args: Mapping[str, Any] | AppArgs) -> serve.Application:
         max_ongoing_requests=parsed.max_ongoing_requests,
         max_queued_requests=parsed.max_queued_requests,
         ray_actor_options=dict(parsed.ray_actor_options),
+        health_check_period_s=parsed.health_check_period_s,
+        health_check_timeout_s=parsed.health_check_timeout_s,
+        **llm_server_placement(parsed),
         **sizing,
     ).bind(parsed)
     return OpenAIIngress.options(

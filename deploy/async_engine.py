@@ -8,7 +8,12 @@ the per-request asyncio queues its ``RequestOutput`` snapshots are delivered to 
 disconnect, ``aclose``) aborts its request, which frees its PAGEs and STATE slot. An
 exception from ``step`` ends every in-flight request with :class:`EngineDeadError` and
 marks the engine dead for good (a replica's health check then fails and Serve replaces
-it). It also measures each sequence's TTFT, inter-token and end-to-end latency.
+it). A request the engine itself ends in error (finish reason ``error``: its group lost
+a rank and restarts) raises :class:`RequestFailedError` from its stream, and the engine
+serves on. Either is counted as a failed request, never as a finished one. The
+messages of both are fit for a client: what went wrong inside is the error's
+``__cause__`` and the log's. It also measures each sequence's TTFT, inter-token and
+end-to-end latency.
 
 Must not import: ``ray``, ``torch``, ``model``, ``actors``, or the HTTP modules of
 ``deploy`` (``openai_api``, ``app``); from ``deploy`` only ``deploy.metrics``.
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from cluster.engine import EngineError, EngineFrontend
-from cluster.request import RequestOutput, SamplingParams, SamplingParamsError
+from cluster.request import FinishReason, RequestOutput, SamplingParams, SamplingParamsError
 from deploy.metrics import EngineLoad, ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,14 @@ SAMPLE_ID_SEPARATOR = "#"
 
 class EngineDeadError(RuntimeError):
     """The engine's step loop failed; no request can run on this replica any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended this request in error (its group lost a rank, ending every
+    request it ran, and restarts); the engine serves on, so a retry can succeed."""
+
+
+REQUEST_FAILED_MESSAGE = "the engine lost a rank while running this request (its group restarts); retry"
 
 
 class _End:
@@ -189,7 +202,7 @@ class AsyncEngine:
             while True:
                 for command in self._take_commands(block=not self.engine.has_unfinished_requests()):
                     if isinstance(command, _Shutdown):
-                        self._die("the engine was shut down")
+                        self._die("the engine was shut down", None)
                         return
                     if isinstance(command, _Add):
                         self._add(command)
@@ -200,7 +213,7 @@ class AsyncEngine:
                 self.metrics.observe_load(engine_load(self.engine))
         except BaseException as exc:  # noqa: BLE001 - any failure of the engine ends every request
             logger.exception("the engine step loop failed")
-            self._die(f"the engine step loop failed: {type(exc).__name__}: {exc}")
+            self._die("the engine step loop failed", exc)
 
     def _take_commands(self, *, block: bool) -> list[_Command]:
         """Every queued command; waits for the first one only when the engine is idle."""
@@ -243,6 +256,9 @@ class AsyncEngine:
                 )
                 timing.num_tokens = len(output.token_ids)
                 timing.last_token_time = now
+            if output.finish_reason == FinishReason.ERROR:
+                self._fail(request_id, stream)
+                continue
             if output.finished:
                 assert output.finish_reason is not None
                 self.metrics.observe_finished(output.finish_reason.value, now - stream.arrival_time)
@@ -252,17 +268,31 @@ class AsyncEngine:
                 del self._streams[request_id]
                 stream.deliver(_END)
 
-    def _die(self, reason: str) -> None:
+    def _fail(self, request_id: str, stream: _Stream) -> None:
+        """Ends a request one of whose samples the engine ended in error (any
+        sibling still running is aborted: the request fails as a whole)."""
+        del self._streams[request_id]
+        self.engine.abort(request_id)
+        self.metrics.observe_failed()
+        stream.deliver(RequestFailedError(REQUEST_FAILED_MESSAGE))
+
+    def _die(self, reason: str, cause: BaseException | None) -> None:
         """Marks the engine dead and ends every in-flight and queued request."""
         with self._lock:
             self._dead_reason = reason
+
+        def dead() -> EngineDeadError:
+            error = EngineDeadError(reason)
+            error.__cause__ = cause
+            return error
+
         # Metrics before deliveries: a consumer woken by its error may read them at once.
         for stream in self._streams.values():
             self.metrics.observe_failed()
-            stream.deliver(EngineDeadError(reason))
+            stream.deliver(dead())
         self._streams.clear()
         for command in self._take_commands(block=False):
             if isinstance(command, _Add):
                 self.metrics.observe_failed()
-                command.stream.deliver(EngineDeadError(reason))
+                command.stream.deliver(dead())
 

@@ -53,7 +53,7 @@ ASSISTANT = "<｜Assistant｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
-# Every special token a rendered prompt can contain; encode_chat checks that the
+# Every special token a rendered prompt can contain; PromptEncoder checks that the
 # tokenizer carries each as an added token, so it becomes one id, never pieces.
 PROMPT_MARKERS = (BOS, EOS, SYSTEM, USER, ASSISTANT, THINK_START, THINK_END, DSML)
 _MARKER_SPLIT = re.compile("(" + "|".join(map(re.escape, PROMPT_MARKERS)) + ")")

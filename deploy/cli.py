@@ -205,6 +205,8 @@ def cmd_validate(args: argparse.Namespace) -> None:
             backend=backend,
             device=args.device,
             kernel_backend=args.kernel_backend,
+            batch_invariant=args.batch_invariant,
+            dtype=args.dtype,
         )
         with _ray_validation_groups(model, shape) if on_ray else nullcontext(None) as factory:
             report = run_validation(
@@ -442,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: with ray, one GPU per rank")
     p.add_argument("--kernel-backend", choices=("torch", "triton"), default="torch", help="the ranks' kernels")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype of the replicas")
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run every replica in the batch-invariant mode (default; --no-batch-invariant measures the kernels' own "
+        "batch dependence)",
+    )
     p.add_argument(
         "--block-size", type=int, default=32, help="PAGE tokens (the workload scales with it; >= window - 1 for replay)"
     )

@@ -28,10 +28,11 @@ from typing import Any, AsyncIterator, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from deploy.openai_api import OpenAIError, bad_request, bearer_matches, internal_error, unauthorized
+from deploy.openai_api import OpenAIError, bad_request, bearer_matches, internal_error, replica_lost, unauthorized
 from deploy.proto.generate_pb2 import DESCRIPTOR, GenerateRequest, GenerateResponse, Usage
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,9 @@ class GenerateServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "every LLM server queue is full; retry later")
         except grpc.aio.AbortError:
             raise
+        except RayActorError:
+            logger.exception("gRPC request %s: the LLM server replica died", request_id)
+            await _refuse(context, replica_lost(request_id))
         except Exception:  # noqa: BLE001 - the caller gets the generic error, the log the details
             logger.exception("gRPC request %s failed", request_id)
             await _refuse(context, internal_error(request_id))

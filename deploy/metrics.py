@@ -2,7 +2,7 @@
 
 Owns :class:`ServingMetrics`: the metric families (requests running and waiting, PAGE
 usage, prefix-cache hit rate, time to first token, inter-token latency, end-to-end
-latency, prompt and generation tokens, finished and aborted requests), kept in a
+latency, prompt and generation tokens, finished, aborted and failed requests), kept in a
 private ``prometheus_client.CollectorRegistry`` so that several replicas or tests in
 one process never share or collide on a global registry, and :class:`EngineLoad`, the
 snapshot of an engine's queues and cache the gauges show.
@@ -107,7 +107,9 @@ class ServingMetrics:
         )
         self._model_name = model_name
         self.requests_aborted = counter("requests_aborted", "Requests aborted (client gone or cancelled).")
-        self.requests_failed = counter("requests_failed", "Requests ended by an engine error.")
+        self.requests_failed = counter(
+            "requests_failed", "Requests ended by an engine error (a dead engine, or a rank lost under them); never finished."
+        )
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS
         )

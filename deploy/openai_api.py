@@ -20,7 +20,7 @@ log files the details under.
 
 Must not import: ``ray``, ``fastapi``, ``torch``, ``model``, ``cache``, ``actors``,
 ``deploy.app``. From ``cluster`` only ``cluster.request`` and ``cluster.engine``'s error
-type; from ``deploy.async_engine`` only its error type.
+type; from ``deploy.async_engine`` only its error types.
 
 Choices where the docs are unsure, each made in one place (marked (?) where made):
 - a chat request without ``max_tokens`` gets the rest of the context (vLLM's rule); a
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from cluster.engine import EngineError
 from cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError, short_repr
 from deploy import safe_json
-from deploy.async_engine import EngineDeadError
+from deploy.async_engine import EngineDeadError, RequestFailedError
 from deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, parse_assistant_output
 from deploy.chat_protocol import ChatRequestError
 
@@ -150,18 +150,23 @@ def model_not_found(model: str, served: str) -> OpenAIError:
     )
 
 
+def _named(request_id: str | None) -> str:
+    return "" if request_id is None else f" (request id {request_id})"
+
+
 def engine_unavailable(request_id: str | None) -> OpenAIError:
     """A 503 for a dead engine: another replica, or this one's replacement, can take
     the retry. Why it died is in the server's log, not here."""
-    named = "" if request_id is None else f" (request id {request_id})"
-    return OpenAIError(503, f"the engine is unavailable; retry later{named}", error_type="server_error", code="engine_dead")
+    return OpenAIError(
+        503, f"the engine is unavailable; retry later{_named(request_id)}", error_type="server_error", code="engine_dead"
+    )
 
 
 def internal_error(request_id: str | None) -> OpenAIError:
     """A 500 for a failure that is not the request's: what failed is in the server's log."""
     return OpenAIError(
         500,
-        f"internal error; the server's log has the details under request id {request_id}",
+        f"internal error; the server's log has the details{_named(request_id)}",
         error_type="server_error",
         code="internal_error",
     )
@@ -199,22 +204,54 @@ def unsupported_media_type(content_type: str | None) -> OpenAIError:
     )
 
 
+def request_failed(reason: str, request_id: str | None) -> OpenAIError:
+    """A request the engine ended in error: a 500, as vLLM answers a finish reason of
+    ``error`` (which is not one of OpenAI's). ``reason`` is the engine's own fixed
+    message (``deploy.async_engine.REQUEST_FAILED_MESSAGE``), never an exception's."""
+    return OpenAIError(
+        500, f"Internal server error: {reason}{_named(request_id)}", error_type="server_error", code="request_failed"
+    )
+
+
+def replica_lost(request_id: str | None) -> OpenAIError:
+    """The answer when the LLM server replica serving a call died (what a handle call
+    then raises: RayActorError); Serve replaces it, so a retry can succeed."""
+    return OpenAIError(
+        503,
+        f"the LLM server replica serving this request stopped; retry{_named(request_id)}",
+        error_type="server_error",
+        code="replica_lost",
+    )
+
+
 # Every exception error_for answers: a request refused (by this module, the chat
-# protocol, the sampling parameters or the engine) or an engine that died under it.
-REFUSALS: tuple[type[Exception], ...] = (OpenAIError, ChatRequestError, SamplingParamsError, EngineError, EngineDeadError)
+# protocol, the sampling parameters or the engine), one the engine failed, or an
+# engine that died under it.
+REFUSALS: tuple[type[Exception], ...] = (
+    OpenAIError,
+    ChatRequestError,
+    SamplingParamsError,
+    EngineError,
+    EngineDeadError,
+    RequestFailedError,
+)
 
 
 def error_for(exc: Exception, request_id: str | None = None) -> OpenAIError:
     """The answer to one of :data:`REFUSALS`: an OpenAIError is its own; a dead engine
-    is a generic 503 ``engine_dead`` naming ``request_id`` (the HTTP layer adds
-    ``Retry-After``), its reason logged under that id; anything the protocol, the
-    sampling parameters or the engine refused is a 400 naming the field its message
-    starts with."""
+    is a generic 503 ``engine_dead`` (the HTTP layer adds ``Retry-After``: another
+    replica, or this one's replacement, can take the retry) and a failed request a 500
+    ``request_failed``, each naming ``request_id``, the reason logged under it; anything
+    the protocol, the sampling parameters or the engine refused is a 400 naming the
+    field its message starts with."""
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineDeadError):
         logger.error("request %s: the engine is unavailable: %s", request_id, exc)
         return engine_unavailable(request_id)
+    if isinstance(exc, RequestFailedError):
+        logger.error("request %s failed in the engine: %s", request_id, exc)
+        return request_failed(str(exc), request_id)
     if isinstance(exc, ChatRequestError):
         return bad_request(exc.field, str(exc))
     if isinstance(exc, (SamplingParamsError, EngineError)):
@@ -473,7 +510,7 @@ def _check_chat_sizes(body: Mapping[str, Any], limits: RequestLimits) -> None:
 @dataclass(frozen=True)
 class ChatCompletionRequest:
     """A ``/v1/chat/completions`` body: the conversation and its protocol options
-    (rendered by ``deploy.chat_protocol.encode_chat``) and the sampling fields."""
+    (rendered by ``deploy.chat_protocol.render_pieces``) and the sampling fields."""
 
     model: str
     messages: list[Any]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from model.formats import round_fp8
+from model.linalg import grouped_linear, linear, softmax
 from model.norm import rms_norm
 from model.rope import Rope
 
@@ -33,14 +34,14 @@ class AttentionWeights:
 
 def query_latent(x: torch.Tensor, w: AttentionWeights, eps: float) -> torch.Tensor:
     """q_norm(wq_a(x)) [T, q_lora]: shared by the attention query and the index query."""
-    return rms_norm(x @ w.wq_a.t(), w.q_norm, eps)
+    return rms_norm(linear(x, w.wq_a), w.q_norm, eps)
 
 
 def project_query(
     q_latent: torch.Tensor, w: AttentionWeights, heads: int, rope: Rope, positions: torch.Tensor
 ) -> torch.Tensor:
     """rope(wq_b(q_latent)) as [T, heads, head_dim]; V4.1 has no per-head q norm."""
-    q = (q_latent @ w.wq_b.t()).reshape(q_latent.shape[0], heads, -1)
+    q = linear(q_latent, w.wq_b).reshape(q_latent.shape[0], heads, -1)
     return rope.apply(q, positions)
 
 
@@ -48,7 +49,7 @@ def project_window_kv(
     x: torch.Tensor, w: AttentionWeights, eps: float, rope: Rope, positions: torch.Tensor
 ) -> torch.Tensor:
     """FP8(rope(kv_norm(wkv(x)))) [T, head_dim]: one latent is both key and value."""
-    kv = rms_norm(x @ w.wkv.t(), w.kv_norm, eps, out_dtype=torch.float32)
+    kv = rms_norm(linear(x, w.wkv), w.kv_norm, eps, out_dtype=torch.float32)
     return round_fp8(rope.apply(kv, positions)).to(x.dtype)
 
 
@@ -66,7 +67,7 @@ def sparse_attention(
     logits = torch.einsum("thd,tkd->thk", q.float(), kf) * softmax_scale
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
     sink_logits = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-    probs = torch.softmax(torch.cat((logits, sink_logits), dim=-1), dim=-1)[..., :-1]
+    probs = softmax(torch.cat((logits, sink_logits), dim=-1))[..., :-1]
     return torch.einsum("thk,tkd->thd", probs, kf).to(q.dtype)
 
 
@@ -77,5 +78,4 @@ def output_projection(
     tokens = o.shape[0]
     o = rope.apply(o, positions, inverse=True).reshape(tokens, o_groups, -1)
     wo_a = w.wo_a.reshape(o_groups, -1, o.shape[-1])
-    grouped = torch.einsum("tgi,goi->tgo", o, wo_a)
-    return grouped.reshape(tokens, -1) @ w.wo_b.t()
+    return linear(grouped_linear(o, wo_a).reshape(tokens, -1), w.wo_b)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from model.formats import round_mxfp4, round_nvfp4
+from model.linalg import linear, small_sum
 from model.norm import rms_norm
 from model.rope import Rope
 
@@ -48,17 +49,17 @@ def ratio2_projections(x: torch.Tensor, w: CompressorWeights) -> tuple[torch.Ten
     if w.wgate is None:
         raise ValueError("ratio2_projections: this compressor has no wgate (ratio 1)")
     xf = x.float()
-    return xf @ w.wkv.float().t(), xf @ w.wgate.float().t()
+    return linear(xf, w.wkv.float()), linear(xf, w.wgate.float())
 
 
 def pool_pairs(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """v, g [G, 2, D] fp32 -> sum over the pair of v * softmax(g) per channel [G, D]."""
-    return (v * torch.softmax(g, dim=1)).sum(dim=1)
+    return small_sum(v * torch.softmax(g, dim=1), 1).squeeze(1)
 
 
 def ratio1_latent(x: torch.Tensor, w: CompressorWeights) -> torch.Tensor:
     """Ratio 1: the fp32 ``wkv`` weight is cast to the activation dtype."""
-    return x @ w.wkv.to(x.dtype).t()
+    return linear(x, w.wkv.to(x.dtype))
 
 
 def finish_entries(
@@ -74,6 +75,6 @@ def finish_entries(
     ``entry_positions`` are the RoPE positions: a group's first token (2j at ratio 2, j
     at ratio 1)."""
     latent = rms_norm(pooled, w.norm, eps, out_dtype=torch.float32)
-    key = rms_norm(latent.to(dtype) @ w.index_wk.t(), w.index_k_norm, eps, out_dtype=torch.float32)
+    key = rms_norm(linear(latent.to(dtype), w.index_wk), w.index_k_norm, eps, out_dtype=torch.float32)
     index_keys = round_mxfp4(rope.apply(key, entry_positions)).to(dtype)
     return CompressedEntries(kv_unrounded=rope.apply(latent, entry_positions), index_keys=index_keys, dtype=dtype)

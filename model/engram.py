@@ -26,7 +26,8 @@ import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
 from model.config import ConfigError, V41Config
-from model.formats import FP8_BLOCK, dequantize_fp8
+from model.formats import FP8_BLOCK, dequantize_fp8, row_scale_groups
+from model.linalg import linear, pointwise, row_mean, row_sum
 
 DEAD: int = -1  # a history slot before the sequence start (the STATE cursor's sentinel)
 
@@ -359,8 +360,9 @@ class EngramTable:
     """One layer's table rows on the host, never copied whole.
 
     ``values`` are either float rows ``[rows, head_dim]`` (``scales`` None) or FP8 E4M3
-    bytes with E8M0 ``scales`` ``[rows, head_dim / 32]``; either may be a read-only
-    tensor over a numpy memmap. Only the gathered rows are read and dequantised.
+    bytes with E8M0 ``scales`` ``[rows, ceil(head_dim / 32)]`` (a head_dim that 32 does
+    not divide ends each row in a partial group with its own scale); either may be a
+    read-only tensor over a numpy memmap. Only the gathered rows are read and dequantised.
     """
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor | None) -> None:
@@ -368,11 +370,9 @@ class EngramTable:
             raise ValueError(f"values: shape {tuple(values.shape)} (allowed: [rows, head_dim])")
         num_rows, head_dim = values.shape
         if values.dtype in _FP8_VALUE_DTYPES:
+            expected = (num_rows, row_scale_groups(head_dim, FP8_BLOCK))
             if scales is None:
-                raise ValueError("scales: None, but values are FP8 bytes (allowed: E8M0 bytes [rows, head_dim / 32])")
-            if head_dim % FP8_BLOCK:
-                raise ValueError(f"values: head_dim {head_dim} is not a multiple of the FP8 block {FP8_BLOCK}")
-            expected = (num_rows, head_dim // FP8_BLOCK)
+                raise ValueError(f"scales: None, but values are FP8 bytes (allowed: E8M0 bytes {expected})")
             if scales.dtype not in _E8M0_SCALE_DTYPES or tuple(scales.shape) != expected:
                 raise ValueError(
                     f"scales: {scales.dtype} {tuple(scales.shape)} (allowed: uint8 or float8_e8m0fnu {expected})"
@@ -439,12 +439,12 @@ def engram_update(
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(weight.shape) != (hc, hidden):
             raise ValueError(f"{name}: shape {tuple(weight.shape)} (allowed: [{hc}, {hidden}])")
-    projected = (embeddings.to(wkv.dtype) @ wkv.t()).float()
+    projected = linear(embeddings.to(wkv.dtype), wkv).float()
     keys = projected[:, : hc * hidden].reshape(tokens, hc, hidden)
     value = projected[:, hc * hidden :].unsqueeze(1)
     h = streams.float()
-    dot = (h * q_weight.float() * k_weight.float() * keys).sum(-1)
-    dot = dot * torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(keys.square().mean(-1) + eps)
+    dot = row_sum(h * q_weight.float() * k_weight.float() * keys)
+    dot = dot * torch.rsqrt(row_mean(h.square()) + eps) * torch.rsqrt(row_mean(keys.square()) + eps)
     dot = dot / math.sqrt(hidden)
-    gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(_GATE_DOT_FLOOR)))
+    gate = pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(_GATE_DOT_FLOOR)))
     return (h + gate.unsqueeze(-1) * value).to(streams.dtype)

@@ -5,7 +5,9 @@ the model's fake quantisation, the cache's packed planes and the checkpoint
 loader/writer alike:
 
 - FP8 E4M3 in blocks of 32 channels with a power-of-two (E8M0) scale: window KV,
-  and (in 32x32 blocks) the FP8 weights.
+  Engram table rows, and (in 32x32 blocks) the FP8 weights. A row whose width 32 does
+  not divide ends in a partial block with a scale of its own, as the weights' edge
+  tiles do (an Engram row of 16 values has one scale).
 - E2M1 (FP4) codes, two per byte, low nibble = even element.
 - MXFP4: E2M1 in blocks of 32 with a power-of-two (E8M0) scale: index query/keys,
   and the FP4 routed experts (blocks along the input dim).
@@ -55,8 +57,27 @@ def _blocks(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
 
 
 def pow2_scale(amax: torch.Tensor, grid_max: float, floor: float) -> torch.Tensor:
-    """2^ceil(log2(max(amax, floor) / grid_max)): the E8M0 scale of a block."""
-    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(floor) / grid_max)))
+    """2^ceil(log2(max(amax, floor) / grid_max)): the E8M0 scale of a block, with the
+    log2 rounded to float32 before the ceiling (as the published model's torch.log2
+    gives it), computed from y's bits instead of a log2 whose last bit depends on the
+    library and on where an element sits in a vectorised loop.
+
+    For y = 2^e (1 + f), float32 rounds e + log2(1 + f) down to e when log2(1 + f) is
+    under half the float32 gap above e, 2^g, and the scale is then 2^e, not 2^(e+1):
+    that is f * 2^23 <= ln2 * 2^(g + 23) on f's grid of 2^-23 (never within 0.09 of an
+    integer for the exponents a block scale reaches). model/kernels/triton/store.py's
+    pow2_exponent is the same derivation in a kernel."""
+    y = amax.float().clamp_min(floor) / grid_max
+    bits = y.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    f_bits = bits & 0x7FFFFF
+    magnitude_bits = e.abs().float().view(torch.int32)
+    magnitude_exponent = ((magnitude_bits >> 23) & 0xFF) - 127
+    negative_power_of_two = (e < 0) & ((magnitude_bits & 0x7FFFFF) == 0)
+    g = magnitude_exponent - 24 - negative_power_of_two.to(torch.int32)
+    threshold = 0.6931471805599453 * ((g + 23 + 127) << 23).view(torch.float32)
+    rounds_up = torch.where(e == 0, f_bits > 0, f_bits.float() > threshold)
+    return ((e + rounds_up.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 # -- E8M0 ---------------------------------------------------------------------------
@@ -89,18 +110,40 @@ def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def row_scale_groups(width: int, block: int) -> int:
+    """The scales of a row of ``width`` values in groups of ``block``: ceil(width /
+    block), the last group partial where ``block`` does not divide ``width``."""
+    return -(-width // block)
+
+
+def _pad_last_dim(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` in float32 with zeros appended to its last dim up to a multiple of
+    ``block``. Zeros never raise a group's amax, so a partial group gets the scale
+    of its own values."""
+    pad = (-x.shape[-1]) % block
+    return torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
+
+
 def quantize_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 bytes [..., D] (uint8) and E8M0 scale bytes [..., D / block]."""
-    xb = _blocks(x, block, "quantize_fp8")
+    """E4M3 bytes [..., D] (uint8) and E8M0 scale bytes [..., ceil(D / block)]."""
+    width = x.shape[-1]
+    padded = _pad_last_dim(x, block)
+    xb = _blocks(padded, block, "quantize_fp8")
     scale = pow2_scale(xb.abs().amax(-1, keepdim=True), FP8_E4M3_MAX, FP8_AMAX_FLOOR)
-    values = _to_e4m3(xb / scale).view(torch.uint8).reshape(x.shape)
+    values = _to_e4m3(xb / scale).view(torch.uint8).reshape(padded.shape)[..., :width]
     return values, e8m0_encode(scale.squeeze(-1))
 
 
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     v = values.view(torch.float8_e4m3fn).float()
-    vb = v.reshape(*v.shape[:-1], v.shape[-1] // block, block)
-    return (vb * e8m0_decode(scales).unsqueeze(-1)).reshape(v.shape)
+    width = v.shape[-1]
+    groups = row_scale_groups(width, block)
+    if scales.shape[-1] != groups:
+        raise FormatError(
+            f"dequantize_fp8: {scales.shape[-1]} scales per row of {width} values (expected ceil({width} / {block}) = {groups})"
+        )
+    vb = _pad_last_dim(v, block).reshape(*v.shape[:-1], groups, block)
+    return (vb * e8m0_decode(scales).unsqueeze(-1)).reshape(*v.shape[:-1], groups * block)[..., :width]
 
 
 def round_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from model.config import LayerTopology, V41Config
 from model.formats import round_mxfp4
+from model.linalg import linear, ordered_sum, tiled_dots
 from model.rope import Rope
 
 EMPTY = -1  # an unused selection slot
@@ -36,23 +37,22 @@ def index_query(
     positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(MXFP4(rope(wq_b(q_latent))) [T, Hi, Di] fp32, head weights [T, Hi] fp32)."""
-    q = (q_latent @ w.wq_b.t()).reshape(q_latent.shape[0], n_heads, -1)
+    q = linear(q_latent, w.wq_b).reshape(q_latent.shape[0], n_heads, -1)
     q = round_mxfp4(rope.apply(q.float(), positions))
     head_dim = q.shape[-1]
-    weights = (x @ w.weights_proj.t()).float() * (head_dim**-0.5 * n_heads**-0.5)
+    weights = linear(x, w.weights_proj).float() * (head_dim**-0.5 * n_heads**-0.5)
     return q, weights
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """score(s, t) = sum_h w_h * ReLU(q_h . k_t) in fp32.
+    """score(s, t) = sum_h w_h * ReLU(q_h . k_t) in fp32, the heads added in head order.
 
     keys [C, Di] (every row scores the same keys) or [T, K, Di] (each row its own)."""
     kf = keys.float()
     if kf.dim() == 2:
-        dots = torch.einsum("thd,cd->thc", q, kf)
-    else:
-        dots = torch.einsum("thd,tkd->thk", q, kf)
-    return torch.einsum("th,thc->tc", head_weights, torch.relu(dots))
+        kf = kf.unsqueeze(0).expand(q.shape[0], -1, -1)
+    dots = torch.relu(tiled_dots(q, kf))
+    return ordered_sum(head_weights[:, h : h + 1] * dots[:, h] for h in range(dots.shape[1]))
 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:

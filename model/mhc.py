@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from model.config import V41Config
+from model.linalg import linear, ordered_sum, pointwise, row_mean, small_sum, softmax
 from model.norm import rms_norm
 
 
@@ -50,11 +51,11 @@ class HcSite:
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Softmax over the last dim (+eps), divide by column sums (+eps), then
     ``iters - 1`` rounds of row- then column-normalisation."""
-    m = torch.softmax(logits.float(), dim=-1) + eps
-    m = m / (m.sum(-2, keepdim=True) + eps)
+    m = softmax(logits.float()) + eps
+    m = m / (small_sum(m, -2) + eps)
     for _ in range(iters - 1):
-        m = m / (m.sum(-1, keepdim=True) + eps)
-        m = m / (m.sum(-2, keepdim=True) + eps)
+        m = m / (small_sum(m, -1) + eps)
+        m = m / (small_sum(m, -2) + eps)
     return m
 
 
@@ -71,12 +72,12 @@ def hc_mix(
     """The site function: streams [T, hc, hidden] -> (pre, post, comb)."""
     tokens, hc, _ = streams.shape
     flat = streams.reshape(tokens, -1).float()
-    m = (flat @ fn.float().t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    m = linear(flat, fn.float()) * torch.rsqrt(row_mean(flat.pow(2), keepdim=True) + norm_eps)
     s = scale.float()
     scales = torch.cat((s[0].expand(hc), s[1].expand(hc), s[2].expand(hc * hc)))
     logits = base.float() + m * scales
-    pre = torch.sigmoid(logits[:, :hc]) + hc_eps
-    post = 2 * torch.sigmoid(logits[:, hc : 2 * hc])
+    pre = pointwise(torch.sigmoid, logits[:, :hc]) + hc_eps
+    post = 2 * pointwise(torch.sigmoid, logits[:, hc : 2 * hc])
     comb = sinkhorn(logits[:, 2 * hc :].reshape(tokens, hc, hc), sinkhorn_iters, hc_eps)
     return HcMix(pre=pre, post=post, comb=comb)
 
@@ -89,14 +90,17 @@ def first_pre(tokens: int, hc: int, device: torch.device | None = None) -> torch
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """x = sum_i pre[i] * streams[i], kept in fp32 for the RMSNorm that follows."""
-    return torch.einsum("th,thd->td", pre, streams.float())
+    """x = sum_i pre[i] * streams[i] (streams in order), kept in fp32 for the RMSNorm
+    that follows."""
+    return ordered_sum(pre[:, i : i + 1] * streams[:, i].float() for i in range(streams.shape[1]))
 
 
 def expand(streams: torch.Tensor, y: torch.Tensor, mix: HcMix) -> torch.Tensor:
     """streams'[o] = post[o] * y + sum_i comb[i, o] * streams[i]."""
     out = mix.post.unsqueeze(-1) * y.float().unsqueeze(1)
-    out = out + torch.einsum("tio,tid->tod", mix.comb, streams.float())
+    streams_f = streams.float()
+    mixed = ordered_sum(mix.comb[:, i, :, None] * streams_f[:, i, None, :] for i in range(streams.shape[1]))
+    out = out + mixed
     return out.to(streams.dtype)
 
 

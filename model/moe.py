@@ -1,10 +1,12 @@
 """The V4.1 mixture of experts: sqrt-softplus routing with a correction bias, clamped
 SwiGLU experts and one always-on shared expert (MODEL_FACTS section 5).
 
-Owns routing and expert arithmetic. ``routed_experts`` sums only the experts a rank
-holds, so an expert-parallel or tensor-parallel rank returns its partial sum and the
-collective that joins ranks adds them; partial sums are fp32 so that the order of
-that addition does not change the result beyond fp32 rounding.
+Owns routing and expert arithmetic. A row's routed output is the sum of its top-k
+slots' weighted expert outputs, added in slot order (``combine_slots``), so it does not
+depend on which experts sit in which call or on which rank: ``routed_expert_slots``
+gives each (row, slot) the contribution of the experts a rank holds (zero where the
+slot's expert is elsewhere), so expert-parallel ranks can exchange whole slots and
+combine them in the same order as one rank holding every expert.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -15,6 +17,8 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+
+from model.linalg import linear, ordered_sum, pointwise, small_sum
 
 
 @dataclass(frozen=True)
@@ -41,32 +45,46 @@ class Routing:
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
     """s = sqrt(softplus(x @ gate^T)) in fp32; choose top-k of s + bias; weights are
     s at the chosen experts over their sum, times ``scaling``."""
-    scores = torch.sqrt(F.softplus(x.float() @ gate.float().t()))
+    scores = torch.sqrt(pointwise(F.softplus, linear(x.float(), gate.float())))
     chosen = torch.topk(scores + bias.float(), top_k, dim=-1).indices
     picked = torch.gather(scores, 1, chosen)
-    weights = picked / (picked.sum(-1, keepdim=True) + 1e-20) * scaling
+    weights = picked / (small_sum(picked, -1) + 1e-20) * scaling
     return Routing(weights=weights, expert_ids=chosen)
 
 
 def expert_ffn(x: torch.Tensor, w: ExpertWeights, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit)), the routing weight
     applied before w2. Returns fp32."""
-    gate = (x @ w.w1.t()).float().clamp(max=limit)
-    up = (x @ w.w3.t()).float().clamp(-limit, limit)
-    h = F.silu(gate) * up
+    gate = linear(x, w.w1).float().clamp(max=limit)
+    up = linear(x, w.w3).float().clamp(-limit, limit)
+    h = pointwise(F.silu, gate) * up
     if weight is not None:
         h = h * weight.unsqueeze(-1)
-    return (h.to(x.dtype) @ w.w2.t()).float()
+    return linear(h.to(x.dtype), w.w2).float()
 
 
-def routed_experts(x: torch.Tensor, routing: Routing, experts: Mapping[int, ExpertWeights], limit: float) -> torch.Tensor:
-    """Sum over the held experts of their weighted outputs [T, hidden] fp32."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+def routed_expert_slots(
+    x: torch.Tensor, routing: Routing, experts: Mapping[int, ExpertWeights], limit: float
+) -> torch.Tensor:
+    """Each (row, slot)'s weighted output of its expert [T, k, hidden] fp32, zero where
+    the slot's expert is not among ``experts`` (another rank's)."""
+    rows_total, top_k = routing.expert_ids.shape
+    out = torch.zeros(rows_total, top_k, x.shape[1], dtype=torch.float32, device=x.device)
     for expert_id, w in experts.items():
         rows, slot = torch.nonzero(routing.expert_ids == expert_id, as_tuple=True)
         if rows.numel():
-            out.index_add_(0, rows, expert_ffn(x[rows], w, limit, routing.weights[rows, slot]))
+            out[rows, slot] = expert_ffn(x[rows], w, limit, routing.weights[rows, slot])
     return out
+
+
+def combine_slots(slots: torch.Tensor) -> torch.Tensor:
+    """[T, k, hidden] -> [T, hidden]: a row's slots added in slot order."""
+    return ordered_sum(slots.unbind(1))
+
+
+def routed_experts(x: torch.Tensor, routing: Routing, experts: Mapping[int, ExpertWeights], limit: float) -> torch.Tensor:
+    """The held experts' routed sum [T, hidden] fp32."""
+    return combine_slots(routed_expert_slots(x, routing, experts, limit))
 
 
 def moe_forward(x: torch.Tensor, w: MoEWeights, top_k: int, scaling: float, limit: float) -> torch.Tensor:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from model.linalg import row_mean
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Normalises the last dim in fp32; returns ``out_dtype`` (default: x's dtype)."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    y = xf * torch.rsqrt(row_mean(xf.pow(2), keepdim=True) + eps) * weight.float()
     return y.to(out_dtype or x.dtype)

@@ -17,6 +17,7 @@ from model.compressor import CompressedEntries, finish_entries, pool_pairs, rati
 from model.config import LayerMode
 from model.engram import DEAD
 from model.indexer import SelectionState, index_query, index_scores, visible_entries
+from model.linalg import batch_invariant, default_batch_invariant, linear
 from model.mhc import final_hidden, first_pre, run_site
 from model.moe import moe_forward
 from model.params import LayerParams, ModelParams
@@ -30,15 +31,24 @@ class ReferenceOutput:
 
 
 class ReferenceModel:
-    """One sequence at a time, in ``params``' compute dtype (fp32 or bf16)."""
+    """One sequence at a time, in ``params``' compute dtype (fp32 or bf16).
+    ``batch_invariant`` (default: on the CPU, as the engine's default there) runs the
+    arithmetic in model/linalg.py's batch-invariant mode, the mode a paged run it is
+    compared with bit for bit uses."""
 
-    def __init__(self, params: ModelParams) -> None:
+    def __init__(self, params: ModelParams, batch_invariant: bool | None = None) -> None:
         self.params = params
         self.config = params.config
         self.dtype = params.embed.dtype
+        device = params.embed.device
+        self.batch_invariant = default_batch_invariant(device) if batch_invariant is None else batch_invariant
 
     @torch.no_grad()
     def forward(self, token_ids: list[int] | torch.Tensor) -> ReferenceOutput:
+        with batch_invariant(self.batch_invariant):
+            return self._forward(token_ids)
+
+    def _forward(self, token_ids: list[int] | torch.Tensor) -> ReferenceOutput:
         cfg = self.config
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         if ids.dim() != 1 or ids.numel() == 0:
@@ -65,7 +75,7 @@ class ReferenceModel:
             streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg)
             streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, moe, cfg)
         h = final_hidden(streams, pre, self.params.norm, cfg.rms_norm_eps)
-        return ReferenceOutput(logits=h @ self.params.head.float().t(), selections=state.selections)
+        return ReferenceOutput(logits=linear(h, self.params.head.float()), selections=state.selections)
 
     def _ngrams(self, ids: torch.Tensor) -> torch.Tensor:
         """Each position's compressed n-gram ids, the sequence starting from nothing."""
@@ -114,8 +124,10 @@ class ReferenceModel:
                 scores = index_scores(iq, iw, owner.index_keys)
                 state.select(topo, scores, visible_entries(positions, topo.ratio), cfg)
             selected = state.selections[topo.topk_owner]
-            if owner.kv.shape[0]:
-                keys = torch.cat((keys, owner.kv[selected.clamp_min(0)]), dim=1)
-                valid = torch.cat((valid, selected >= 0), dim=1)
+            # Every row reads index_topk entry slots, as a paged step does, empty or
+            # not: the attention's reductions then have one length on both sides.
+            entries = owner.kv if owner.kv.shape[0] else owner.kv.new_zeros(1, owner.kv.shape[1])
+            keys = torch.cat((keys, entries[selected.clamp_min(0)]), dim=1)
+            valid = torch.cat((valid, selected >= 0), dim=1)
         o = sparse_attention(q, keys, valid, layer.attn.attn_sink, cfg.head_dim**-0.5)
         return output_projection(o, layer.attn, cfg.o_groups, layer.rope, positions)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from model.config import RopeScaling
+from model.linalg import pointwise
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: RopeScaling | None) -> torch.Tensor:
@@ -47,7 +48,7 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device)
-        return torch.cos(angles).float(), torch.sin(angles).float()
+        return pointwise(torch.cos, angles).float(), pointwise(torch.sin, angles).float()
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
         """Rotates pairs (2i, 2i+1) of the last rope_dim channels of ``x`` [T, ..., D]

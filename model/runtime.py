@@ -31,8 +31,9 @@ from model.config import LayerMode, V41Config
 from model.indexer import SelectionState, index_query
 from model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
 from model.kernels.torch_backend import TorchKernels
+from model.linalg import batch_invariant, linear
 from model.mhc import final_hidden, first_pre, run_site
-from model.moe import ExpertWeights, Routing, expert_ffn, route
+from model.moe import ExpertWeights, Routing, combine_slots, expert_ffn, route
 from model.params import LayerParams, ModelParams
 
 
@@ -119,9 +120,10 @@ class ExpertBanks:
             )
         return made[1]
 
-    def routed(self, layer: LayerParams, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The layer's held experts' routed sum for rows ``x``: [T, hidden] fp32."""
-        return self.kernels.routed_experts(x, routing, self.bank(layer), self.limit)
+    def slots(self, layer: LayerParams, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The layer's held experts' contribution to each (row, slot) of ``x``: [T, k,
+        hidden] fp32 (model/moe.routed_expert_slots)."""
+        return self.kernels.routed_expert_slots(x, routing, self.bank(layer), self.limit)
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,15 @@ class PagedRuntime:
     """Runs the target model over a step. Stateless between steps: everything a
     request carries lives in the store."""
 
-    def __init__(self, params: ModelParams, moe: MoEFn | None = None, kernels: PagedKernels | None = None) -> None:
+    def __init__(
+        self,
+        params: ModelParams,
+        moe: MoEFn | None = None,
+        kernels: PagedKernels | None = None,
+        batch_invariant: bool = False,
+    ) -> None:
         self.params = params
+        self.batch_invariant = batch_invariant
         self.config = params.config
         self.dtype = params.embed.dtype
         self.moe: MoEFn = moe or self._local_moe
@@ -147,7 +156,7 @@ class PagedRuntime:
         """model/moe.moe_forward with the routed experts through the kernels."""
         cfg = self.config
         routing = route(h, layer.moe.gate, layer.moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-        out = self.experts.routed(layer, h, routing)
+        out = combine_slots(self.experts.slots(layer, h, routing))
         if layer.moe.shared is not None:
             out = out + expert_ffn(h, layer.moe.shared, cfg.swiglu_limit)
         return out.to(h.dtype)
@@ -163,7 +172,20 @@ class PagedRuntime:
     ) -> StepOutput:
         """token_ids [R] (on the weights' device); engram_ngrams [R, max_ngram]
         compressed ids at t, t-1, ... (pad-substituted; on the host, where the Engram
-        tables are); logit_rows: the rows whose next-token logits are wanted."""
+        tables are); logit_rows: the rows whose next-token logits are wanted. In the
+        batch-invariant mode (model/linalg.py) every row's logits are what that row
+        gets in any other step."""
+        with batch_invariant(self.batch_invariant):
+            return self._forward(token_ids, engram_ngrams, plan, store, logit_rows)
+
+    def _forward(
+        self,
+        token_ids: torch.Tensor,
+        engram_ngrams: torch.Tensor,
+        plan: StepPlan,
+        store: PagedStore,
+        logit_rows: torch.Tensor,
+    ) -> StepOutput:
         cfg = self.config
         rows = token_ids.numel()
         streams = self.params.embed[token_ids].to(self.dtype).unsqueeze(1)
@@ -185,7 +207,7 @@ class PagedRuntime:
             streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg)
             streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, moe, cfg)
         h = final_hidden(streams[logit_rows], pre[logit_rows], self.params.norm, cfg.rms_norm_eps)
-        return StepOutput(logits=h @ self.params.head.float().t(), selections=state.selections)
+        return StepOutput(logits=linear(h, self.params.head.float()), selections=state.selections)
 
     def _compress(self, layer: LayerParams, h: torch.Tensor, plan: CompressionAddresses, store: PagedStore) -> None:
         """Completes every group the step closes, in one call, and writes the owner's

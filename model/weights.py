@@ -46,7 +46,7 @@ class TensorKind(enum.Enum):
     FP32 = "fp32"  # stays float32 whatever the compute dtype
     FP8_WEIGHT = "fp8_weight"  # E4M3 [out, in] + E8M0 `.scale` per 32x32 tile
     FP4_EXPERT = "fp4_expert"  # E2M1 packed int8 [out, in/2] + E8M0 `.scale` [out, in/32]
-    ENGRAM_TABLE = "engram_table"  # E4M3 rows [rows, dim] + E8M0 `.scale` [rows, dim/32]
+    ENGRAM_TABLE = "engram_table"  # E4M3 rows [rows, dim] + E8M0 `.scale` [rows, ceil(dim/32)]
 
     @property
     def quantizable(self) -> bool:
@@ -54,7 +54,10 @@ class TensorKind(enum.Enum):
 
 
 _QUANTIZABLE = frozenset({TensorKind.FP8_WEIGHT, TensorKind.FP4_EXPERT, TensorKind.ENGRAM_TABLE})
-# Kinds scaled per group of consecutive values along each row (FP8_WEIGHT uses 32x32 tiles).
+# Kinds scaled per group of consecutive values along each row (FP8_WEIGHT uses 32x32
+# tiles): ceil(dim / group) scales per row. An FP8 Engram row may end in a partial group
+# with its own scale, as FP8_WEIGHT's edge tiles do; FP4 experts hold whole groups (a
+# TP slice of the intermediate dim splits at group boundaries).
 _ROW_SCALE_GROUP = {TensorKind.FP4_EXPERT: formats.MXFP4_BLOCK, TensorKind.ENGRAM_TABLE: formats.FP8_BLOCK}
 
 
@@ -82,11 +85,10 @@ class TensorSpec:
                     f"TensorSpec {self.name}: kind {self.kind.name} needs a 2-D shape and a '.weight' name, "
                     f"got {self.shape}"
                 )
-            group = _ROW_SCALE_GROUP.get(self.kind)
-            if group is not None and self.shape[1] % group:
+            if self.kind is TensorKind.FP4_EXPERT and self.shape[1] % formats.MXFP4_BLOCK:
                 raise ValueError(
                     f"TensorSpec.shape of {self.name}: last dim {self.shape[1]} must be a multiple of "
-                    f"{group} (the scale groups of {self.kind.name})"
+                    f"{formats.MXFP4_BLOCK} (the scale groups of {self.kind.name})"
                 )
 
     @property
@@ -109,7 +111,7 @@ class TensorSpec:
         if self.kind is TensorKind.FP8_WEIGHT:
             block = formats.WEIGHT_BLOCK
             return (-(-rows // block), -(-cols // block))
-        return (rows, cols // _ROW_SCALE_GROUP[self.kind])
+        return (rows, formats.row_scale_groups(cols, _ROW_SCALE_GROUP[self.kind]))
 
     def _matrix(self) -> tuple[int, int]:
         if not self.kind.quantizable:

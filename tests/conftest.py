@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints made once per test session.
+"""Shared fixtures: tiny checkpoints made once per test session, and the SIGKILL of a
+Ray actor by its pid (the fault tests' crash).
 
 The directories are shared by every test of the session: treat them as read-only
 (copy one before tampering with it).
@@ -6,9 +7,13 @@ The directories are shared by every test of the session: treat them as read-only
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 import os
+import signal
 
 import pytest
 import torch
@@ -49,3 +54,70 @@ def tiny_quantized_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_alt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """TINY_ALT: other sizes and weights with the same layer-mode pattern (plain)."""
     return make_tiny(tmp_path_factory.mktemp("tiny-alt"), spec=TINY_ALT)
+
+
+# What transformers writes into every config it saves: PretrainedConfig().to_dict() of
+# transformers 4.48.3, 4.57.6 and 5.24.0, and 5.24.0's
+# GenerationConfig._get_default_generation_params(), recorded on 2026-12-01 by running
+# each version (pip install --no-deps into a scratch directory, not a dependency).
+TRANSFORMERS_RECORD = json.loads((Path(__file__).parent / "model" / "data" / "transformers_pretrained_config.json").read_text())
+TRANSFORMERS_VERSIONS = tuple(sorted(TRANSFORMERS_RECORD["to_dict"]))
+
+
+def _transformers_written(raw: dict[str, Any], version: str, layout: str = "nested") -> dict[str, Any]:
+    """``raw`` (the released nested layout) as transformers ``version`` writes it:
+    ``nested``, with PretrainedConfig's fields at the top level and in text_config and
+    vision_config (the model's own values win over the defaults); or ``flat``, the text
+    config as one PretrainedConfig with the top level's architectures, model_type and
+    quantization_config."""
+    defaults = TRANSFORMERS_RECORD["to_dict"][version]
+    text = {**defaults, **raw["text_config"]}
+    if layout == "flat":
+        top = {k: raw[k] for k in ("architectures", "model_type", "quantization_config") if k in raw}
+        return {**text, **top, "transformers_version": version}
+    out = {**defaults, **{k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}}
+    out["text_config"] = text
+    out["vision_config"] = {**defaults, **raw["vision_config"]}
+    out["transformers_version"] = version
+    return out
+
+
+@pytest.fixture(params=TRANSFORMERS_VERSIONS)
+def transformers_version(request: pytest.FixtureRequest) -> str:
+    """Each recorded transformers version in turn."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def transformers_written() -> Callable[..., dict[str, Any]]:
+    """``transformers_written(raw, version, layout="nested")``: a config.json dict as
+    transformers ``version`` writes it (see _transformers_written)."""
+    return _transformers_written
+
+
+@pytest.fixture(scope="session")
+def hf_written_dir(tiny_quantized_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_quantized_dir (the released nested layout with quantization_config) with
+    its config.json as transformers 4.57.6 writes it; the weights are the same files."""
+    out = Path(shutil.copytree(tiny_quantized_dir, tmp_path_factory.mktemp("hf-written") / "ckpt"))
+    raw = json.loads((tiny_quantized_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(_transformers_written(raw, "4.57.6"), indent=2))
+    return out
+
+
+def _sigkill_actor(name: str) -> int:
+    """SIGKILLs the live Ray actor called ``name`` (in any namespace) by the pid Ray
+    records for it, as a crash would end it; returns the pid. Reads the GCS actor
+    table (the state API would need a dashboard, which the test clusters do not run)."""
+    from ray._private import state
+
+    pids = [a["Pid"] for a in state.actors().values() if a["Name"] == name and a["State"] == "ALIVE"]
+    assert len(pids) == 1, f"live actors named {name!r}: pids {pids}"
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
+
+
+@pytest.fixture(name="sigkill_actor", scope="session")
+def sigkill_actor_fixture() -> Callable[[str], int]:
+    """``sigkill_actor(name)``: SIGKILLs the live Ray actor ``name``; returns its pid."""
+    return _sigkill_actor

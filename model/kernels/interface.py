@@ -4,7 +4,7 @@ Owns two contracts: ``PlaneView`` (one stored plane as the storage layer exposes
 read in place by kernels) and ``PagedKernels`` (sparse attention over window rows plus
 selected compressed rows, and the index scorer over a request's tile of entry rows).
 It also owns ``ExpertBank``, a layer's held routed experts arranged once for one
-backend's grouped expert GEMMs (``PagedKernels.expert_bank`` / ``routed_experts``).
+backend's grouped expert GEMMs (``PagedKernels.expert_bank`` / ``routed_expert_slots``).
 And the writes of the compression path: ``PairAddresses`` (which rows pair up into
 ratio-2 entries, which pair starts on a STATE tail) for ``PagedKernels.pool_ratio2``,
 and ``PagedKernels.write_rows``, which stores rows into a plane in its format, with
@@ -138,19 +138,19 @@ class PagedKernels(Protocol):
         ...
 
     def expert_bank(self, experts: Mapping[int, ExpertWeights], weight_format: str) -> ExpertBank:
-        """Arranges the held ``experts`` (by global id) for ``routed_experts``, once per
+        """Arranges the held ``experts`` (by global id) for ``routed_expert_slots``, once per
         layer: a backend may keep references to the weights or make packed copies.
         ``weight_format`` is one of EXPERT_WEIGHT_FORMATS; "mxfp4" declares that the
         weights hold MXFP4 values exactly (decoded from FP4), and a backend that packs
         them refuses weights that do not."""
         ...
 
-    def routed_experts(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
-        """model/moe.routed_experts: the sum over the bank's experts of each row's
-        routed contributions w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) *
-        weight), [T, hidden] fp32 — a partial sum when the bank holds a shard (EP:
-        some experts; TP: an intermediate slice of each); rows routed to experts not
-        held get nothing from them."""
+    def routed_expert_slots(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
+        """model/moe.routed_expert_slots: each (row, slot)'s routed contribution
+        w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) * weight) from the
+        bank's experts, [T, k, hidden] fp32 — zero where the slot's expert is not held
+        (EP), a partial over the held intermediate slice under TP. Each (row, slot) is
+        computed alone: its value does not depend on the other rows of the call."""
         ...
 
     # -- ratio-2 compression and the quantised stores ------------------------------------

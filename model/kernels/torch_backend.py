@@ -3,7 +3,7 @@
 Owns the reference implementation of ``PagedKernels``: it decodes the gathered plane
 rows with model/formats.py and calls model/attention.sparse_attention and
 model/indexer.index_scores, so its results are the dense reference's by construction;
-its routed experts are model/moe.routed_experts over the params' own expert weights
+its routed expert slots are model/moe.routed_expert_slots over the params' own expert weights
 (an FP4 checkpoint's experts decoded at load time, whatever the bank's weight format);
 its ratio-2 pooling is model/compressor.pool_pairs and its row stores are
 model/formats.py's quantisers, so they define the bytes every backend stores.
@@ -32,7 +32,7 @@ from model.formats import (
 )
 from model.indexer import index_scores
 from model.kernels.interface import EXPERT_WEIGHT_FORMATS, ExpertBank, PairAddresses, PlaneView, check_row_write
-from model.moe import ExpertWeights, Routing, routed_experts
+from model.moe import ExpertWeights, Routing, routed_expert_slots
 
 
 QUANTIZERS = {"fp8": quantize_fp8, "nvfp4": quantize_nvfp4, "mxfp4": quantize_mxfp4}
@@ -114,10 +114,10 @@ class TorchKernels:
             raise ValueError(f"weight_format: {weight_format!r} (allowed: {', '.join(EXPERT_WEIGHT_FORMATS)})")
         return TorchExpertBank(experts)
 
-    def routed_experts(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
+    def routed_expert_slots(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
         if not isinstance(bank, TorchExpertBank):
             raise TypeError(f"bank: {type(bank).__name__} (allowed: a TorchExpertBank from TorchKernels.expert_bank)")
-        return routed_experts(x, routing, bank.experts, limit)
+        return routed_expert_slots(x, routing, bank.experts, limit)
 
     # -- ratio-2 compression and the quantised stores ------------------------------------
 

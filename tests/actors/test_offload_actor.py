@@ -1,10 +1,12 @@
 """The OffloadActor serves PAGE units through the Ray object store: rows put as a
 ``ray.put`` reference come back byte for byte from another caller, and a unit of
-another layout is refused."""
+another layout is refused. Its connector survives the actor's crash: lookups answer
+misses at once while Ray restarts it, and reach the restarted store again."""
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import pytest
 import ray
@@ -66,3 +68,34 @@ def test_connector_pins_units_past_eviction_until_taken(ray_cluster: None) -> No
         short_connector.fetch(late)
     assert torch.equal(ray.get(short.get.remote(keys[0])), first)  # the store itself still holds it
     ray.kill(short)
+
+
+def test_connector_answers_misses_while_its_store_restarts(ray_cluster: None, sigkill_actor: Callable[[str], int]) -> None:
+    """SIGKILL a restartable OffloadActor holding a unit: the next lookup raises
+    nothing and answers a miss within the connector's call deadline (the call waits
+    for the restart at most that long); the lookups after it answer misses without
+    waiting while the store is down; once Ray has restarted the actor (empty) the
+    connector reaches it again: a unit published then is found."""
+    actor = ray.remote(OffloadActor).options(name="restartable-offload", num_cpus=0, max_restarts=-1).remote("layout-a", 32, 1 << 20)
+    connector = RayOffloadConnector(actor, "layout-a", call_timeout_s=1.0)
+    rows = torch.randint(0, 256, (1, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    key = OffloadKey("layout-a", b"\x07" * 16, UnitKind.PAGE)
+    ray.get(actor.ping.remote())
+    connector.publish(key, rows)
+    assert connector.lookup([key])[0] is not None and connector.available
+
+    sigkill_actor("restartable-offload")
+    started = time.monotonic()
+    assert connector.lookup([key]) == [None]
+    assert time.monotonic() - started < connector.call_timeout_s + 2.0
+    while not connector.available:
+        started = time.monotonic()
+        assert connector.lookup([key]) == [None]
+        assert time.monotonic() - started < 0.5, "a lookup waited for the store while it was down"
+        assert time.monotonic() - started < 60, "the store did not come back"
+        time.sleep(0.05)
+    assert connector.lookup([key]) == [None]  # restarted empty
+    connector.publish(key, rows)
+    handle = connector.lookup([key])[0]
+    assert handle is not None and torch.equal(connector.fetch(handle), rows)
+    ray.kill(actor)

@@ -14,6 +14,7 @@ from cache.geometry import V41PoolGeometry
 from cache.pools import PoolSize, V41Pools
 from model.formats import (
     E2M1_GRID,
+    FormatError,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
@@ -53,6 +54,36 @@ def test_fp8_e8m0_round_trip_is_exact_and_idempotent(x: torch.Tensor) -> None:
     rounded = dequantize_fp8(values, scales)
     assert torch.equal(rounded, round_fp8(x))
     assert torch.equal(dequantize_fp8(*quantize_fp8(rounded)), rounded)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    exponent=st.integers(-12, 12),
+    rows=st.integers(0, 4),
+    width=st.integers(1, 100),
+)
+def test_fp8_rows_of_any_width_end_in_a_partial_group(seed: int, exponent: int, rows: int, width: int) -> None:
+    """A row of any width packs into ceil(width / 32) E8M0 scales (no rows: none): the bytes and scales
+    are those of the row padded with zeros to whole groups, cut back to its width (a
+    partial last group is scaled by its own values), and the round trip is exact and
+    idempotent as for whole groups."""
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 2.0**exponent
+    values, scales = quantize_fp8(x)
+    groups = -(-width // 32)
+    assert tuple(values.shape) == (rows, width) and tuple(scales.shape) == (rows, groups)
+    padded_values, padded_scales = quantize_fp8(torch.nn.functional.pad(x, (0, groups * 32 - width)))
+    assert torch.equal(values, padded_values[:, :width]) and torch.equal(scales, padded_scales)
+    rounded = dequantize_fp8(values, scales)
+    assert torch.equal(rounded, round_fp8(x))
+    assert torch.equal(dequantize_fp8(*quantize_fp8(rounded)), rounded)
+
+
+def test_fp8_scales_must_cover_the_row() -> None:
+    """Decoding refuses scales that are not ceil(width / 32) per row."""
+    values, scales = quantize_fp8(torch.randn(2, 48))
+    with pytest.raises(FormatError, match=r"ceil\(48 / 32\) = 2"):
+        dequantize_fp8(values, scales[:, :1])
 
 
 @settings(max_examples=40, deadline=None)

@@ -47,6 +47,41 @@ def test_generate_json_prints_the_engines_greedy_tokens(tiny_dir: Path, tmp_path
     assert printed == {"p": list(want)}
 
 
+def test_every_command_works_on_a_transformers_written_checkpoint(
+    hf_written_dir: Path, tiny_quantized_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the quantised tiny checkpoint whose config.json transformers wrote (every
+    PretrainedConfig field at the top level and in text_config): `dsv41 logits` gives
+    the released config's logits bit for bit on both runtimes, `dsv41 generate` its
+    tokens, `dsv41 validate` passes, and the serve application builds and its replica's
+    engine generates the same tokens."""
+    from ray import serve
+
+    from deploy.app import AppArgs, build_app, make_engine
+
+    ids = {"p": list(range(3, 60))}
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    for runtime in ("reference", "paged"):
+        for name, model in (("written", hf_written_dir), ("released", tiny_quantized_dir)):
+            main(["logits", "--model", str(model), "--ids", str(tmp_path / "ids.json"), "--out",
+                  str(tmp_path / f"{name}-{runtime}.safetensors"), "--runtime", runtime, "--chunk-sizes", "3,1,29,7"])
+        written = load_file(tmp_path / f"written-{runtime}.safetensors")["p"]
+        assert torch.equal(written, load_file(tmp_path / f"released-{runtime}.safetensors")["p"])
+    tokens = {}
+    for name, model in (("written", hf_written_dir), ("released", tiny_quantized_dir)):
+        capsys.readouterr()
+        main(["generate", "--model", str(model), "--ids", str(tmp_path / "ids.json"), "--max-tokens", "5", "--json"])
+        tokens[name] = json.loads(capsys.readouterr().out)
+    assert tokens["written"] == tokens["released"] and len(tokens["written"]["p"]) == 5
+    main(["validate", "--model", str(hf_written_dir), "--output", str(tmp_path / "report.json"), "--scenarios", "slot_recycle"])
+    assert json.loads((tmp_path / "report.json").read_text())["passed"]
+    app_args = AppArgs.from_dict({"model": str(hf_written_dir)})
+    assert isinstance(build_app(app_args), serve.Application)
+    engine = make_engine(app_args)
+    served = engine.generate([ids["p"]], SamplingParams(max_tokens=5, temperature=0.0))[0].token_ids
+    assert list(served) == tokens["written"]["p"]
+
+
 def test_geometry_prints_the_plane_table_for_flash(capsys: pytest.CaptureFixture[str]) -> None:
     """`dsv41 geometry` on the V4.1-Flash config shows the owners' planes and the
     PAGE/STATE byte sizes derived in tests/cache/test_geometry.py."""

@@ -176,10 +176,11 @@ def _events(response: requests.Response) -> Iterator[dict[str, Any]]:
 
 def test_an_internal_failure_reaches_the_client_as_a_generic_error(base_url: str) -> None:
     """Killing the LLM server replica while a stream and a whole completion are in
-    flight: the stream ends with an error event, the completion with a 500, each in
-    the OpenAI shape, naming the request id (the response's X-Request-ID) and carrying
-    none of Ray's text; Serve then replaces the replica and requests are served again.
-    (Runs last: it costs the module its replica.)"""
+    flight: the stream ends with an error event (then ``[DONE]``), the completion with
+    a 503 ``replica_lost``, each in the OpenAI shape, naming the request id (the
+    response's X-Request-ID) and carrying none of Ray's text; Serve then replaces the
+    replica and requests are served again. (Runs last: it costs the module its
+    replica.)"""
     long = {"model": "tiny", "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
     stream = requests.post(
         f"{base_url}/v1/completions", json={**long, "stream": True}, headers=AUTH, stream=True, timeout=120
@@ -197,7 +198,7 @@ def test_an_internal_failure_reaches_the_client_as_a_generic_error(base_url: str
         message = error["error"]["message"]
         assert request_id in message and error["error"]["type"] == "server_error"
         assert not any(text in message for text in INTERNAL_TEXT), message
-    assert completion.status_code == 500
+    assert completion.status_code == 503 and completion.json()["error"]["code"] == "replica_lost"
     deadline = time.monotonic() + 120
     while requests.get(f"{base_url}/health", timeout=60).status_code != 200:
         assert time.monotonic() < deadline, "the replica was not replaced"

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from deploy.examples.grpc_client import generate, main
 from deploy.grpc_service import grpc_code, request_body, response_for
-from deploy.openai_api import OpenAIError, bad_request, engine_unavailable, model_not_found
+from deploy.openai_api import OpenAIError, bad_request, engine_unavailable, model_not_found, replica_lost, request_failed
 from deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, TokenIds
 from deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
@@ -107,6 +107,8 @@ def test_every_server_refusal_has_a_grpc_code() -> None:
     assert grpc_code(bad_request("max_tokens", "max_tokens: -1")) == grpc.StatusCode.INVALID_ARGUMENT
     assert grpc_code(model_not_found("nope", "tiny")) == grpc.StatusCode.NOT_FOUND
     assert grpc_code(engine_unavailable("stopped")) == grpc.StatusCode.UNAVAILABLE
+    assert grpc_code(replica_lost("r")) == grpc.StatusCode.UNAVAILABLE
+    assert grpc_code(request_failed("a rank failed", "r")) == grpc.StatusCode.INTERNAL
     with pytest.raises(ValueError, match="status: 418"):
         grpc_code(OpenAIError(418, "teapot"))
 

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from cluster.engine import EngineError
 from cluster.request import FinishReason, RequestOutput, SamplingParamsError
-from deploy.async_engine import EngineDeadError
+from deploy.async_engine import REQUEST_FAILED_MESSAGE, EngineDeadError, RequestFailedError
 from deploy.chat_protocol import ChatRequestError, PromptEncoder, format_call_block, render_pieces
 from deploy.openai_api import (
     REFUSALS,
@@ -372,25 +372,29 @@ def test_a_block_not_read_as_calls_is_content(
 def test_every_refusal_has_one_answer() -> None:
     """error_for answers every exception of REFUSALS: the request errors with a 400
     naming their field and quoting their message, a dead engine with a generic 503
-    ``engine_dead`` (which the HTTP layer sends with ``Retry-After``) naming the request
-    id and not the engine's internal reason, an OpenAIError with itself; anything else
-    is not a refusal and raises."""
+    ``engine_dead`` (which the HTTP layer sends with ``Retry-After``) and a request the
+    engine failed with 500 ``request_failed``, both naming the request id and neither
+    the engine's internal reason, an OpenAIError with itself; anything else is not a
+    refusal and raises."""
     own = OpenAIError(404, "model: 'x' does not exist", param="model", code="model_not_found")
     cases = {
         own: (404, "model", "model_not_found"),
         ChatRequestError("messages[0].role", "'robot' (allowed: ...)"): (400, "messages[0].role", None),
         SamplingParamsError("top_p: 2.0 (allowed: 0 < top_p <= 1)"): (400, "top_p", None),
         EngineError("prompt_token_ids: empty"): (400, "prompt", None),
-        EngineDeadError("the engine step loop failed: RuntimeError: device lost"): (503, None, "engine_dead"),
+        EngineDeadError("the engine step loop failed"): (503, None, "engine_dead"),
+        RequestFailedError(REQUEST_FAILED_MESSAGE): (500, None, "request_failed"),
     }
     assert {type(exc) for exc in cases} == set(REFUSALS)
     for exc, (status, param, code) in cases.items():
         answer = error_for(exc, "req-7")
         assert (answer.status, answer.param, answer.code) == (status, param, code)
         if isinstance(exc, EngineDeadError):
-            assert "device lost" not in answer.message and "req-7" in answer.message
+            assert str(exc) not in answer.message and "req-7" in answer.message
         else:
             assert str(exc) in answer.message
+        if status >= 500:
+            assert "req-7" in answer.message
     assert error_for(own) is own
     with pytest.raises(TypeError):
         error_for(RuntimeError("not a refusal"))

@@ -1,4 +1,4 @@
-"""AsyncEngine (no Ray): one step-loop thread driving a real tiny Engine for asyncio callers."""
+"""AsyncEngine (no Ray): one step-loop thread driving a real tiny engine for asyncio callers."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from typing import Iterator
 
 import pytest
 
+from cluster.dp_engine import DPEngine, DPLayout
 from cluster.engine import Engine
 from cluster.request import RequestOutput, SamplingParams, SamplingParamsError
-from deploy.async_engine import AsyncEngine, EngineDeadError
+from deploy.async_engine import REQUEST_FAILED_MESSAGE, AsyncEngine, EngineDeadError, RequestFailedError
 from deploy.metrics import ServingMetrics
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -115,8 +116,9 @@ class _DyingEngine(Engine):
 
 
 def test_engine_death_ends_every_request_and_fails_health(tiny_dir: Path) -> None:
-    """A step that raises ends every in-flight request with EngineDeadError, marks the
-    engine dead (check_health raises) and refuses later requests at once."""
+    """A step that raises ends every in-flight request with EngineDeadError (whose
+    message says only that the step loop failed; the step's exception is its cause),
+    marks the engine dead (check_health raises) and refuses later requests at once."""
     engine = AsyncEngine(_DyingEngine.from_pretrained(tiny_dir, block_size=32), ServingMetrics("t"))
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
@@ -126,10 +128,51 @@ def test_engine_death_ends_every_request_and_fails_health(tiny_dir: Path) -> Non
         )
 
     results = asyncio.run(run_two())
-    assert all(isinstance(r, EngineDeadError) and "device lost" in str(r) for r in results)
+    assert all(isinstance(r, EngineDeadError) and str(r) == "the engine step loop failed" for r in results)
+    assert all(isinstance(r.__cause__, RuntimeError) and str(r.__cause__) == "device lost" for r in results)
     with pytest.raises(EngineDeadError):
         engine.check_health()
     with pytest.raises(EngineDeadError):
         asyncio.run(_collect(engine, "c", PROMPTS[0], params))
     assert engine.metrics.requests_failed._value.get() == 2
+    engine.shutdown()
+
+
+class _RankLosingEngine(DPEngine):
+    """A one-rank DP engine (its rank a thread) that loses its rank at its third step:
+    as after a rank failure, every request in flight ends with finish reason "error"
+    (``fail_all``, what ``recover`` does before restarting the ranks)."""
+
+    steps = 0
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        if self.steps == 3:
+            return self.fail_all("injected rank failure")
+        return super().step()
+
+
+def test_a_request_the_engine_fails_raises_and_counts_as_failed(tiny_dir: Path) -> None:
+    """A request (two samples) the engine ends in error raises RequestFailedError from
+    its stream after the snapshots it had, counted once in requests_failed and never
+    as a finish reason; the engine serves on: check_health passes and the next request
+    gets the tokens of an uninterrupted run."""
+    engine = AsyncEngine(_RankLosingEngine.in_process(tiny_dir, DPLayout(1), block_size=32), ServingMetrics("t"))
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, n=2)
+    got: list[RequestOutput] = []
+
+    async def run() -> None:
+        async for output in engine.generate("doomed", PROMPTS[0], params):
+            got.append(output)
+
+    with pytest.raises(RequestFailedError) as failed:
+        asyncio.run(run())
+    assert str(failed.value) == REQUEST_FAILED_MESSAGE
+    assert got and all(not o.finished for o in got)
+    engine.check_health()
+    after = asyncio.run(_collect(engine, "after", PROMPTS[1], GREEDY))[-1]
+    want = Engine.from_pretrained(tiny_dir, block_size=32).generate([PROMPTS[1]], GREEDY)[0]
+    assert after.token_ids == want.token_ids
+    assert engine.metrics.requests_failed._value.get() == 1
+    assert 'finished_reason="error"' not in engine.metrics.render().decode()
     engine.shutdown()

@@ -10,7 +10,16 @@ from model.attention import sparse_attention
 from model.config import RopeScaling
 from model.indexer import EMPTY, candidate_mask, select_topk
 from model.mhc import HcMix, collapse, expand, first_pre, hc_mix, sinkhorn
-from model.moe import ExpertWeights, MoEWeights, expert_ffn, moe_forward, route, routed_experts
+from model.moe import (
+    ExpertWeights,
+    MoEWeights,
+    combine_slots,
+    expert_ffn,
+    moe_forward,
+    route,
+    routed_expert_slots,
+    routed_experts,
+)
 from model.norm import rms_norm
 from model.rope import Rope, rope_inv_freq
 
@@ -209,3 +218,18 @@ def test_expert_shards_sum_to_the_whole_layer() -> None:
     r = route(x, w.gate, w.bias, 2, 1.0)
     parts = sum(routed_experts(x, r, {e: experts[e] for e in range(k, 8, 3)}, 10.0) for k in range(3))
     torch.testing.assert_close(parts + expert_ffn(x, w.shared, 10.0), whole)
+
+
+def test_expert_shards_slots_add_up_exactly() -> None:
+    """Slot form: each (row, slot) has one owning shard and zeros elsewhere, so the
+    shards' slots sum to the whole layer's bit for bit, and combining them in slot order
+    gives exactly routed_experts over every expert (what the batch-invariant EP
+    exchange relies on)."""
+    g = torch.Generator().manual_seed(9)
+    experts = {e: _expert(g, 16, 8) for e in range(8)}
+    x = torch.randn(6, 16, generator=g)
+    r = route(x, torch.randn(8, 16, generator=g), torch.zeros(8), 3, 1.0)
+    shards = [routed_expert_slots(x, r, {e: experts[e] for e in range(k, 8, 3)}, 10.0) for k in range(3)]
+    whole = routed_expert_slots(x, r, experts, 10.0)
+    assert torch.equal(shards[0] + shards[1] + shards[2], whole)
+    assert torch.equal(combine_slots(whole), routed_experts(x, r, experts, 10.0))

@@ -349,20 +349,34 @@ def _fp8_rows(num_rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]
     return quantize_fp8(source)
 
 
-def test_fp8_table_lookup_equals_dequantized_rows() -> None:
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 256])
+def test_fp8_table_lookup_equals_dequantized_rows(head_dim: int) -> None:
     """Looking up FP8 rows (uint8 or float8 dtypes) gives formats.dequantize_fp8 of
-    exactly those rows, concatenated along the last dim in the order of the ids."""
-    values, scales = _fp8_rows(50, 64)
+    exactly those rows, concatenated along the last dim in the order of the ids, at
+    any width (ceil(head_dim / 32) scales per row, the last group partial at 16 and 48)."""
+    values, scales = _fp8_rows(50, head_dim)
+    assert tuple(scales.shape) == (50, -(-head_dim // 32))
     row_ids = torch.randint(0, 50, (3, 2, 5), generator=torch.Generator().manual_seed(1))
-    expected = dequantize_fp8(values[row_ids], scales[row_ids]).reshape(3, 2, 5 * 64)
+    expected = dequantize_fp8(values[row_ids], scales[row_ids]).reshape(3, 2, 5 * head_dim)
     for table in (
         EngramTable(values, scales),
         EngramTable(values.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)),
     ):
-        assert (table.num_rows, table.head_dim) == (50, 64)
+        assert (table.num_rows, table.head_dim) == (50, head_dim)
         out = table.lookup(row_ids)
         assert out.dtype == torch.float32
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48])
+def test_fp8_table_needs_one_scale_per_started_group(head_dim: int) -> None:
+    """An FP8 table's scales are [rows, ceil(head_dim / 32)]; one fewer or one more
+    per row, or none at all, is refused naming the shape allowed."""
+    values, scales = _fp8_rows(10, head_dim)
+    groups = scales.shape[1]
+    for bad in (scales[:, : groups - 1], torch.cat((scales, scales[:, :1]), dim=1), None):
+        with pytest.raises(ValueError, match=rf"scales: .*\(10, {groups}\)"):
+            EngramTable(values, bad)
 
 
 def test_float_table_lookup_and_bad_ids() -> None:

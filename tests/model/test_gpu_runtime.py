@@ -57,3 +57,51 @@ def test_triton_on_gpu_matches_torch_and_the_reference(tiny_dir: Path, kv: str, 
     for layer, selected in reference.selections.items():
         assert torch.equal(scores["triton"].selections[layer], selected), f"layer {layer}"
         assert torch.equal(scores["torch"].selections[layer], selected), f"layer {layer}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fixed_tile_gemm_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> None:
+    """The batch-invariant GEMM on the GPU: a row of a call of any size, at any
+    position, equals that row projected alone; the product is the matmul's to the
+    dtype's rounding."""
+    from model.kernels.triton.gemm import fixed_tile_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(1000, 4096, generator=g, device="cuda").to(dtype)
+    rows = torch.randn(300, 4096, generator=g, device="cuda").to(dtype)
+    alone = torch.cat([fixed_tile_matmul(rows[i : i + 1], weight) for i in range(40)])
+    for count, start in ((1, 0), (3, 0), (40, 0), (299, 1), (300, 0)):
+        got = fixed_tile_matmul(rows[start : start + count], weight)
+        keep = min(count, 40 - start)
+        assert torch.equal(got[:keep], alone[start : start + keep]), (count, start)
+    want = rows.double() @ weight.double().t()
+    error = float((fixed_tile_matmul(rows, weight).double() - want).norm() / want.norm())
+    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_row_sum_rows_do_not_depend_on_the_call() -> None:
+    """The batch-invariant row reduction on the GPU: a row's sum is the same in a call
+    of 1 row or 4096, and is the sum to fp32 rounding."""
+    from model.kernels.triton.reduce import row_sum
+
+    x = torch.randn(4096, 16384, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
+    whole = row_sum(x)
+    for count in (1, 2, 33, 4096):
+        assert torch.equal(row_sum(x[:count]), whole[:count])
+    torch.testing.assert_close(whole, x.double().sum(-1).float(), rtol=1e-5, atol=1e-3)
+
+
+def test_batch_invariant_triton_logprobs_do_not_depend_on_the_batch(tiny_dir: Path) -> None:
+    """bf16 on the GPU with the Triton kernels in the batch-invariant mode: a request
+    scheduled among others (chunked prefill, decoded beside prefills) gets exactly the
+    logprobs it gets alone."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    options = dict(
+        dtype=torch.bfloat16, device="cuda", kernel_backend="triton", batch_invariant=True, enable_prefix_caching=False
+    )
+    target = _prompts()[1]
+    alone = Engine.from_pretrained(tiny_dir, **options).generate([target], params)[0]
+    crowded_engine = Engine.from_pretrained(tiny_dir, max_num_batched_tokens=37, **options)
+    crowded = crowded_engine.generate([_prompts()[0], target, _prompts()[2]], params)[1]
+    assert crowded.token_ids == alone.token_ids
+    assert crowded.logprobs == alone.logprobs

@@ -1,4 +1,4 @@
-"""The Triton backend's grouped expert GEMMs compute model/moe.routed_experts: compiled
+"""The Triton backend's grouped expert GEMMs compute model/moe.routed_expert_slots: compiled
 on a GPU when one is present, else under TRITON_INTERPRET=1 on the CPU (tests/conftest.py
 sets it).
 
@@ -28,7 +28,7 @@ from cluster.request import SamplingParams
 from model.formats import round_mxfp4
 from model.kernels.interface import ExpertBank
 from model.loader import ExpertShard
-from model.moe import ExpertWeights, Routing, moe_forward, routed_experts
+from model.moe import ExpertWeights, Routing, combine_slots, moe_forward, routed_expert_slots
 from model.params import load_model_params
 
 pytest.importorskip("triton")
@@ -76,10 +76,10 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -
 
 @pytest.mark.parametrize("fmt", ["plain", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_gemm_equals_routed_experts(dtype: torch.dtype, fmt: str) -> None:
+def test_grouped_gemm_equals_routed_expert_slots(dtype: torch.dtype, fmt: str) -> None:
     """6 held experts, rows routed to 4 of them (2 get no pair; one gets more pairs
     than a block holds), hidden and intermediate sizes that are not multiples of the
-    64-wide tiles: the kernels give routed_experts' output."""
+    64-wide tiles: the kernels give routed_expert_slots' output, slot by slot."""
     hidden, inter, top_k, rows = 96, 96, 2, 17
     experts = _experts(range(6), hidden, inter, dtype, fmt, seed=1)
     routing = _routing(rows, top_k, [5, 0, 2, 3], seed=2)
@@ -87,7 +87,9 @@ def test_grouped_gemm_equals_routed_experts(dtype: torch.dtype, fmt: str) -> Non
     kernels = TritonKernels()
     bank = kernels.expert_bank(experts, fmt)
     assert isinstance(bank, TritonExpertBank) and bank.weight_format == fmt
-    _assert_matches(kernels.routed_experts(x, routing, bank, LIMIT), routed_experts(x, routing, experts, LIMIT), dtype)
+    _assert_matches(
+        kernels.routed_expert_slots(x, routing, bank, LIMIT), routed_expert_slots(x, routing, experts, LIMIT), dtype
+    )
 
 
 def _ep_shards(experts: dict[int, ExpertWeights]) -> list[dict[int, ExpertWeights]]:
@@ -113,8 +115,8 @@ def _tp_shards(experts: dict[int, ExpertWeights]) -> list[dict[int, ExpertWeight
 def test_shards_give_partial_sums_that_add_up_to_every_expert(mode: str, fmt: str) -> None:
     """An EP shard (half of the experts; rows routed to the other half get nothing
     from it) and a TP shard (half of every expert's intermediate dim, whole MXFP4
-    groups): each shard's kernel output is routed_experts over that shard, and the two
-    partial sums add up to routed_experts over every expert (fp32)."""
+    groups): each shard's kernel output is routed_expert_slots over that shard, and the
+    two shards' combined slots add up to every expert's (fp32)."""
     hidden, inter, top_k, rows = 64, 128, 2, 9
     experts = _experts(range(8), hidden, inter, torch.float32, fmt, seed=4)
     routing = _routing(rows, top_k, [6, 1, 2, 4, 5, 7], seed=5)
@@ -122,15 +124,15 @@ def test_shards_give_partial_sums_that_add_up_to_every_expert(mode: str, fmt: st
     kernels = TritonKernels()
     total = torch.zeros(rows, hidden, device=DEVICE)
     for shard in (_ep_shards if mode == "ep" else _tp_shards)(experts):
-        got = kernels.routed_experts(x, routing, kernels.expert_bank(shard, fmt), LIMIT)
-        _assert_matches(got, routed_experts(x, routing, shard, LIMIT), torch.float32)
-        total += got
-    _assert_matches(total, routed_experts(x, routing, experts, LIMIT), torch.float32)
+        got = kernels.routed_expert_slots(x, routing, kernels.expert_bank(shard, fmt), LIMIT)
+        _assert_matches(got, routed_expert_slots(x, routing, shard, LIMIT), torch.float32)
+        total += combine_slots(got)
+    _assert_matches(total, combine_slots(routed_expert_slots(x, routing, experts, LIMIT)), torch.float32)
 
 
 def test_rows_without_held_experts_get_exact_zeros() -> None:
-    """No rows: an empty [0, hidden] result. Rows whose experts are all another rank's:
-    exact zero rows, next to rows that do reach the held experts."""
+    """No rows: an empty [0, k, hidden] result. Slots whose expert is another rank's:
+    exact zeros, next to slots that do reach the held experts."""
     experts = _experts([4, 5], 64, 64, torch.float32, "plain", seed=7)
     kernels = TritonKernels()
     bank = kernels.expert_bank(experts, "plain")
@@ -139,12 +141,13 @@ def test_rows_without_held_experts_get_exact_zeros() -> None:
         weights=torch.rand(3, 2, generator=torch.Generator().manual_seed(9)).to(DEVICE),
         expert_ids=torch.tensor([[0, 1], [4, 2], [3, 6]], device=DEVICE),
     )
-    got = kernels.routed_experts(x, routing, bank, LIMIT)
-    assert torch.equal(got[[0, 2]], torch.zeros(2, 64, device=DEVICE))
-    _assert_matches(got, routed_experts(x, routing, experts, LIMIT), torch.float32)
-    assert got[1].abs().sum() > 0
+    got = kernels.routed_expert_slots(x, routing, bank, LIMIT)
+    assert torch.equal(got[[0, 2]], torch.zeros(2, 2, 64, device=DEVICE))
+    assert torch.equal(got[1, 1], torch.zeros(64, device=DEVICE))
+    _assert_matches(got, routed_expert_slots(x, routing, experts, LIMIT), torch.float32)
+    assert got[1, 0].abs().sum() > 0
     empty = Routing(weights=routing.weights[:0], expert_ids=routing.expert_ids[:0])
-    assert kernels.routed_experts(x[:0], empty, bank, LIMIT).shape == (0, 64)
+    assert kernels.routed_expert_slots(x[:0], empty, bank, LIMIT).shape == (0, 2, 64)
 
 
 @settings(max_examples=60, deadline=None)
@@ -198,9 +201,9 @@ class _OneLaunchAtATime(TritonKernels):
         super().__init__()
         self.lock = threading.Lock()
 
-    def routed_experts(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
+    def routed_expert_slots(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
         with self.lock:
-            return super().routed_experts(x, routing, bank, limit)
+            return super().routed_expert_slots(x, routing, bank, limit)
 
 
 @pytest.mark.skipif(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import shutil
 import tempfile
@@ -25,6 +27,7 @@ from model.loader import (
     load_checkpoint,
     read_safetensors_header,
 )
+from model.tiny import TINY, make_tiny
 from model.weights import TensorKind, TensorSpec, checkpoint_tensors, routed_expert
 
 Tensors = dict[str, torch.Tensor]
@@ -113,6 +116,20 @@ def test_flash_declarations_follow_the_layer_roles() -> None:
     assert specs["mtp.0.main_proj.weight"].shape == (5120, 3 * 5120)
     assert specs["mtp.2.confidence_head.proj.weight"].shape == (1, 5120 + 256)
     assert "mtp.1.markov_head.head.weight" not in specs and "mtp.2.main_proj.weight" not in specs
+
+
+@pytest.mark.parametrize("width", [1, 16, 32, 48, 256, 257])
+def test_row_scaled_kinds_declare_one_scale_per_started_group(width: int) -> None:
+    """An Engram table of any width declares ceil(width / 32) E8M0 scales per row; an
+    FP4 expert must hold whole groups of 32 (TP slices split at group boundaries)."""
+    table = TensorSpec("layers.1.engram.embed.weight", (7, width), TensorKind.ENGRAM_TABLE, "core")
+    assert table.quantized_shape == (7, width) and table.scale_shape == (7, -(-width // 32))
+    if width % 32:
+        with pytest.raises(ValueError, match=f"last dim {width} must be a multiple of 32"):
+            TensorSpec("layers.0.ffn.experts.0.w1.weight", (7, width), TensorKind.FP4_EXPERT, "core")
+    else:
+        expert = TensorSpec("layers.0.ffn.experts.0.w1.weight", (7, width), TensorKind.FP4_EXPERT, "core")
+        assert expert.scale_shape == (7, width // 32)
 
 
 # -- round trip ----------------------------------------------------------------------------
@@ -358,7 +375,6 @@ def _edit_config(path: str, value: object) -> Callable[[dict], None]:
     ("edit", "field"),
     [
         (_edit_config("text_config.scoring_func", "softmax"), "scoring_func"),
-        (_edit_config("text_config.frobnicate_layers", 3), "frobnicate_layers"),
         (_edit_config("vision_config.num_hidden_layers", 24), "vision_config.num_hidden_layers"),
         (
             _edit_config("text_config.engram_num_embeddings", lambda rows: [rows[0] + 1, *rows[1:]]),
@@ -375,7 +391,32 @@ def test_a_bad_config_fails_before_any_shard_is_opened(
 ) -> None:
     """A bad config value is a ConfigError naming the field, raised before any shard or
     the index is opened: no such open happens, and the shards are garbage anyway."""
-    damaged = Path(shutil.copytree(tiny_dir, tmp_path / "ckpt"))
+    _assert_refused_before_any_shard_is_opened(tiny_dir, tmp_path, monkeypatch, edit, field)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (_edit_config("is_encoder_decoder", True), "^is_encoder_decoder: true is not supported"),
+        (_edit_config("text_config.add_cross_attention", True), "^text_config.add_cross_attention: true"),
+        (_edit_config("text_config.tie_word_embeddings", True), "^tie_word_embeddings: true"),
+        (_edit_config("pad_token_id", 5), "^pad_token_id: the top level says 5"),
+        (_edit_config("quantization_config.activation_scheme", "static"), "quantization_config.activation_scheme"),
+    ],
+)
+def test_a_transformers_written_config_with_an_unsupported_value_fails_before_any_shard_is_opened(
+    hf_written_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: Callable[[dict], None], field: str
+) -> None:
+    """A config written by transformers whose known field (generic or V4.1's, at the top
+    level or in a section) has a value V4.1 cannot mean is refused naming the field,
+    before any shard or the index is opened."""
+    _assert_refused_before_any_shard_is_opened(hf_written_dir, tmp_path, monkeypatch, edit, field)
+
+
+def _assert_refused_before_any_shard_is_opened(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: Callable[[dict], None], field: str
+) -> None:
+    damaged = Path(shutil.copytree(source, tmp_path / "ckpt"))
     raw = json.loads((damaged / "config.json").read_text())
     edit(raw)
     (damaged / "config.json").write_text(json.dumps(raw))
@@ -385,6 +426,27 @@ def test_a_bad_config_fails_before_any_shard_is_opened(
     with pytest.raises(ConfigError, match=field):
         load_checkpoint(damaged)
     assert not [name for name in opened if name.endswith((".safetensors", loader.INDEX_FILE))]
+
+
+def test_a_transformers_written_checkpoint_loads_like_the_released_one(
+    hf_written_dir: Path, full_quantized: LoadedCheckpoint, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The quantised tiny checkpoint with its config.json as transformers writes it
+    loads the same config and tensors; with a field no one knows added, it still loads,
+    and the one warning the load logs names that field exactly once."""
+    checkpoint = load_checkpoint(hf_written_dir)
+    assert checkpoint.config == full_quantized.config
+    assert checkpoint.tensors.keys() == full_quantized.tensors.keys()
+    assert all(torch.equal(checkpoint.tensors[name], t) for name, t in full_quantized.tensors.items())
+    extended = Path(shutil.copytree(hf_written_dir, tmp_path / "ckpt"))
+    raw = json.loads((extended / "config.json").read_text())
+    raw["text_config"]["frobnicate_layers"] = 3
+    (extended / "config.json").write_text(json.dumps(raw))
+    with caplog.at_level(logging.WARNING, logger="model.config"):
+        assert load_checkpoint(extended).config == full_quantized.config
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(messages) == 1 and messages[0].count("frobnicate_layers") == 1
+    assert "text_config.frobnicate_layers" in messages[0]
 
 
 @pytest.mark.parametrize(
@@ -527,6 +589,57 @@ def test_engram_tables_are_memory_mapped_from_the_shard(fixture: str, request: p
             first = tensor.data_ptr()
             last = first + tensor.numel() * tensor.element_size() - 1
             assert _mapping_of(first) == shard and _mapping_of(last) == shard, (layer_id, suffix)
+
+
+ENGRAM_WIDTHS = (16, 48, 256)
+
+
+@pytest.fixture(scope="module")
+def engram_width_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, bool], Path]:
+    """TINY with Engram rows of 16 (half a scale group), 48 (one and a half) and 256
+    values, plain and quantised (the same underlying weights per width)."""
+    return {
+        (width, quantized): make_tiny(
+            tmp_path_factory.mktemp(f"engram-{width}-{'fp8' if quantized else 'plain'}"),
+            quantized=quantized,
+            spec=dataclasses.replace(TINY, engram_head_dim=width),
+        )
+        for width in ENGRAM_WIDTHS
+        for quantized in (False, True)
+    }
+
+
+def _fp8_rounding_by_definition(rows: torch.Tensor) -> torch.Tensor:
+    """Each group of 32 consecutive values of a row (the last one partial) divided by
+    the power of two 2^ceil(log2(max(amax, 1e-4) / 448)), cast to E4M3 and multiplied
+    back: MODEL_FACTS' FP8 with E8M0 scales, written out here without model/formats.py."""
+    out = torch.empty_like(rows)
+    for start in range(0, rows.shape[1], 32):
+        group = rows[:, start : start + 32]
+        scale = torch.exp2(torch.ceil(torch.log2(group.abs().amax(1, keepdim=True).clamp_min(1e-4) / 448)))
+        out[:, start : start + 32] = (group / scale).to(torch.float8_e4m3fn).float() * scale
+    return out
+
+
+@pytest.mark.parametrize("width", ENGRAM_WIDTHS)
+def test_engram_tables_of_any_width_load_their_rows(width: int, engram_width_dirs: dict[tuple[int, bool], Path]) -> None:
+    """An Engram table of any head_dim loads: its scale sibling holds ceil(head_dim / 32)
+    E8M0 bytes per row, the plain table's rows are the stored values, and the quantised
+    table's rows are those same values' FP8 rounding with one scale per group of 32,
+    the last group partial."""
+    plain_dir, quantized_dir = engram_width_dirs[(width, False)], engram_width_dirs[(width, True)]
+    written = _stored_tensors(plain_dir)
+    stored_quantized = _stored_tensors(quantized_dir)
+    plain, quantized = load_checkpoint(plain_dir), load_checkpoint(quantized_dir)
+    for layer_id in plain.config.engram_layer_ids:
+        name = f"layers.{layer_id}.engram.embed"
+        rows = written[f"{name}.weight"].float()
+        assert tuple(stored_quantized[f"{name}.scale"].shape) == (rows.shape[0], -(-width // 32))
+        all_rows = torch.arange(rows.shape[0]).unsqueeze(1)
+        assert plain.engram_tables[layer_id].scales is None
+        assert torch.equal(plain.engram_tables[layer_id].lookup(all_rows), rows)
+        assert quantized.engram_tables[layer_id].scales is not None
+        assert torch.equal(quantized.engram_tables[layer_id].lookup(all_rows), _fp8_rounding_by_definition(rows))
 
 
 def test_progress_reaches_every_shards_total(tiny_dir: Path) -> None:

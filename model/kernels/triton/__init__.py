@@ -27,14 +27,16 @@ from model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresses, Pla
 from model.kernels.triton.attention import (
     LOG2E,
     AttentionTiling,
+    fixed_key_split,
     merge_splits_kernel,
     plan_key_split,
     sparse_attention_kernel,
 )
 from model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
 from model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
-from model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_routed_experts
+from model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
 from model.kernels.triton.store import store_rows_kernel
+from model.linalg import batch_invariant_enabled
 from model.moe import ExpertWeights, Routing
 
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
@@ -170,7 +172,10 @@ class TritonKernels:
         tiling = self.attention_tiling
         head_groups = triton.cdiv(heads, tiling.block_h)
         wave = _programs_per_wave(tiling.programs_per_wave, q.device, per_sm=1)
-        split = plan_key_split(rows, head_groups, window, topk, tiling.block_n, wave)
+        if batch_invariant_enabled():
+            split = fixed_key_split(window, topk, tiling.block_n)
+        else:
+            split = plan_key_split(rows, head_groups, window, topk, tiling.block_n, wave)
         q, chunk_kv = _last_dim_dense(q), _last_dim_dense(chunk_kv)
         if split.splits > 1:
             partial_acc = torch.empty(rows, split.splits, heads, dim, dtype=torch.float32, device=q.device)
@@ -314,10 +319,10 @@ class TritonKernels:
     def expert_bank(self, experts: Mapping[int, ExpertWeights], weight_format: str) -> TritonExpertBank:
         return build_expert_bank(experts, weight_format)
 
-    def routed_experts(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
+    def routed_expert_slots(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
         if not isinstance(bank, TritonExpertBank):
             raise TypeError(f"bank: {type(bank).__name__} (allowed: a TritonExpertBank from TritonKernels.expert_bank)")
-        return grouped_routed_experts(x, routing, bank, limit, bf16_dot=x.dtype == torch.bfloat16 and not INTERPRETED)
+        return grouped_expert_slots(x, routing, bank, limit, bf16_dot=x.dtype == torch.bfloat16 and not INTERPRETED)
 
     # -- ratio-2 compression and the quantised stores (compress.py, store.py) ----------
 

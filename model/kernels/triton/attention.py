@@ -99,6 +99,17 @@ def plan_key_split(rows: int, head_groups: int, window: int, topk: int, block_n:
     return KeySplit(keys_per_split, triton.cdiv(window, keys_per_split), triton.cdiv(topk, keys_per_split))
 
 
+def fixed_key_split(window: int, topk: int, block_n: int, tiles_per_split: int = 4) -> KeySplit:
+    """The batch-invariant mode's split: ``tiles_per_split`` tiles of keys per program
+    whatever the batch, so how a row's partial softmaxes are formed and merged depends
+    on the row's key counts alone."""
+    window_tiles, main_tiles = triton.cdiv(window, block_n), triton.cdiv(topk, block_n)
+    if window_tiles + main_tiles <= tiles_per_split:
+        return KeySplit(keys_per_split=max(window, topk, 1), window_splits=1, main_splits=0)
+    keys_per_split = tiles_per_split * block_n
+    return KeySplit(keys_per_split, triton.cdiv(window, keys_per_split), triton.cdiv(topk, keys_per_split))
+
+
 @triton.jit
 def _fold_tile(q, k, present, running_max, running_sum, acc, logit_scale, DOT_BF16: tl.constexpr):
     """One online-softmax step of a [BLOCK_H, D] query block over a key tile [BLOCK_N,

@@ -1,16 +1,17 @@
 """Grouped GEMMs of the routed experts: ragged launches over every expert a rank holds.
 
-Owns the Triton side of ``PagedKernels.routed_experts``: the expert bank (per projection
+Owns the Triton side of ``PagedKernels.routed_expert_slots``: the expert bank (per projection
 a table of pointers to each held expert's weight, read in place: the params' own
 tensors for plain weights, or MXFP4 packs, E2M1 pairs along the input dim with an E8M0
 scale per 32, decoded in registers), the alignment of a step's (token, slot) pairs into
 per-expert blocks of rows (on the device, no host sync: the grid is sized by an upper
 bound and unused blocks return at once), and two kernels, each one launch for all
 experts: w1/w3 with the clamped SwiGLU and the routing weight, then w2. The function is
-model/moe.py's ``routed_experts``: fp32 accumulation, the matmul outputs and the SwiGLU
-rounded to the activations' dtype where that function rounds them, and the top-k
-contributions of each row summed in fp32 (a partial sum over the held experts; the
-collective adds ranks).
+model/moe.py's ``routed_expert_slots``: fp32 accumulation, the matmul outputs and the
+SwiGLU rounded to the activations' dtype where that function rounds them, each (token,
+slot) pair's contribution in its own row (the caller adds a row's slots in slot order).
+In the batch-invariant mode the blocks have a fixed row count, whatever the step's
+number of pairs.
 
 The loader decodes an FP4 checkpoint's experts at load time (model/loader.py post_load:
 the params hold them in the compute dtype, exactly); the "mxfp4" bank packs them back
@@ -28,6 +29,7 @@ import triton
 import triton.language as tl
 
 from model.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
+from model.linalg import batch_invariant_enabled
 from model.kernels.interface import EXPERT_WEIGHT_FORMATS
 from model.kernels.triton.decode import e2m1_to_f32, e8m0_to_f32
 from model.moe import ExpertWeights, Routing
@@ -405,10 +407,10 @@ def expert_down_kernel(
     )
 
 
-def grouped_routed_experts(
+def grouped_expert_slots(
     x: torch.Tensor, routing: Routing, bank: TritonExpertBank, limit: float, *, bf16_dot: bool
 ) -> torch.Tensor:
-    """model/moe.routed_experts over ``bank``'s experts: [T, hidden] fp32. Two launches
+    """model/moe.routed_expert_slots over ``bank``'s experts: [T, k, hidden] fp32. Two launches
     for every held expert at once. ``bf16_dot``: bf16 tensor-core dots (bf16
     activations on a GPU; bf16 holds every operand exactly: bf16 activations, bf16 or
     E2M1 x power-of-two weights), else fp32 operands with IEEE products (no TF32), as
@@ -421,10 +423,11 @@ def grouped_routed_experts(
     if rows != x.shape[0]:
         raise ValueError(f"routing: {rows} rows for x's {x.shape[0]}")
     if rows == 0:
-        return torch.zeros(0, bank.hidden, dtype=torch.float32, device=x.device)
+        return torch.zeros(0, top_k, bank.hidden, dtype=torch.float32, device=x.device)
     x = x.contiguous()
     num_pairs = rows * top_k
-    blocks = align_pairs(routing.expert_ids, bank.held_ids, block_rows(num_pairs, len(bank.expert_ids)))
+    block_m = MIN_BLOCK_M if batch_invariant_enabled() else block_rows(num_pairs, len(bank.expert_ids))
+    blocks = align_pairs(routing.expert_ids, bank.held_ids, block_m)
     h = torch.empty(blocks.num_blocks * blocks.block_m, bank.intermediate, dtype=x.dtype, device=x.device)
     pair_out = torch.zeros(num_pairs, bank.hidden, dtype=x.dtype, device=x.device)
     weights = routing.weights.reshape(-1).float().contiguous()
@@ -476,4 +479,4 @@ def grouped_routed_experts(
         pair_out.stride(0),
         **constants,
     )
-    return pair_out.view(rows, top_k, bank.hidden).float().sum(1)
+    return pair_out.view(rows, top_k, bank.hidden).float()

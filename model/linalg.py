@@ -1,0 +1,214 @@
+"""The model's matrix products and row reductions, and the batch-invariant mode.
+
+Owns every operation of the arithmetic whose result for one row could depend on the
+other rows of the call: the dense projections (``linear``, ``grouped_linear``), the
+per-row reductions (``row_sum``, ``row_mean``, ``softmax``) and the index scorer's
+dot products (``tiled_dots``). Outside the mode they are the plain torch calls. In the
+batch-invariant mode (``batch_invariant(True)``, entered by a forward for its whole
+duration) each computes a row in an order fixed by the row alone:
+
+- a projection runs every row through a GEMM of one shape, ``ROW_TILE`` rows: the
+  rows are padded to whole tiles and the tiles go through one batched GEMM, so the
+  BLAS never sees the call's row count (MKL picks another kernel, with another
+  reduction order, for 1-3 rows, and its thread split follows the shape);
+- dot products against a varying set of keys go through GEMMs of one shape,
+  ``KEY_TILE`` keys each, so a key's dot product does not depend on how many keys
+  share the call;
+- on a CUDA device the projections run a fixed-tile Triton GEMM (no split over K, no
+  autotuning: model/kernels/triton/gemm.py) and the row reductions a one-program-per-row
+  Triton reduction, because cuBLAS and torch's CUDA reductions choose their splits
+  from the problem size.
+
+Elementwise arithmetic is batch-invariant but for one thing: on the CPU, ATen runs
+an elementwise op over whole vector steps and the last few elements of the tensor
+through the scalar function (``std::exp`` where the body runs Sleef's vector exp), and
+the two may differ in the last bit, so where a row lands depends on the tensor's size.
+``pointwise`` runs a transcendental function (exp, sigmoid, silu, softplus, cos, sin)
+over a copy padded to whole vector steps. With several intra-op threads each thread's
+range has such an end too, so the CPU mode runs on one thread (``cpu_threads``).
+Reductions over a handful of elements (the hc streams, a row's top-k slots) are
+explicit sums in a fixed order (``ordered_sum``).
+
+Must not import: cache, cluster, actors, deploy, ray; triton only inside the CUDA
+branches (it is optional).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Rows per GEMM in the batch-invariant mode. Any fixed size works; 16 keeps the padding
+# of a decode step small and stays clear of MKL's 1-3-row kernels.
+ROW_TILE = 16
+# Keys per dot-product GEMM in the batch-invariant mode.
+KEY_TILE = 32
+
+# Elements per pointwise call: a multiple of every CPU vector loop's step (two 512-bit
+# vectors of bf16 is 64 elements; of fp32, 32; of fp64, 16).
+POINTWISE_QUANTUM = 64
+
+_mode = threading.local()
+
+
+def batch_invariant_enabled() -> bool:
+    """Whether this thread's arithmetic runs in the batch-invariant mode."""
+    return getattr(_mode, "enabled", False)
+
+
+@contextmanager
+def batch_invariant(enabled: bool) -> Iterator[None]:
+    """Runs the block in (or out of) the batch-invariant mode on this thread; the
+    previous setting is restored afterwards. Each DP rank thread sets its own."""
+    previous = batch_invariant_enabled()
+    _mode.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _mode.enabled = previous
+
+
+def default_batch_invariant(device: torch.device | str) -> bool:
+    """The mode's default: on for the CPU (what tests and ``dsv41 validate`` run on),
+    off elsewhere unless asked for (it costs GEMM throughput on a GPU)."""
+    return torch.device(device).type == "cpu"
+
+
+def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn``; in the batch-invariant mode on the CPU,
+    every element goes through the vectorised body of ATen's loop (the input padded
+    with zeros to whole vector steps), so its value does not depend on the tensor's
+    size or its position in it."""
+    if not batch_invariant_enabled() or x.is_cuda:
+        return fn(x)
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % POINTWISE_QUANTUM
+    if pad:
+        flat = torch.cat((flat, flat.new_zeros(pad)))
+    return fn(flat)[: x.numel()].view(x.shape)
+
+
+def cpu_threads(batch_invariant: bool, device: torch.device | str) -> None:
+    """Puts torch on one intra-op thread when the batch-invariant mode runs on the CPU
+    (a multi-threaded elementwise op splits the tensor into ranges whose ends take the
+    scalar path: see the module docstring); logs it, since it is process-wide."""
+    if batch_invariant and torch.device(device).type == "cpu" and torch.get_num_threads() != 1:
+        logger.info("batch-invariant mode on the CPU: torch intra-op threads %d -> 1", torch.get_num_threads())
+        torch.set_num_threads(1)
+
+
+def _pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
+    pad = (-x.shape[0]) % tile
+    return torch.cat((x, x.new_zeros(pad, *x.shape[1:]))) if pad else x
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T``: x [..., K], weight [N, K] -> [..., N] in x's dtype (the
+    operands must share a dtype)."""
+    if not batch_invariant_enabled():
+        return x @ weight.t()
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    if x.is_cuda:
+        from model.kernels.triton.gemm import fixed_tile_matmul
+
+        out = fixed_tile_matmul(rows, weight)
+    else:
+        tiles = _pad_rows(rows, ROW_TILE)
+        count = tiles.shape[0] // ROW_TILE
+        out = torch.bmm(tiles.view(count, ROW_TILE, k), weight.t().unsqueeze(0).expand(count, -1, -1))
+        out = out.reshape(-1, weight.shape[0])[: rows.shape[0]]
+    return out.reshape(*lead, weight.shape[0])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Group g of every row through its own projection: x [T, G, I], weight [G, O, I]
+    -> [T, G, O]."""
+    if not batch_invariant_enabled():
+        return torch.einsum("tgi,goi->tgo", x, weight)
+    return torch.stack([linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
+
+
+def tiled_dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Each row's heads against its own keys: q [T, H, D], keys [T, C, D] (an expanded
+    [C, D] where every row scores the same keys) -> [T, H, C] in q's dtype. In the
+    batch-invariant mode the keys go through GEMMs of ``KEY_TILE`` keys, one per (row,
+    tile), whatever C is; rows are taken in blocks that bound the padded copy."""
+    if not batch_invariant_enabled():
+        if keys.stride(0) == 0:
+            return (q @ keys[0].t()) if keys.shape[0] else q.new_zeros(0, q.shape[1], keys.shape[1])
+        return torch.einsum("thd,tcd->thc", q, keys)
+    rows, heads, dim = q.shape
+    count = keys.shape[1]
+    if rows == 0 or count == 0:
+        return q.new_zeros(rows, heads, count)
+    tiles = -(-count // KEY_TILE)
+    block = max(1, _DOTS_BLOCK_BYTES // (tiles * KEY_TILE * dim * keys.element_size()))
+    return torch.cat([_tile_dots(q[i : i + block], keys[i : i + block], tiles) for i in range(0, rows, block)])
+
+
+_DOTS_BLOCK_BYTES = 64 << 20
+
+
+def _tile_dots(q: torch.Tensor, keys: torch.Tensor, tiles: int) -> torch.Tensor:
+    rows, heads, dim = q.shape
+    count = keys.shape[1]
+    padded = keys.new_zeros(rows, tiles * KEY_TILE, dim)
+    padded[:, :count] = keys
+    per_tile_q = q.unsqueeze(1).expand(rows, tiles, heads, dim).reshape(rows * tiles, heads, dim)
+    per_tile_keys = padded.view(rows * tiles, KEY_TILE, dim).transpose(1, 2)
+    dots = torch.bmm(per_tile_q, per_tile_keys).view(rows, tiles, heads, KEY_TILE)
+    return dots.permute(0, 2, 1, 3).reshape(rows, heads, tiles * KEY_TILE)[:, :, :count]
+
+
+def ordered_sum(terms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of a few tensors, added first to last: where a reduction runs over a
+    handful of elements (the hc streams), the model fixes its order instead of a
+    reduction kernel."""
+    iterator = iter(terms)
+    total = next(iterator)
+    for term in iterator:
+        total = total + term
+    return total
+
+
+def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over ``dim`` of ``x`` where that dim holds a handful of elements (kept as
+    a size-1 dim). On the CPU, torch's sum: a loop over so few elements in their
+    order, whatever the other dims (the parity tests check it on each instruction set);
+    on a GPU in the batch-invariant mode, ``ordered_sum``, since a CUDA reduction's
+    order is the kernel configuration's."""
+    if batch_invariant_enabled() and x.is_cuda:
+        return ordered_sum(x.unbind(dim)).unsqueeze(dim)
+    return x.sum(dim, keepdim=True)
+
+
+def row_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """The sum over the last dim of fp32 ``x``."""
+    if batch_invariant_enabled() and x.is_cuda:
+        from model.kernels.triton.reduce import row_sum as triton_row_sum
+
+        out = triton_row_sum(x)
+        return out.unsqueeze(-1) if keepdim else out
+    return x.sum(-1, keepdim=keepdim)
+
+
+def row_mean(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """The mean over the last dim of fp32 ``x``."""
+    if batch_invariant_enabled() and x.is_cuda:
+        return row_sum(x, keepdim) / x.shape[-1]
+    return x.mean(-1, keepdim=keepdim)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of fp32 ``x`` (-inf entries get 0)."""
+    if batch_invariant_enabled() and x.is_cuda:
+        shifted = torch.exp(x - x.amax(-1, keepdim=True))
+        return shifted / row_sum(shifted, keepdim=True)
+    return torch.softmax(x, dim=-1)

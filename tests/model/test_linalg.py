@@ -1,0 +1,148 @@
+"""model/linalg.py's batch-invariant mode: a row's (or an element's) result does not
+depend on the other rows of the call, their number or its position among them.
+
+Each property is checked on the default kernels of whatever CPU runs the suite;
+tests/cluster/test_isa_parity.py reruns the end-to-end parity under each instruction
+set the CPU has. Outside the mode every function is the plain torch call, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.linalg import (
+    KEY_TILE,
+    ROW_TILE,
+    batch_invariant,
+    batch_invariant_enabled,
+    grouped_linear,
+    linear,
+    ordered_sum,
+    pointwise,
+    tiled_dots,
+)
+
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 15, 16, 17, 31, 33, 64, 100)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), [(64, 32), (96, 200), (512, 64)])
+def test_a_projected_row_is_the_same_in_every_call(dtype: torch.dtype, k: int, n: int) -> None:
+    """linear: every row of a call of any size, at any position, equals that row
+    projected alone."""
+    weight = torch.randn(n, k, generator=_generator(0)).to(dtype)
+    rows = torch.randn(max(ROW_COUNTS) + 9, k, generator=_generator(1)).to(dtype)
+    with batch_invariant(True):
+        alone = torch.cat([linear(rows[i : i + 1], weight) for i in range(rows.shape[0])])
+        for count in ROW_COUNTS:
+            for start in (0, 9):
+                assert torch.equal(linear(rows[start : start + count], weight), alone[start : start + count]), count
+
+
+def test_outside_the_mode_every_function_is_the_plain_call() -> None:
+    """With the mode off, linear / grouped_linear / tiled_dots / pointwise are the torch
+    expressions they replace."""
+    x = torch.randn(5, 3, 16, generator=_generator(2))
+    w = torch.randn(3, 8, 16, generator=_generator(3))
+    keys = torch.randn(5, 11, 16, generator=_generator(4))
+    assert not batch_invariant_enabled()
+    assert torch.equal(linear(x[:, 0], w[0]), x[:, 0] @ w[0].t())
+    assert torch.equal(grouped_linear(x, w), torch.einsum("tgi,goi->tgo", x, w))
+    assert torch.equal(tiled_dots(x, keys), torch.einsum("thd,tcd->thc", x, keys))
+    assert torch.equal(pointwise(torch.exp, x), torch.exp(x))
+
+
+def test_grouped_projection_is_each_group_alone() -> None:
+    """grouped_linear in the mode: group g of a row is linear(row's group g, w[g])."""
+    x = torch.randn(23, 4, 32, generator=_generator(5))
+    w = torch.randn(4, 16, 32, generator=_generator(6))
+    with batch_invariant(True):
+        got = grouped_linear(x, w)
+        for g in range(4):
+            assert torch.equal(got[:, g], linear(x[:, g], w[g]))
+        assert torch.equal(grouped_linear(x[7:8], w), got[7:8])
+
+
+@pytest.mark.parametrize("count", [1, 2, KEY_TILE - 1, KEY_TILE, KEY_TILE + 1, 150])
+def test_a_keys_dot_product_does_not_depend_on_the_other_keys(count: int) -> None:
+    """tiled_dots: the dots of a row's heads with key c are the same whether the call
+    scores c keys or more, per-row keys or one shared set."""
+    q = torch.randn(6, 16, 32, generator=_generator(7))
+    keys = torch.randn(6, 160, 32, generator=_generator(8))
+    with batch_invariant(True):
+        everything = tiled_dots(q, keys)
+        assert torch.equal(tiled_dots(q, keys[:, :count]), everything[:, :, :count])
+        assert torch.equal(tiled_dots(q[2:3], keys[2:3, :count]), everything[2:3, :, :count])
+        shared = keys[0, :count]
+        assert torch.equal(tiled_dots(q, shared.unsqueeze(0).expand(6, -1, -1)), tiled_dots(q, keys[:1, :count].expand(6, -1, -1)))
+
+
+@pytest.mark.parametrize(
+    "fn", [torch.exp, torch.sigmoid, F.silu, F.softplus, torch.cos, torch.sin], ids=lambda f: f.__name__
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_elements_transcendental_does_not_depend_on_the_tensor_size(fn, dtype: torch.dtype) -> None:
+    """pointwise: an element's fn value is the same in a tensor of any size and at any
+    offset (ATen computes a tensor's last few elements with the scalar function)."""
+    values = torch.randn(300, generator=_generator(9), dtype=torch.float64).to(dtype) * 4
+    with batch_invariant(True):
+        whole = pointwise(fn, values)
+        for size in (1, 3, 7, 16, 17, 33, 63, 65, 129):
+            for start in (0, 5):
+                assert torch.equal(pointwise(fn, values[start : start + size]), whole[start : start + size]), size
+        assert torch.equal(pointwise(fn, values.view(30, 10)[:, :3]), whole.view(30, 10)[:, :3])
+
+
+def test_ordered_sum_adds_first_to_last() -> None:
+    """ordered_sum is ((a + b) + c) + d, not any other association."""
+    a, b, c, d = (torch.tensor([v], dtype=torch.float32) for v in (1e8, 1.0, -1e8, 1.0))
+    assert ordered_sum([a, b, c, d]).item() == ((a + b) + c + d).item() == 1.0
+    assert ordered_sum([a, c, b, d]).item() == 2.0
+
+
+def test_the_mode_is_per_thread_and_restored() -> None:
+    """batch_invariant sets this thread's mode for the block and restores the previous
+    one after it, also on an error."""
+    with batch_invariant(True):
+        assert batch_invariant_enabled()
+        with pytest.raises(RuntimeError):
+            with batch_invariant(False):
+                assert not batch_invariant_enabled()
+                raise RuntimeError("inside")
+        assert batch_invariant_enabled()
+    assert not batch_invariant_enabled()
+    assert ROW_TILE > 3, "MKL's 1-3-row kernels must never see a tile"
+
+
+def test_triton_fixed_tile_gemm_is_the_matmul() -> None:
+    """The GPU mode's GEMM, run here by Triton's interpreter, is the matmul to fp32
+    rounding at edge shapes. (Its rows' independence of the call is a property of the
+    GPU's dot instructions, not of the interpreter's numpy dots: tests/model/
+    test_gpu_runtime.py checks it on a GPU.)"""
+    pytest.importorskip("triton")
+    from model.kernels.triton.gemm import fixed_tile_matmul
+
+    weight = torch.randn(70, 48, generator=_generator(10))
+    rows = torch.randn(40, 48, generator=_generator(11))
+    for count in (1, 33, 40):
+        torch.testing.assert_close(fixed_tile_matmul(rows[:count], weight), rows[:count] @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert fixed_tile_matmul(rows[:0], weight).shape == (0, 70)
+
+
+def test_triton_row_sum_rows_do_not_depend_on_the_call() -> None:
+    """The GPU mode's row reduction (interpreted here): a row's sum is the same in a
+    call of any size, and is the sum to fp32 rounding."""
+    pytest.importorskip("triton")
+    from model.kernels.triton.reduce import row_sum
+
+    x = torch.randn(9, 2500, generator=_generator(12))
+    whole = row_sum(x)
+    for count in (1, 2, 9):
+        assert torch.equal(row_sum(x[:count]), whole[:count])
+    torch.testing.assert_close(whole, x.sum(-1), rtol=1e-5, atol=1e-4)
