@@ -45,10 +45,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 512 << 20
 # The context a CPU replica gets unless max_model_len says otherwise. A prefill's cost
-# grows about quadratically with its length on the CPU (the tiny model, one core:
-# 2k / 4k / 8k / 16k tokens in 2.5 / 6.1 / 21.4 / 84 s), so the model's own limit
-# (1,048,576 positions) would admit requests that run for hours; 4,096 tokens prefill in
-# seconds.
+# grows faster than its length on the CPU (the tiny model, one core of a shared 2-core
+# box: 2k tokens in about 2.2 s, 16k in 159 s; BENCHMARKS.md, prefill_fairness), so the
+# model's own limit (1,048,576 positions) would admit requests that run for hours;
+# 4,096 tokens prefill in seconds.
 CPU_DEFAULT_MAX_MODEL_LEN = 4096
 PARITY_REQUEST_ID = "__prompt_logits__"
 
