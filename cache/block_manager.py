@@ -2,12 +2,14 @@
 
 Owns: which PAGEs and which STATE slot each request holds; reference counts (a PAGE in
 several requests' prefixes counts once per holder); the prefix index, a chain hash per
-full PAGE (the PAGE is the hash block) naming the PAGE that holds those rows; the LRU
-of unreferenced cached PAGEs and their eviction; the checkpoint images attached to
-hash entries under ``StateTransfer.COPY``, or where a hit's forward starts under
-``StateTransfer.REPLAY`` (``replay_start``); hits extended by PAGEs and images fetched
-from an offload store (registered at allocation, filled by the rank before the
-forward); the counters. It moves no bytes: copying a STATE in or out of PAGEs is
+full PAGE (the PAGE is the hash block) naming the PAGE that holds those rows; the
+checkpoint images attached to hash entries under ``StateTransfer.COPY``, or where a
+hit's forward starts under ``StateTransfer.REPLAY`` (``replay_start``); reclaiming
+under pressure, least recently used first, of unreferenced cached PAGEs (with their
+hash entries and images) and of images no restore is using (their entries stay);
+hits extended by PAGEs and images fetched from an offload store (registered at
+allocation, filled by the rank before the forward); the counters and
+``check_invariants``. It moves no bytes: copying a STATE in or out of PAGEs is
 ``cache.checkpoints``', resetting a slot ``cache.pools``', fetching ``cache.offload``'s.
 
 Must not import: torch, anything of this project, the scheduler, ray. The keys are
@@ -20,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import itertools
 import struct
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -142,8 +145,11 @@ class PrefixHit:
 @dataclass(frozen=True)
 class BlockManagerStats:
     """A snapshot of the counters. ``pages_used`` are referenced (by requests or
-    images), ``pages_cached`` unreferenced but in the prefix index (evictable),
-    ``pages_free`` neither. Lookups count every ``lookup()`` call."""
+    images), ``pages_cached`` unreferenced but in the prefix index, ``pages_free``
+    neither; ``image_pages_idle`` are the PAGEs of attached images no restore holds.
+    Cached PAGEs and idle images' PAGEs are what allocation reclaims: ``evictions``
+    counts cached PAGEs evicted, ``image_evictions`` images dropped on their own
+    (their hash entries stay). Lookups count every ``lookup()`` call."""
 
     num_pages: int
     pages_used: int
@@ -151,6 +157,7 @@ class BlockManagerStats:
     pages_free: int
     images: int
     image_pages: int
+    image_pages_idle: int
     num_slots: int
     slots_used: int
     requests: int
@@ -159,6 +166,7 @@ class BlockManagerStats:
     lookup_tokens: int
     hit_tokens: int
     evictions: int
+    image_evictions: int
     fetched_pages: int  # PAGEs of hits taken from an offload store
     fetched_images: int
 
@@ -174,17 +182,23 @@ class _RequestBlocks:
     slot: int
     hashes: list[bytes]  # chain hashes known so far (the prompt's full PAGEs, then published ones)
     num_published: int  # leading PAGEs registered in (or taken from) the prefix index
+    restoring: bytes | None = None  # the hash entry whose image the first forward restores
 
 
 class BlockManager:
     """PAGE and STATE-slot allocation of one engine group's pools.
 
     The scheduler drives it: ``lookup`` then, in the same step, ``allocate_prompt``
-    (PAGEs for the whole prompt, sharing the hit's, and a STATE slot); ``grow`` as
-    decode proceeds; ``publish`` once tokens are computed; ``free`` when the request
-    stops or is preempted. ``allocate_prompt`` and ``grow`` answer False, changing
-    nothing, when the pools cannot hold the request: the scheduler preempts or waits.
-    Allocation evicts unreferenced cached PAGEs, least recently used first.
+    (PAGEs for the whole prompt, sharing the hit's, and a STATE slot; the hit's
+    image is held until ``restored``); ``grow`` as decode proceeds; ``publish`` once
+    tokens are computed; ``free`` when the request stops or is preempted.
+    ``allocate_prompt`` and ``grow`` answer False, changing nothing, when the pools
+    cannot hold the request: the scheduler preempts or waits. Allocation reclaims,
+    least recently used first, unreferenced cached PAGEs (an evicted PAGE takes its
+    hash entry and the image attached there: nothing can reach that image any more)
+    and attached images no restore holds (the hash entry stays: a later hit there
+    recomputes the windows instead). So with no request holding anything, every PAGE
+    is reclaimable: a prompt that fits the empty pools is always admitted.
     """
 
     def __init__(
@@ -208,13 +222,18 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount = [0] * num_pages
         self._free_pages: deque[int] = deque(range(num_pages))
-        # Unreferenced cached PAGE -> PAGEs its eviction frees (itself + its image's),
-        # oldest first.
-        self._idle: OrderedDict[int, int] = OrderedDict()
-        self._idle_reclaimable = 0
+        # What allocation may reclaim, each oldest first, stamped from one clock so the
+        # least recently used of both goes first: unreferenced cached PAGEs, and
+        # attached images no restore holds (by hash entry), an image last used when it
+        # was attached or restored, or when its entry's PAGE was last released.
+        self._clock = itertools.count()
+        self._idle_pages: OrderedDict[int, int] = OrderedDict()
+        self._idle_images: OrderedDict[bytes, int] = OrderedDict()
+        self._idle_image_pages = 0
         self._page_of_hash: dict[bytes, int] = {}
         self._hash_of_page: dict[int, bytes] = {}
         self._images: dict[bytes, StateImage] = {}
+        self._restores: Counter[bytes] = Counter()  # image -> requests whose first forward restores it
         self._private_pages: set[int] = set()  # from allocate_pages, owned by the caller
         self._free_slots: deque[int] = deque(range(num_slots))
         self._requests: dict[str, _RequestBlocks] = {}
@@ -223,6 +242,7 @@ class BlockManager:
         self._lookup_tokens = 0
         self._hit_tokens = 0
         self._evictions = 0
+        self._image_evictions = 0
         self._fetched_pages = 0
         self._fetched_images = 0
 
@@ -327,16 +347,26 @@ class BlockManager:
             raise BlockManagerError(f"resume_tokens: {resume_tokens} (allowed: >= 0)")
         return max(0, (resume_tokens // self.block_size - 1) * self.block_size)
 
+    def without_image(self, hit: PrefixHit) -> PrefixHit:
+        """``hit`` (COPY) resumed without a checkpoint image: the same PAGEs, local
+        and fetched, and the forward from 0 in a reset slot, the replay from a
+        recoverable boundary. What an admission takes when the pools cannot hold the
+        image beside the prompt, so an image is never what keeps a request waiting."""
+        if self.state_transfer is StateTransfer.REPLAY:
+            raise BlockManagerError("without_image: state_transfer is 'replay', whose hits restore no images")
+        return dataclasses.replace(hit, forward_start=0, restore_image=None, fetched_image=False)
+
     # -- requests ---------------------------------------------------------------------
 
     def allocate_prompt(self, request_id: str, token_ids: Sequence[int], hit: PrefixHit) -> bool:
         """PAGEs for the whole prompt (the hit's shared, the rest fresh) and a STATE
         slot. ``hit`` must come from ``lookup(token_ids)`` in this step (or its
-        ``extend_hit``). False, with nothing changed, when the pools cannot hold it.
-        The fetched PAGEs of an extended hit enter the prefix index at once, and a
-        fetched image is attached to it: the caller must fill both before any forward
-        reads them (the rank does, first thing in the step). The caller then readies
-        the slot: restore ``hit.restore_image`` into it, or reset it."""
+        ``extend_hit`` / ``without_image``). False, with nothing changed, when the
+        pools cannot hold it. The fetched PAGEs of an extended hit enter the prefix
+        index at once, and a fetched image is attached to it: the caller must fill
+        both before any forward reads them (the rank does, first thing in the step).
+        The caller then readies the slot: restore ``hit.restore_image`` into it (the
+        image is not reclaimed until ``restored`` or ``free``), or reset it."""
         if request_id in self._requests:
             raise BlockManagerError(f"request_id: {request_id!r} already holds PAGEs (free it first)")
         self._check_hit(token_ids, hit)
@@ -345,32 +375,45 @@ class BlockManager:
         fresh = -(-len(token_ids) // self.block_size) - len(hit.pages)
         for page in hit.pages:
             self._reference(page)
+        restoring = self._restore_entry(hit)
+        if restoring is not None:
+            self._hold_image(restoring)
         pages = list(hit.pages) + self._take_fresh(fresh)
         for i in range(len(hit.pages), hit.num_hit_pages):
             self._page_of_hash[hit.prompt_hashes[i]] = pages[i]
             self._hash_of_page[pages[i]] = hit.prompt_hashes[i]
         self._fetched_pages += hit.fetched_pages
-        if hit.fetched_image and hit.restore_image is not None:
-            image = hit.restore_image
-            self._private_pages.difference_update(image.pages)
-            self._images[hit.prompt_hashes[image.num_tokens // self.block_size - 1]] = image
+        if hit.fetched_image and hit.restore_image is not None and restoring is not None:
+            self._private_pages.difference_update(hit.restore_image.pages)
+            self._images[restoring] = hit.restore_image
             self._fetched_images += 1
         self._requests[request_id] = _RequestBlocks(
             pages=pages,
             slot=self._free_slots.popleft(),
             hashes=list(hit.prompt_hashes),
             num_published=hit.num_hit_pages,
+            restoring=restoring,
         )
         return True
 
     def has_room(self, num_tokens: int, hit: PrefixHit) -> bool:
         """Whether a prompt of ``num_tokens`` with ``hit`` would get its PAGEs and a
-        STATE slot now (what ``allocate_prompt`` answers, without allocating)."""
+        STATE slot now (what ``allocate_prompt`` answers, without allocating): the
+        fresh PAGEs must come from what is reclaimable besides the hit's own PAGEs
+        and the image it restores."""
         if not self._free_slots:
             return False
         fresh = -(-num_tokens // self.block_size) - len(hit.pages)
-        hit_idle = sum(self._idle.get(page, 0) for page in hit.pages)
-        return fresh <= self._reclaimable() - hit_idle
+        return fresh <= self._reclaimable(hit)
+
+    def restored(self, request_id: str) -> None:
+        """The request's first forward has restored its image into the slot: the
+        image is reclaimable again (least recently used last)."""
+        blocks = self._request(request_id)
+        if blocks.restoring is None:
+            raise BlockManagerError(f"request_id: {request_id!r} restores no image")
+        self._let_go_image(blocks.restoring)
+        blocks.restoring = None
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Appends PAGEs until the request holds ``num_tokens`` tokens. False, with
@@ -379,7 +422,7 @@ class BlockManager:
         missing = -(-num_tokens // self.block_size) - len(blocks.pages)
         if missing <= 0:
             return True
-        if missing > self._reclaimable():
+        if missing > self._reclaimable(None):
             return False
         blocks.pages.extend(self._take_fresh(missing))
         return True
@@ -422,11 +465,13 @@ class BlockManager:
         return blocks.hashes[:num_pages]
 
     def free(self, request_id: str) -> None:
-        """Drops the request's PAGE references (last PAGE first, so a prefix's tail is
-        evicted before its head) and its STATE slot. Cached PAGEs go to the LRU,
-        others to the free list."""
+        """Drops the request's hold on an image it had yet to restore, its PAGE
+        references (last PAGE first, so a prefix's tail is evicted before its head)
+        and its STATE slot. Cached PAGEs become reclaimable, others free."""
         blocks = self._request(request_id)
         del self._requests[request_id]
+        if blocks.restoring is not None:
+            self._let_go_image(blocks.restoring)
         for page in reversed(blocks.pages):
             self._release(page)
         self._free_slots.append(blocks.slot)
@@ -439,15 +484,16 @@ class BlockManager:
 
     # -- checkpoint images (StateTransfer.COPY) ---------------------------------------
 
-    def allocate_pages(self, count: int) -> list[int] | None:
+    def allocate_pages(self, count: int, keep: PrefixHit | None = None) -> list[int] | None:
         """``count`` PAGEs outside any request (checkpoint images), owned by the caller
         until attached or handed back with ``free_pages``; None if there are not
-        enough."""
+        enough. With ``keep`` (a hit of this step not yet allocated), the hit's PAGEs
+        and the image it restores are not reclaimed for them."""
         if count <= 0:
             raise BlockManagerError(f"count: {count} (allowed: > 0)")
-        if count > self._reclaimable():
+        if count > self._reclaimable(keep):
             return None
-        pages = self._take_fresh(count)
+        pages = self._take_fresh(count, keep)
         self._private_pages.update(pages)
         return pages
 
@@ -474,9 +520,9 @@ class BlockManager:
 
     def attach_image(self, request_id: str, boundary: int, image: StateImage) -> bool:
         """Attaches ``image`` (taken at ``boundary`` tokens of the request) to the hash
-        entry of the PAGE ending there; the block manager then owns its PAGEs and drops
-        them when that entry is evicted. False, leaving the image the caller's, when
-        ``wants_image`` is no longer true."""
+        entry of the PAGE ending there; the block manager then owns its PAGEs, and
+        drops them when the image or that entry is evicted. False, leaving the image
+        the caller's, when ``wants_image`` is no longer true."""
         if self.state_transfer is StateTransfer.REPLAY:
             raise BlockManagerError("attach_image: state_transfer is 'replay', which keeps no checkpoint images")
         if image.num_tokens != boundary:
@@ -488,22 +534,19 @@ class BlockManager:
         h = self._boundary_hash(self._request(request_id), boundary)
         self._private_pages.difference_update(image.pages)
         self._images[h] = image
-        host = self._page_of_hash[h]
-        if host in self._idle:
-            self._idle[host] += len(image.pages)
-            self._idle_reclaimable += len(image.pages)
+        self._mark_image_idle(h)
         return True
 
     # -- eviction ---------------------------------------------------------------------
 
     def evict(self, num_pages: int) -> int:
-        """Evicts up to ``num_pages`` unreferenced cached PAGEs, least recently used
-        first, with their hash entries and images; returns how many."""
-        evicted = 0
-        while evicted < num_pages and self._idle:
+        """Reclaims at least ``num_pages`` PAGEs where it can, evicting cached PAGEs
+        (with their hash entries and images) and idle images, least recently used
+        first; returns how many PAGEs it freed."""
+        before = len(self._free_pages)
+        while len(self._free_pages) - before < num_pages and (self._idle_pages or self._idle_images):
             self._evict_oldest()
-            evicted += 1
-        return evicted
+        return len(self._free_pages) - before
 
     # -- introspection ----------------------------------------------------------------
 
@@ -517,11 +560,12 @@ class BlockManager:
     def stats(self) -> BlockManagerStats:
         return BlockManagerStats(
             num_pages=self.num_pages,
-            pages_used=self.num_pages - len(self._free_pages) - len(self._idle),
-            pages_cached=len(self._idle),
+            pages_used=self.num_pages - len(self._free_pages) - len(self._idle_pages),
+            pages_cached=len(self._idle_pages),
             pages_free=len(self._free_pages),
             images=len(self._images),
             image_pages=sum(len(image.pages) for image in self._images.values()),
+            image_pages_idle=self._idle_image_pages,
             num_slots=self.num_slots,
             slots_used=self.num_slots - len(self._free_slots),
             requests=len(self._requests),
@@ -530,9 +574,60 @@ class BlockManager:
             lookup_tokens=self._lookup_tokens,
             hit_tokens=self._hit_tokens,
             evictions=self._evictions,
+            image_evictions=self._image_evictions,
             fetched_pages=self._fetched_pages,
             fetched_images=self._fetched_images,
         )
+
+    def check_invariants(self) -> None:
+        """Raises BlockManagerError naming the first broken invariant: every PAGE's
+        reference count equals its holders (requests' tables, attached images, the
+        caller's private PAGEs); free, cached-idle and referenced PAGEs partition the
+        pool; the prefix index is one-to-one; images hang off cached entries, hold
+        PAGEs no one else does, and are idle exactly when no request holds them for a
+        restore (then their host PAGE is referenced); slots are each held once."""
+        holders = Counter(page for blocks in self._requests.values() for page in blocks.pages)
+        holders.update(page for image in self._images.values() for page in image.pages)
+        holders.update(self._private_pages)
+        for page in range(self.num_pages):
+            if self._refcount[page] != holders[page]:
+                raise BlockManagerError(
+                    f"invariant: PAGE {page} has refcount {self._refcount[page]}, {holders[page]} holders"
+                )
+        free, idle = set(self._free_pages), set(self._idle_pages)
+        referenced = {page for page in range(self.num_pages) if self._refcount[page]}
+        if len(free) != len(self._free_pages) or free & idle or (free | idle) & referenced:
+            raise BlockManagerError("invariant: a PAGE is in more than one of free / idle / referenced")
+        if len(free) + len(idle) + len(referenced) != self.num_pages:
+            raise BlockManagerError("invariant: a PAGE is neither free, idle nor referenced (leaked)")
+        if free & set(self._hash_of_page) or any(page not in self._hash_of_page for page in idle):
+            raise BlockManagerError("invariant: a free PAGE is cached, or an idle one is not")
+        if {page: h for h, page in self._page_of_hash.items()} != self._hash_of_page:
+            raise BlockManagerError("invariant: the prefix index and its inverse disagree")
+        image_pages = [page for image in self._images.values() for page in image.pages]
+        if len(set(image_pages)) != len(image_pages) or set(image_pages) & set(self._hash_of_page):
+            raise BlockManagerError("invariant: an image PAGE is shared or cached")
+        restoring = Counter(b.restoring for b in self._requests.values() if b.restoring is not None)
+        if restoring != self._restores:
+            raise BlockManagerError(
+                f"invariant: image holds {dict(self._restores)}, requests restoring {dict(restoring)}"
+            )
+        for h in self._images:
+            if h not in self._page_of_hash:
+                raise BlockManagerError("invariant: an image hangs off no cached PAGE")
+            if (h in self._idle_images) == (h in self._restores):
+                raise BlockManagerError("invariant: an image is idle while held for a restore, or neither")
+            if h in self._restores and not self._refcount[self._page_of_hash[h]]:
+                raise BlockManagerError("invariant: an image held for a restore sits on an unreferenced PAGE")
+        if set(self._idle_images) - set(self._images):
+            raise BlockManagerError("invariant: an idle image is not attached")
+        if self._idle_image_pages != sum(len(self._images[h].pages) for h in self._idle_images):
+            raise BlockManagerError("invariant: the idle image PAGE count is off")
+        slots = [blocks.slot for blocks in self._requests.values()] + list(self._free_slots)
+        if sorted(slots) != list(range(self.num_slots)):
+            raise BlockManagerError(
+                f"invariant: slots {sorted(slots)} (allowed: each of 0..{self.num_slots - 1} once)"
+            )
 
     # -- internals --------------------------------------------------------------------
 
@@ -575,14 +670,31 @@ class BlockManager:
             )
         return blocks.hashes[boundary // self.block_size - 1]
 
-    def _reclaimable(self) -> int:
-        return len(self._free_pages) + self._idle_reclaimable
+    def _restore_entry(self, hit: PrefixHit) -> bytes | None:
+        """The hash entry of the image ``hit`` restores (None: a reset slot)."""
+        if hit.restore_image is None:
+            return None
+        return hit.prompt_hashes[hit.forward_start // self.block_size - 1]
 
-    def _take_fresh(self, count: int) -> list[int]:
+    def _kept(self, hit: PrefixHit | None) -> tuple[frozenset[int], frozenset[bytes]]:
+        """The reclaimable units a hit's allocation takes: its PAGEs, and the local
+        image it restores (by hash entry)."""
+        if hit is None:
+            return frozenset(), frozenset()
+        entry = None if hit.fetched_image else self._restore_entry(hit)
+        return frozenset(hit.pages), frozenset(() if entry is None else (entry,))
+
+    def _reclaimable(self, keep: PrefixHit | None) -> int:
+        """PAGEs free or reclaimable, less those ``keep``'s allocation takes."""
+        pages, images = self._kept(keep)
+        taken = sum(1 for page in pages if page in self._idle_pages)
+        taken += sum(len(self._images[h].pages) for h in images if h in self._idle_images)
+        return len(self._free_pages) + len(self._idle_pages) + self._idle_image_pages - taken
+
+    def _take_fresh(self, count: int, keep: PrefixHit | None = None) -> list[int]:
+        kept_pages, kept_images = self._kept(keep)
         while len(self._free_pages) < count:
-            if not self._idle:
-                raise BlockManagerError(f"internal: {count} PAGEs asked, {len(self._free_pages)} reclaimable")
-            self._evict_oldest()
+            self._evict_oldest(kept_pages, kept_images)
         pages = [self._free_pages.popleft() for _ in range(count)]
         for page in pages:
             self._refcount[page] = 1
@@ -590,7 +702,7 @@ class BlockManager:
 
     def _reference(self, page: int) -> None:
         if self._refcount[page] == 0:
-            self._idle_reclaimable -= self._idle.pop(page)
+            del self._idle_pages[page]
         self._refcount[page] += 1
 
     def _release(self, page: int) -> None:
@@ -603,19 +715,53 @@ class BlockManager:
         if h is None:
             self._free_pages.append(page)
             return
-        image = self._images.get(h)
-        reclaimable = 1 + (len(image.pages) if image is not None else 0)
-        self._idle[page] = reclaimable
-        self._idle_reclaimable += reclaimable
+        if h in self._idle_images:
+            # The image is as recent as the entry it hangs off (and goes just before
+            # it): a chain is reclaimed from its tail, each image with its PAGE.
+            del self._idle_images[h]
+            self._idle_images[h] = next(self._clock)
+        self._idle_pages[page] = next(self._clock)
 
-    def _evict_oldest(self) -> None:
-        page, reclaimable = self._idle.popitem(last=False)
-        self._idle_reclaimable -= reclaimable
+    def _hold_image(self, h: bytes) -> None:
+        if h in self._idle_images:
+            del self._idle_images[h]
+            self._idle_image_pages -= len(self._images[h].pages)
+        self._restores[h] += 1
+
+    def _let_go_image(self, h: bytes) -> None:
+        self._restores[h] -= 1
+        if not self._restores[h]:
+            del self._restores[h]
+            self._mark_image_idle(h)
+
+    def _mark_image_idle(self, h: bytes) -> None:
+        self._idle_images[h] = next(self._clock)
+        self._idle_image_pages += len(self._images[h].pages)
+
+    def _evict_oldest(
+        self, kept_pages: frozenset[int] = frozenset(), kept_images: frozenset[bytes] = frozenset()
+    ) -> None:
+        """Evicts the least recently used cached PAGE or idle image not kept."""
+        page = next((p for p in self._idle_pages if p not in kept_pages), None)
+        image = next((h for h in self._idle_images if h not in kept_images), None)
+        if image is not None and (page is None or self._idle_images[image] < self._idle_pages[page]):
+            self._drop_image(image)
+            self._image_evictions += 1
+            return
+        if page is None:
+            raise BlockManagerError(f"internal: {len(self._free_pages)} PAGEs free and nothing left to reclaim")
+        del self._idle_pages[page]
         h = self._hash_of_page.pop(page)
         del self._page_of_hash[h]
-        image = self._images.pop(h, None)
-        if image is not None:
-            for image_page in image.pages:
-                self._release(image_page)
+        if h in self._images:
+            # Idle (a held image's PAGE is referenced): with its entry gone no lookup reaches it.
+            self._drop_image(h)
         self._free_pages.append(page)
         self._evictions += 1
+
+    def _drop_image(self, h: bytes) -> None:
+        del self._idle_images[h]
+        image = self._images.pop(h)
+        self._idle_image_pages -= len(image.pages)
+        for page in image.pages:
+            self._release(page)

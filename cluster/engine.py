@@ -286,7 +286,8 @@ class EngineFrontend(abc.ABC):
         self.options = options
         self.stop_checker = StopChecker(tokenizer, config.eos_token_id)
         self.seeds = SeedSource(options.seed)
-        pool_tokens = layout.pool_size.num_pages * options.block_size
+        self.pool_pages = layout.pool_size.num_pages
+        pool_tokens = self.pool_pages * options.block_size
         self.max_model_len = default_max_model_len(config, options, pool_tokens)
         self._requests: dict[str, Request] = {}
         self._children: dict[str, tuple[str, ...]] = {}
@@ -324,7 +325,12 @@ class EngineFrontend(abc.ABC):
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Queues a request (``n`` > 1: one sequence per sample, ids ``{id}#{i}``).
-        Raises EngineError / SamplingParamsError with nothing queued when it cannot run."""
+        Raises EngineError / SamplingParamsError with nothing queued when it cannot run,
+        among them a request the empty pools of one rank could not hold: its prompt
+        and ``max_tokens`` in PAGEs (a checkpoint image is never needed: an admission
+        resumes without one that does not fit, and a checkpoint is skipped when PAGEs
+        are short). Each sample of ``n`` > 1 is a sequence of its own and need not fit
+        beside the others."""
         if not isinstance(params, SamplingParams):
             raise EngineError(f"params: expected SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
@@ -336,6 +342,7 @@ class EngineFrontend(abc.ABC):
             raise EngineError("prompt_token_ids: empty (allowed: at least one token)")
         if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
             raise EngineError(f"prompt_token_ids: every id must be an integer in [0, {self.config.vocab_size})")
+        self._check_fits_pool(request_id, len(prompt), params)
         params.validate_for(self.config.vocab_size, self.max_model_len, len(prompt), self.options.max_num_seqs)
         ids = (request_id,) if params.n == 1 else tuple(f"{request_id}#{i}" for i in range(params.n))
         seeds = self.seeds.seeds_for(params)
@@ -346,6 +353,17 @@ class EngineFrontend(abc.ABC):
             self._enqueue(request)
         if params.n > 1:
             self._children[request_id] = ids
+
+    def _check_fits_pool(self, request_id: str, prompt_len: int, params: SamplingParams) -> None:
+        block_size = self.options.block_size
+        tokens = prompt_len + params.max_tokens
+        if tokens > self.pool_pages * block_size:
+            raise EngineError(
+                f"request {request_id!r}: prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {tokens} "
+                f"tokens need {-(-tokens // block_size)} PAGEs of {block_size} tokens, and the pools hold "
+                f"{self.pool_pages} PAGEs ({self.pool_pages * block_size} tokens) (allowed: prompt + max_tokens "
+                f"<= {self.pool_pages * block_size})"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request (all its samples) wherever it is; its PAGEs and slot are

@@ -7,6 +7,11 @@ out, cancellation at any point, and prefix hits through the block manager (a res
 checkpoint image under ``copy``, a replay from ``replay_start`` under ``replay``),
 extended on admission by the PAGEs and images an offload store holds past the local
 hit, and which completed PAGEs and stored images each forward publishes to it.
+Liveness: the block manager reclaims cached PAGEs and images under pressure, and an
+admission whose image does not fit beside its prompt resumes without it, so with
+nothing running the head of the queue is always admitted when it fits the empty
+pools (the engine refuses one that does not); a step that can admit nothing with
+nothing running raises instead of idling.
 It moves no bytes: each ``ScheduledSegment`` tells the rank what to do to the slot
 before and after the forward. A request resumes only where its state is exact (a
 restored image, or a reset slot at the hit's forward start), so a scheduled run
@@ -143,6 +148,12 @@ class Scheduler:
             count = self._chunk(request, budget)
             plans.append((request, count))
             budget -= count
+        if self.waiting and not self.running and not report.preempted:
+            request = self.waiting[0]
+            raise SchedulerError(
+                f"request {request.request_id!r}: {request.num_tokens} tokens cannot be admitted into empty pools "
+                f"({self.block_manager.stats()}); the engine should have refused it"
+            )
         segments = tuple(self._segment(request, count) for request, count in plans)
         return ScheduledBatch(step_id=self._step_id, segments=segments), report
 
@@ -169,21 +180,26 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         tokens = request.all_token_ids
-        hit = self.block_manager.lookup(tokens)
+        bm = self.block_manager
+        hit = bm.lookup(tokens)
         page_handles: list[object] = []
         image_handle = None
         if request.params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt row computed: take no hit.
             hit = dataclasses.replace(hit, hit_tokens=0, forward_start=0, restore_image=None, pages=())
-        elif self.offload is not None and self.block_manager.has_room(len(tokens), hit):
+        elif self.offload is not None and bm.has_room(len(tokens), hit):
             # Only a prompt that fits now asks the store: one left waiting would pin
             # units (and make a round trip) at every step.
             hit, page_handles, image_handle = self._extend_from_offload(self.offload, hit, len(tokens))
-        if not self.block_manager.allocate_prompt(request.request_id, tokens, hit):
-            if hit.fetched_image and hit.restore_image is not None:
-                self.block_manager.free_pages(hit.restore_image.pages)
-            return False
-        table = self.block_manager.page_table(request.request_id)
+        if not bm.allocate_prompt(request.request_id, tokens, hit):
+            # A fetched image was taken only with room for it. A local one that does
+            # not fit beside the prompt is let go: waiting for it could wait forever.
+            if hit.restore_image is None:
+                return False
+            hit = bm.without_image(hit)
+            if not bm.allocate_prompt(request.request_id, tokens, hit):
+                return False
+        table = bm.page_table(request.request_id)
         fills = [PageFill(pages=(page,), handle=h) for page, h in zip(table[len(hit.pages) :], page_handles)]
         if image_handle is not None and hit.restore_image is not None:
             fills.append(PageFill(pages=hit.restore_image.pages, handle=image_handle))
@@ -229,7 +245,7 @@ class Scheduler:
         for j in reversed(range(len(image_handles))):
             if image_handles[j] is None:
                 continue
-            pages = bm.allocate_pages(self.image_pages)
+            pages = bm.allocate_pages(self.image_pages, keep=hit)
             if pages is None:
                 break
             image = StateImage(
@@ -238,7 +254,11 @@ class Scheduler:
                 image_bytes=self.image_bytes,
                 num_tokens=(len(hit.pages) + j + 1) * self.config.block_size,
             )
-            return bm.extend_hit(hit, len(page_handles), image), page_handles, image_handles[j]
+            extended = bm.extend_hit(hit, len(page_handles), image)
+            if bm.has_room(num_tokens, extended):
+                return extended, page_handles, image_handles[j]
+            bm.free_pages(pages)
+            break
         return bm.extend_hit(hit, len(page_handles), None), page_handles, None
 
     def _slot_prep(self, hit: PrefixHit, tokens: Iterable[int]) -> SlotReset | StateImage:
@@ -307,11 +327,14 @@ class Scheduler:
     # -- results ------------------------------------------------------------------------
 
     def commit(self, segment: ScheduledSegment, request: Request | None) -> None:
-        """Records that ``segment``'s forward ran: the request's cursor advances, its
-        full PAGEs are published and a checkpoint image taken at a PAGE boundary is
-        attached to the prefix index (or handed back when nothing wants it)."""
+        """Records that ``segment``'s forward ran: the image it restored is let go,
+        the request's cursor advances, its full PAGEs are published and a checkpoint
+        image taken at a PAGE boundary is attached to the prefix index (or handed back
+        when nothing wants it)."""
         image_kept = False
         if request is not None and request.request_id in self._progress:
+            if segment.restore is not None:
+                self.block_manager.restored(request.request_id)
             request.num_computed_tokens = segment.end
             self.block_manager.publish(request.request_id, request.all_token_ids, segment.end)
             if segment.store_after is not None:

@@ -151,23 +151,121 @@ def test_allocation_shares_hit_pages_and_answers_false_when_full() -> None:
     assert bm.stats().pages_free == 0
 
 
-def test_allocation_evicts_lru_pages_tail_first_with_their_images() -> None:
-    """A freed request's cached PAGEs are evicted last PAGE first, only when the free
-    list is empty; an evicted PAGE takes its hash entry and its image with it."""
-    bm = _manager(num_pages=6, num_slots=2)
+def test_allocation_reclaims_least_recently_used_first_images_included() -> None:
+    """Only when the free list is empty, allocation reclaims least recently used
+    first: a freed request's chain from its tail, the image at a boundary just
+    before the PAGE it hangs off (the entry stays: the hit stays, without the image),
+    while a chain used since waits."""
+    bm = _manager(num_pages=8, num_slots=2)
     tokens = list(range(3 * B + 1))
     _run(bm, "a", tokens)
     assert bm.attach_image("a", 2 * B, _private_image(bm, 2 * B))
     a_pages = bm.page_table("a")
+    other = list(range(100, 100 + B + 1))
+    _run(bm, "b", other)
     bm.free("a")
-    assert bm.stats().pages_cached == 3 and bm.stats().pages_free == 1  # the unpublished last PAGE
-    assert bm.allocate_pages(2) is not None  # the free PAGE, then the LRU's oldest: a's third PAGE
-    assert not bm.is_cached(a_pages[2]) and bm.is_cached(a_pages[1])
-    assert bm.stats().evictions == 1
-    assert bm.lookup(tokens).hit_tokens == 2 * B
-    assert bm.allocate_pages(1) is not None  # a's second PAGE, releasing the image's two PAGEs
-    assert bm.stats().images == 0 and bm.stats().pages_free == 2
+    bm.free("b")  # b's chain is the most recently used
+    s = bm.stats()
+    assert (s.pages_cached, s.image_pages_idle, s.pages_free) == (4, 2, 2)  # + the unpublished last PAGEs
+    assert bm.allocate_pages(3) is not None  # the free PAGEs, then a's third PAGE
+    assert not bm.is_cached(a_pages[2]) and bm.stats().evictions == 1
+    hit = bm.lookup(tokens)
+    assert hit.hit_tokens == 2 * B and hit.restore_image is not None
+    assert bm.allocate_pages(1) is not None  # then the image at 2B: two PAGEs, one left free
+    s = bm.stats()
+    assert (s.images, s.image_evictions, s.evictions, s.pages_free) == (0, 1, 1, 1)
+    hit = bm.lookup(tokens)
+    assert (hit.hit_tokens, hit.restore_image) == (2 * B, None)
+    assert bm.allocate_pages(2) is not None  # then a's second PAGE
+    assert not bm.is_cached(a_pages[1]) and bm.is_cached(a_pages[0])
+    assert bm.lookup(tokens).hit_tokens == B and bm.lookup(other).hit_tokens == B
+    bm.check_invariants()
+
+
+def test_an_evicted_page_takes_its_image() -> None:
+    """An image attached to a hash entry whose PAGE was released before it is
+    evicted with that PAGE: without its entry no lookup could reach it."""
+    bm = _manager(num_pages=8, num_slots=2)
+    tokens = list(range(2 * B + 1))
+    _run(bm, "a", tokens)
+    host = bm.page_table("a")[1]
+    bm.free("a")
+    # "b" computes the same PAGEs cold (as a prompt-logprobs request does): the
+    # entries stay a's, and b's checkpoint at 2B attaches to a's idle PAGE.
+    assert bm.allocate_prompt("b", tokens, bm.miss(tokens))
+    bm.publish("b", tokens, len(tokens))
+    assert bm.attach_image("b", 2 * B, _private_image(bm, 2 * B))
+    assert bm.refcount(host) == 0 and bm.lookup(tokens).restore_image is not None
+    assert bm.evict(1) == 3  # the host, released first (tail first), and the image's two PAGEs
+    s = bm.stats()
+    assert not bm.is_cached(host) and (s.images, s.image_pages_idle, s.image_evictions, s.evictions) == (0, 0, 0, 1)
     assert bm.lookup(tokens).hit_tokens == B
+    bm.check_invariants()
+
+
+def test_an_image_held_for_a_restore_is_never_reclaimed() -> None:
+    """Between the admission that restores an image and ``restored`` (the first
+    forward), no allocation or eviction reclaims the image or the hit's PAGEs; after
+    it the image is idle again, and under pressure is reclaimed before the request
+    waits."""
+    bm = _manager(num_pages=8, num_slots=3)
+    tokens = list(range(2 * B + 1))
+    _run(bm, "a", tokens)
+    image = _private_image(bm, 2 * B)
+    assert bm.attach_image("a", 2 * B, image)
+    bm.free("a")
+    hit = bm.lookup(tokens)
+    assert hit.restore_image == image
+    assert bm.allocate_prompt("b", tokens, hit)
+    assert bm.evict(100) == 0  # b holds the PAGEs, the image is held for its restore
+    assert bm.allocate_pages(3) is not None and bm.allocate_pages(1) is None
+    assert bm.lookup(tokens).restore_image == image
+    bm.check_invariants()
+    bm.restored("b")
+    assert bm.stats().image_pages_idle == 2
+    assert bm.allocate_pages(2) is not None  # the image, now idle, is what remains
+    assert bm.stats().images == 0
+    bm.check_invariants()
+
+
+def test_an_image_that_does_not_fit_beside_the_prompt_is_let_go() -> None:
+    """When a hit's image and the prompt's PAGEs do not both fit, ``allocate_prompt``
+    refuses the hit with the image; the same hit ``without_image`` resumes from 0 in
+    a reset slot and fits (an image is never what keeps a request out)."""
+    bm = _manager(num_pages=5, num_slots=2)
+    tokens = list(range(2 * B + 1))
+    _run(bm, "a", tokens)
+    assert bm.attach_image("a", 2 * B, _private_image(bm, 2 * B))
+    bm.free("a")
+    longer = tokens[: 2 * B] + list(range(100, 100 + 3 * B))  # 5 PAGEs, 2 of them hit
+    hit = bm.lookup(longer)
+    assert hit.restore_image is not None and not bm.has_room(len(longer), hit)
+    assert not bm.allocate_prompt("b", longer, hit)
+    plain = bm.without_image(hit)
+    assert (plain.hit_tokens, plain.forward_start, plain.restore_image) == (2 * B, 0, None)
+    assert bm.allocate_prompt("b", longer, plain)
+    assert bm.stats().images == 0  # reclaimed for b's fresh PAGEs
+    bm.check_invariants()
+    with pytest.raises(BlockManagerError, match="replay"):
+        _manager(StateTransfer.REPLAY).without_image(hit)
+
+
+def test_allocate_pages_keeps_the_hit_it_is_asked_to_keep() -> None:
+    """``allocate_pages(keep=hit)`` reclaims neither the hit's PAGEs nor its image,
+    so the hit can still be allocated; with nothing else to reclaim it answers None."""
+    bm = _manager(num_pages=6, num_slots=2)
+    tokens = list(range(2 * B + 1))
+    _run(bm, "a", tokens)
+    assert bm.attach_image("a", 2 * B, _private_image(bm, 2 * B))
+    bm.free("a")
+    hit = bm.lookup(tokens)
+    assert bm.allocate_pages(3, keep=hit) is None  # only the 2 free PAGEs: the rest is the hit
+    pages = bm.allocate_pages(2, keep=hit)
+    assert pages is not None
+    assert bm.allocate_pages(1, keep=hit) is None
+    bm.free_pages(pages)
+    assert bm.allocate_prompt("b", tokens, hit)
+    bm.check_invariants()
 
 
 def test_a_stale_hit_is_refused() -> None:

@@ -144,6 +144,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.checkpoints.restore(hit.restore_image, slot)
             # The restored image is the one stored for exactly this prefix.
             assert torch.equal(self.pools.image_rows[slot], self.state_bytes_of(tokens, hit.forward_start))
+            self.bm.restored(request_id)
         else:  # as the runner readies a slot without an image
             self.pools.reset_state(slot)
             self.pools.cursor[slot, 0] = hit.forward_start
@@ -252,17 +253,23 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(count=st.integers(1, NUM_PAGES))
     def evict(self, count: int) -> None:
-        cached = {p for p in range(NUM_PAGES) if self.bm.is_cached(p) and self.bm.refcount(p) == 0}
-        evicted = self.bm.evict(count)
-        gone = {p for p in cached if not self.bm.is_cached(p)}
-        assert len(gone) == evicted == min(count, len(cached))
+        """Eviction frees what it says, at least what was asked while anything is
+        reclaimable, and never a PAGE a request holds."""
+        before = self.bm.stats()
         referenced = {p for k in self.requests for p in self.bm.page_table(k)}
-        assert not gone & referenced
+        evicted = self.bm.evict(count)
+        after = self.bm.stats()
+        assert evicted == after.pages_free - before.pages_free
+        assert evicted >= min(count, before.pages_cached + before.image_pages_idle)
+        if count >= before.pages_cached + before.image_pages_idle:
+            assert (after.pages_cached, after.image_pages_idle) == (0, 0)
+        assert all(self.bm.refcount(p) for p in referenced)
 
     # -- invariants -------------------------------------------------------------------
 
     @invariant()
     def reference_counts_match_the_holders(self) -> None:
+        self.bm.check_invariants()
         held = Counter(p for k in self.requests for p in self.bm.page_table(k))
         held.update(p for image, _ in self.detached for p in image.pages)
         attached_image_pages = 0
@@ -315,10 +322,11 @@ class CacheMachine(RuleBasedStateMachine):
 def test_random_cache_operations_keep_every_invariant(
     make_geometry: MakeGeometry, state_transfer: StateTransfer, dtypes: tuple[str, str]
 ) -> None:
-    """Under any sequence of operations: no PAGE is leaked or freed twice, reference
-    counts equal the holders, an evicted PAGE is never referenced, every computed PAGE
-    keeps its rows, a restored image equals the stored bytes (leaving the slot's tails
-    and other slots alone), and an image under another layout_id is refused."""
+    """Under any sequence of operations: the block manager's own check_invariants
+    holds, no PAGE is leaked or freed twice, reference counts equal the holders, an
+    evicted PAGE is never referenced, every computed PAGE keeps its rows, a restored
+    image equals the stored bytes (leaving the slot's tails and other slots alone),
+    and an image under another layout_id is refused."""
     geometry = make_geometry(kv_cache_dtype=dtypes[0], index_cache_dtype=dtypes[1])
     foreign = make_geometry(kv_cache_dtype=dtypes[0], index_cache_dtype=dtypes[1], window=8)
     run_state_machine_as_test(

@@ -77,7 +77,9 @@ def test_offload_survives_preemption_pressure_with_unchanged_tokens(tiny_dir: Pa
     prompts = [shared + _prompt(vocab, 9 + i, seed=20 + i) for i in range(4)] + [_prompt(vocab, 70, seed=9)]
 
     def run(**extra: object) -> tuple[list[list[int]], Engine]:
-        engine = Engine.from_pretrained(tiny_dir, state_transfer="copy", num_pages=12, **OPTIONS, **extra)
+        # Seven PAGEs: one prompt's three beside one image's four, so prompts evict
+        # each other's prefixes (with more, reclaiming images alone makes room).
+        engine = Engine.from_pretrained(tiny_dir, state_transfer="copy", num_pages=7, **OPTIONS, **extra)
         outs = []
         for p in prompts + prompts[::-1]:
             outs.append(engine.generate([p], GREEDY)[0].token_ids)
@@ -86,7 +88,8 @@ def test_offload_survives_preemption_pressure_with_unchanged_tokens(tiny_dir: Pa
     plain, _ = run()
     with_offload, engine = run(offload_host_bytes=64 << 20)
     assert with_offload == plain
-    assert engine.block_manager.stats().fetched_pages > 0
+    stats = engine.block_manager.stats()
+    assert stats.fetched_pages > 0 and stats.fetched_images > 0
 
 
 def test_dp_ranks_share_the_store(tiny_dir: Path) -> None:
