@@ -343,7 +343,7 @@ class EngineFrontend(abc.ABC):
         if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
             raise EngineError(f"prompt_token_ids: every id must be an integer in [0, {self.config.vocab_size})")
         self._check_fits_pool(request_id, len(prompt), params)
-        params.validate_for(self.config.vocab_size, self.max_model_len, len(prompt), self.options.max_num_seqs)
+        params.validate_for(self.config.vocab_size, self.max_model_len, len(prompt))
         ids = (request_id,) if params.n == 1 else tuple(f"{request_id}#{i}" for i in range(params.n))
         seeds = self.seeds.seeds_for(params)
         now = time.monotonic()

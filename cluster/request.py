@@ -6,9 +6,9 @@ mutable per-request record the scheduler owns: tokens, status, cursor, sampling 
 collected logprobs and text), :class:`RequestOutput` (the frozen snapshot handed back
 to callers) and :class:`SeedSource` (where a request without a seed gets one); and the
 bounds one request's work is held to: those of any engine at construction
-(:data:`MAX_INT64`, the stop limits), those of a given engine in
-``SamplingParams.validate_for`` (vocabulary, ``max_num_seqs``, the context), each cheap
-whatever the values (:func:`short_repr` keeps the refusals short too).
+(:data:`MAX_N`, :data:`MAX_INT64`, the stop limits), those of a given engine in
+``SamplingParams.validate_for`` (vocabulary, the context), each cheap whatever the
+values (:func:`short_repr` keeps the refusals short too).
 
 Must not import: torch, tokenizers, ray, ``model``, ``cache``, ``actors``, ``deploy``,
 or the other ``cluster`` modules (they import this one). The text fields are written
@@ -26,9 +26,12 @@ from typing import Sequence
 
 # The OpenAI API caps top logprobs at 20; vLLM's default max_logprobs is the same.
 MAX_LOGPROBS = 20
-# Integers the sampling metadata carries as int64 (top_k, n, max_tokens): anything
+# Integers the sampling metadata carries as int64 (top_k, max_tokens): anything
 # larger is refused here rather than overflowing a tensor inside the engine step.
 MAX_INT64 = 2**63 - 1
+# Samples of one request: OpenAI's own cap on ``n``. Each is a sequence the engine
+# queues (and an id it builds), so the bound is checked before any is made.
+MAX_N = 128
 # Stop conditions are checked after every token: each stop string is searched for in
 # the text's tail (its length), each stop token id compared. The counts and lengths are
 # bounded so that one request cannot make that check cost more than a step.
@@ -65,8 +68,8 @@ class SamplingParams:
     ``prompt_logprobs`` are the number of top alternatives reported per position
     (0: only the chosen / actual token), ``None`` for none. ``seed`` None draws one
     from the engine's :class:`SeedSource`; an integer seed is taken modulo 2**64.
-    ``max_tokens``, ``top_k`` and ``n`` are at most :data:`MAX_INT64` here; what bounds
-    them on a given engine (the context, the vocabulary, the batch) is
+    ``max_tokens`` and ``top_k`` are at most :data:`MAX_INT64` here and ``n`` at most
+    :data:`MAX_N`; what bounds them on a given engine (the context, the vocabulary) is
     :meth:`validate_for`'s.
     """
 
@@ -97,8 +100,8 @@ class SamplingParams:
             raise SamplingParamsError(f"seed: must be None or an integer, got {short_repr(self.seed)}")
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamsError(f"ignore_eos: must be a bool, got {short_repr(self.ignore_eos)}")
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_INT64:
-            raise SamplingParamsError(f"n: must be an integer in 1..{MAX_INT64}, got {short_repr(self.n)}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n: must be an integer in 1..{MAX_N}, got {short_repr(self.n)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -111,18 +114,12 @@ class SamplingParams:
         """Characters of the longest stop string (0 without stop strings)."""
         return max((len(s) for s in self.stop), default=0)
 
-    def validate_for(self, vocab_size: int, max_model_len: int, prompt_len: int, max_num_seqs: int) -> None:
-        """Check what depends on the model, the engine and the prompt: ``top_k`` and
-        token ids inside the vocabulary, ``n`` samples within one step's sequences
-        (``max_num_seqs``: more could never decode together), and the whole sequence
-        inside the context limit. Cheap whatever the values: nothing is built per
-        sample or per token."""
+    def validate_for(self, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
+        """Check what depends on the model and the prompt: ``top_k`` and token ids
+        inside the vocabulary and the whole sequence inside the context limit. Cheap
+        whatever the values: nothing is built per sample or per token."""
         if self.top_k > vocab_size:
             raise SamplingParamsError(f"top_k: {self.top_k} exceeds the vocabulary (allowed: -1 or 1..{vocab_size})")
-        if self.n > max_num_seqs:
-            raise SamplingParamsError(
-                f"n: {self.n} samples exceed the engine's max_num_seqs (allowed: 1..{max_num_seqs})"
-            )
         out_of_vocab = [t for t in self.stop_token_ids if t >= vocab_size]
         if out_of_vocab:
             raise SamplingParamsError(

@@ -67,7 +67,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from cluster.engine import EngineFrontend, engine_options
-from cluster.request import RequestOutput, SamplingParams
+from cluster.request import MAX_N, RequestOutput, SamplingParams
 from deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
 from deploy.chat_protocol import PromptEncoder, render_pieces
 from deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
@@ -412,7 +412,6 @@ class LLMServer:
         self.prompts = PromptEncoder(engine.tokenizer)
         self.limits = args.request_limits()
         self.max_model_len = engine.max_model_len
-        self.max_num_seqs = engine.options.max_num_seqs
         self.vocab_size = engine.config.vocab_size
         self.metrics = ServingMetrics(self.model_name)
         self.engine = AsyncEngine(engine, self.metrics)
@@ -602,12 +601,12 @@ class LLMServer:
         request = CompletionRequest.from_json(body)
         params = request.params()
         sequences = len(request.prompts) * params.n
-        # (n alone past the bound is validate_for's, naming n.)
-        if len(request.prompts) > 1 and sequences > self.max_num_seqs:
+        # (n alone past the bound is SamplingParams', naming n.)
+        if sequences > MAX_N:
             raise bad_request(
                 "prompt",
-                f"prompt: {len(request.prompts)} prompts x n={params.n} = {sequences} sequences "
-                f"(allowed: at most max_num_seqs={self.max_num_seqs} per request)",
+                f"prompt: {len(request.prompts)} prompts x n={params.n} = {sequences} choices "
+                f"(allowed: at most {MAX_N} per request)",
             )
         # A text prompt that cannot fit is refused before it is tokenized.
         room = self.max_model_len - 1
@@ -635,7 +634,7 @@ class LLMServer:
     def _check_prompt(self, prompt: tuple[int, ...], params: SamplingParams) -> None:
         """What the engine would refuse, refused before anything streams (the cheap
         checks first: a prompt is at most a body's worth of ids)."""
-        params.validate_for(self.vocab_size, self.max_model_len, len(prompt), self.max_num_seqs)
+        params.validate_for(self.vocab_size, self.max_model_len, len(prompt))
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise OpenAIError(400, f"prompt: token ids {bad[:8]} outside the vocabulary 0..{self.vocab_size - 1}", param="prompt")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster.engine import CPU_DEFAULT_MAX_MODEL_LEN, Engine, EngineError, EngineOptions
-from cluster.request import MAX_INT64, SamplingParams, SamplingParamsError
+from cluster.request import MAX_INT64, MAX_N, SamplingParams, SamplingParamsError
 from model.reference import ReferenceModel
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -52,13 +52,14 @@ def test_bad_requests_raise_and_queue_nothing(engine: Engine) -> None:
 
 
 def test_work_sized_by_a_request_is_refused_before_anything_is_built(engine: Engine) -> None:
-    """n beyond max_num_seqs and top_k beyond the vocabulary are refused by add_request
-    at once (n = 10**6 builds no million sample ids first), with nothing queued; top_k
-    beyond int64 is refused by SamplingParams itself, before it could reach a tensor."""
+    """n = 10**6 cannot reach add_request (SamplingParams refuses n beyond MAX_N at
+    once, before a sample id exists), top_k beyond the vocabulary is refused by
+    add_request with nothing queued, and top_k beyond int64 by SamplingParams itself,
+    before it could reach a tensor."""
     before = _idle(engine)
     start = time.perf_counter()
-    with pytest.raises(SamplingParamsError, match=r"^n: 1000000 .*1\.\.8"):
-        engine.add_request("many", [5, 6], SamplingParams(max_tokens=1, n=10**6))
+    with pytest.raises(SamplingParamsError, match=rf"^n: must be an integer in 1\.\.{MAX_N}, got 1000000"):
+        SamplingParams(max_tokens=1, n=10**6)
     assert time.perf_counter() - start < 0.1
     with pytest.raises(SamplingParamsError, match=rf"^top_k: .*1\.\.{engine.config.vocab_size}\)"):
         engine.add_request("wide", [5, 6], SamplingParams(max_tokens=1, temperature=0.7, top_k=engine.config.vocab_size + 1))

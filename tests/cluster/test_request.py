@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from cluster.request import (
     MAX_INT64,
     MAX_LOGPROBS,
+    MAX_N,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -57,7 +58,7 @@ INVALID_VALUES = [
     ("max_tokens", MAX_INT64 + 1),
     ("max_tokens", 10**5000),
     ("top_k", MAX_INT64 + 1),
-    ("n", MAX_INT64 + 1),
+    ("n", MAX_N + 1),
     ("n", 10**5000),
     ("stop", ["x"] * (MAX_STOP_STRINGS + 1)),
     ("stop", "x" * (MAX_STOP_STRING_CHARS + 1)),
@@ -134,41 +135,31 @@ def test_validate_for_enforces_the_context_limit(max_tokens: int, prompt_len: in
     a refusal names max_tokens and the largest allowed value."""
     params = SamplingParams(max_tokens=max_tokens)
     if prompt_len + max_tokens <= max_model_len:
-        params.validate_for(vocab_size=100, max_model_len=max_model_len, prompt_len=prompt_len, max_num_seqs=8)
+        params.validate_for(vocab_size=100, max_model_len=max_model_len, prompt_len=prompt_len)
     else:
         with pytest.raises(SamplingParamsError, match=r"^max_tokens:.*max_tokens <= "):
-            params.validate_for(vocab_size=100, max_model_len=max_model_len, prompt_len=prompt_len, max_num_seqs=8)
+            params.validate_for(vocab_size=100, max_model_len=max_model_len, prompt_len=prompt_len)
 
 
-@given(top_k=st.integers(-1, 10**30), n=st.integers(1, 10**30), vocab_size=st.integers(1, 1000), max_num_seqs=st.integers(1, 256))
-def test_validate_for_bounds_top_k_by_the_vocabulary_and_n_by_the_batch(
-    top_k: int, n: int, vocab_size: int, max_num_seqs: int
-) -> None:
-    """top_k is accepted exactly when off (-1) or at most the vocabulary, n exactly
-    when at most max_num_seqs (the sequences one step decodes); a refusal names the
-    field and its bound."""
-    if top_k == 0 or top_k > MAX_INT64 or n > MAX_INT64:
-        return
-    params = SamplingParams(top_k=top_k, n=n)
-    try:
-        params.validate_for(vocab_size=vocab_size, max_model_len=10**6, prompt_len=1, max_num_seqs=max_num_seqs)
-    except SamplingParamsError as refused:
-        message = str(refused)
-        if top_k > vocab_size:
-            assert message.startswith("top_k:") and f"1..{vocab_size}" in message
-        else:
-            assert n > max_num_seqs and message.startswith("n:") and f"1..{max_num_seqs}" in message
+@given(top_k=st.one_of(st.just(-1), st.integers(1, MAX_INT64)), vocab_size=st.integers(1, 1000))
+def test_validate_for_bounds_top_k_by_the_vocabulary(top_k: int, vocab_size: int) -> None:
+    """top_k is accepted exactly when off (-1) or at most the vocabulary; a refusal
+    names the field and its bound."""
+    params = SamplingParams(top_k=top_k)
+    if top_k <= vocab_size:
+        params.validate_for(vocab_size=vocab_size, max_model_len=10**6, prompt_len=1)
     else:
-        assert top_k <= vocab_size and n <= max_num_seqs
+        with pytest.raises(SamplingParamsError, match=rf"^top_k: .*1\.\.{vocab_size}\)"):
+            params.validate_for(vocab_size=vocab_size, max_model_len=10**6, prompt_len=1)
 
 
 def test_validate_for_checks_stop_token_ids_and_empty_prompts() -> None:
     """Stop token ids must lie inside the vocabulary; an empty prompt is refused."""
-    SamplingParams(stop_token_ids=[99]).validate_for(vocab_size=100, max_model_len=64, prompt_len=4, max_num_seqs=8)
+    SamplingParams(stop_token_ids=[99]).validate_for(vocab_size=100, max_model_len=64, prompt_len=4)
     with pytest.raises(SamplingParamsError, match=r"^stop_token_ids: \[100\] outside the vocabulary"):
-        SamplingParams(stop_token_ids=[5, 100]).validate_for(vocab_size=100, max_model_len=64, prompt_len=4, max_num_seqs=8)
+        SamplingParams(stop_token_ids=[5, 100]).validate_for(vocab_size=100, max_model_len=64, prompt_len=4)
     with pytest.raises(SamplingParamsError, match=r"^prompt:"):
-        SamplingParams().validate_for(vocab_size=100, max_model_len=64, prompt_len=0, max_num_seqs=8)
+        SamplingParams().validate_for(vocab_size=100, max_model_len=64, prompt_len=0)
 
 
 def test_status_finished_and_finish_reasons() -> None:

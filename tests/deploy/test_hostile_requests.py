@@ -21,7 +21,7 @@ import requests
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cluster.request import MAX_INT64, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from cluster.request import MAX_INT64, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from model.tiny import SPECIAL_TOKENS
 
 # Room for a prompt declaring tools (their section is ~750 tiny-tokenizer tokens).
@@ -111,9 +111,9 @@ _CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": 
 
 # (id, path, body, status, the param named, words the message carries)
 BOUNDS: list[tuple[str, str, Any, int, str | None, str]] = [
-    ("n over max_num_seqs", COMPLETIONS, _completion(n=MAX_NUM_SEQS + 1), 400, "n", f"1..{MAX_NUM_SEQS}"),
-    ("n = 2**63", COMPLETIONS, _completion(n=2**63), 400, "n", f"1..{MAX_INT64}"),
-    ("prompts x n", COMPLETIONS, _completion(prompt=["a", "b", "c"], n=2), 400, "prompt", f"max_num_seqs={MAX_NUM_SEQS}"),
+    ("n over its bound", COMPLETIONS, _completion(n=MAX_N + 1), 400, "n", f"1..{MAX_N}"),
+    ("n = 2**63", COMPLETIONS, _completion(n=2**63), 400, "n", f"1..{MAX_N}"),
+    ("prompts x n", COMPLETIONS, _completion(prompt=["a", "b", "c"], n=MAX_N // 2), 400, "prompt", f"at most {MAX_N}"),
     ("best_of", COMPLETIONS, _completion(best_of=2), 400, "best_of", "not supported"),
     ("top_k over the vocabulary", COMPLETIONS, _completion(temperature=0.7, top_k=VOCAB + 1), 400, "top_k", f"1..{VOCAB}"),
     ("top_k = 2**63", COMPLETIONS, _completion(temperature=0.7, top_k=2**63), 400, "top_k", f"1..{MAX_INT64}"),
