@@ -1,18 +1,19 @@
-"""PAGE and STATE-slot bookkeeping: allocation, reference counts and the prefix index.
+"""Requests' PAGEs and STATE slots over a block pool, and the prefix cache's lookups.
 
-Owns: which PAGEs and which STATE slot each request holds; reference counts (a PAGE in
-several requests' prefixes counts once per holder); the prefix index, a chain hash per
-full PAGE (the PAGE is the hash block) naming the PAGE that holds those rows; the
-checkpoint images attached to hash entries under ``StateTransfer.COPY``, or where a
-hit's forward starts under ``StateTransfer.REPLAY`` (``replay_start``); reclaiming
-under pressure, least recently used first, of unreferenced cached PAGEs (with their
-hash entries and images) and of images no restore is using (their entries stay);
-hits extended by PAGEs and images fetched from an offload store (registered at
-allocation, filled by the rank before the forward); the counters and
-``check_invariants``. It moves no bytes: copying a STATE in or out of PAGEs is
-``cache.checkpoints``', resetting a slot ``cache.pools``', fetching ``cache.offload``'s.
+Owns: which PAGEs and which STATE slot each request holds; the chain hash of every
+full PAGE (the PAGE is the hash block) and so what a prompt hits; where a hit's forward
+starts (the newest checkpoint image under ``StateTransfer.COPY``, ``replay_start``
+under ``StateTransfer.REPLAY``); hits extended by PAGEs and images fetched from an
+offload store (registered at allocation, filled by the rank before the forward); when
+an image is wanted and attached; the lookup counters, ``stats`` and
+``check_invariants``. The PAGEs themselves (reference counts, the free list, the hash
+entries, the images on them and least-recently-used reclaiming) are
+cache/block_pool.py's ``BlockPool``. It moves no bytes: copying a STATE in or out of
+PAGEs is ``cache.checkpoints``', resetting a slot ``cache.pools``', fetching
+``cache.offload``'s.
 
-Must not import: torch, anything of this project, the scheduler, ray. The keys are
+Must not import: torch, anything of this project but cache.block_pool, the scheduler,
+ray. The keys are
 blake2b digests, never Python's ``hash()``, so every process and node computes the
 same key for the same tokens.
 """
@@ -22,19 +23,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import itertools
 import struct
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Sequence
+
+from cache.block_pool import BlockManagerError, BlockPool, Kept, StateImage
 
 ROOT_HASH = b""
 _HASH_PERSON = b"dsv41-prefix"
 _HASH_BYTES = 16
-
-
-class BlockManagerError(ValueError):
-    """A call that breaks the block manager's contract; the message says which."""
 
 
 def prefix_hashes(token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
@@ -67,27 +65,6 @@ class StateTransfer(enum.Enum):
     @classmethod
     def _missing_(cls, value: object) -> "StateTransfer":
         raise BlockManagerError(f"state_transfer: {value!r} (allowed: 'copy', 'replay')")
-
-
-@dataclass(frozen=True)
-class StateImage:
-    """A STATE checkpoint (rings + cursor of a slot whose committed position was
-    ``num_tokens``) stored in ``pages`` under the geometry named ``layout_id``."""
-
-    layout_id: str
-    pages: tuple[int, ...]
-    image_bytes: int
-    num_tokens: int
-
-    def __post_init__(self) -> None:
-        if not self.layout_id:
-            raise BlockManagerError("layout_id: empty (allowed: a geometry's layout_id)")
-        if not self.pages or len(set(self.pages)) != len(self.pages) or min(self.pages) < 0:
-            raise BlockManagerError(f"pages: {self.pages} (allowed: distinct PAGE ids, at least one)")
-        if self.image_bytes <= 0:
-            raise BlockManagerError(f"image_bytes: {self.image_bytes} (allowed: > 0)")
-        if self.num_tokens < 0:
-            raise BlockManagerError(f"num_tokens: {self.num_tokens} (allowed: >= 0)")
 
 
 @dataclass(frozen=True)
@@ -220,29 +197,13 @@ class BlockManager:
         self.block_size = block_size
         self.state_transfer = state_transfer
         self.enable_prefix_caching = enable_prefix_caching
-        self._refcount = [0] * num_pages
-        self._free_pages: deque[int] = deque(range(num_pages))
-        # What allocation may reclaim, each oldest first, stamped from one clock so the
-        # least recently used of both goes first: unreferenced cached PAGEs, and
-        # attached images no restore holds (by hash entry), an image last used when it
-        # was attached or restored, or when its entry's PAGE was last released.
-        self._clock = itertools.count()
-        self._idle_pages: OrderedDict[int, int] = OrderedDict()
-        self._idle_images: OrderedDict[bytes, int] = OrderedDict()
-        self._idle_image_pages = 0
-        self._page_of_hash: dict[bytes, int] = {}
-        self._hash_of_page: dict[int, bytes] = {}
-        self._images: dict[bytes, StateImage] = {}
-        self._restores: Counter[bytes] = Counter()  # image -> requests whose first forward restores it
-        self._private_pages: set[int] = set()  # from allocate_pages, owned by the caller
+        self.pool = BlockPool(num_pages)
         self._free_slots: deque[int] = deque(range(num_slots))
         self._requests: dict[str, _RequestBlocks] = {}
         self._lookups = 0
         self._hits = 0
         self._lookup_tokens = 0
         self._hit_tokens = 0
-        self._evictions = 0
-        self._image_evictions = 0
         self._fetched_pages = 0
         self._fetched_images = 0
 
@@ -268,7 +229,7 @@ class BlockManager:
         else:
             forward_start = 0
             for i in reversed(range(len(pages))):
-                image = self._images.get(hashes[i])
+                image = self.pool.image(hashes[i])
                 if image is not None:
                     forward_start = (i + 1) * self.block_size
                     break
@@ -299,7 +260,7 @@ class BlockManager:
     def _cached_pages(self, token_ids: Sequence[int], hashes: Sequence[bytes]) -> list[int]:
         pages: list[int] = []
         for h in hashes[: (len(token_ids) - 1) // self.block_size]:
-            page = self._page_of_hash.get(h)
+            page = self.pool.cached_page(h)
             if page is None:
                 break
             pages.append(page)
@@ -307,7 +268,7 @@ class BlockManager:
 
     def has_hash(self, chain_hash: bytes) -> bool:
         """Whether a PAGE with this chain hash is in the prefix index."""
-        return chain_hash in self._page_of_hash
+        return self.pool.cached_page(chain_hash) is not None
 
     def extend_hit(self, hit: PrefixHit, fetched_pages: int, image: StateImage | None) -> PrefixHit:
         """``hit`` (from ``lookup`` in this step) followed by ``fetched_pages`` PAGEs an
@@ -374,18 +335,16 @@ class BlockManager:
             return False
         fresh = -(-len(token_ids) // self.block_size) - len(hit.pages)
         for page in hit.pages:
-            self._reference(page)
+            self.pool.reference(page)
         restoring = self._restore_entry(hit)
-        if restoring is not None:
-            self._hold_image(restoring)
-        pages = list(hit.pages) + self._take_fresh(fresh)
+        if restoring is not None and not hit.fetched_image:
+            self.pool.hold(restoring)
+        pages = list(hit.pages) + self.pool.take(fresh)
         for i in range(len(hit.pages), hit.num_hit_pages):
-            self._page_of_hash[hit.prompt_hashes[i]] = pages[i]
-            self._hash_of_page[pages[i]] = hit.prompt_hashes[i]
+            self.pool.cache(hit.prompt_hashes[i], pages[i])
         self._fetched_pages += hit.fetched_pages
         if hit.fetched_image and hit.restore_image is not None and restoring is not None:
-            self._private_pages.difference_update(hit.restore_image.pages)
-            self._images[restoring] = hit.restore_image
+            self.pool.attach(restoring, hit.restore_image, held=True)
             self._fetched_images += 1
         self._requests[request_id] = _RequestBlocks(
             pages=pages,
@@ -404,7 +363,7 @@ class BlockManager:
         if not self._free_slots:
             return False
         fresh = -(-num_tokens // self.block_size) - len(hit.pages)
-        return fresh <= self._reclaimable(hit)
+        return fresh <= self.pool.reclaimable(self._kept(hit))
 
     def restored(self, request_id: str) -> None:
         """The request's first forward has restored its image into the slot: the
@@ -412,7 +371,7 @@ class BlockManager:
         blocks = self._request(request_id)
         if blocks.restoring is None:
             raise BlockManagerError(f"request_id: {request_id!r} restores no image")
-        self._let_go_image(blocks.restoring)
+        self.pool.let_go(blocks.restoring)
         blocks.restoring = None
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
@@ -422,9 +381,9 @@ class BlockManager:
         missing = -(-num_tokens // self.block_size) - len(blocks.pages)
         if missing <= 0:
             return True
-        if missing > self._reclaimable(None):
+        if missing > self.pool.reclaimable():
             return False
-        blocks.pages.extend(self._take_fresh(missing))
+        blocks.pages.extend(self.pool.take(missing))
         return True
 
     def publish(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -446,10 +405,7 @@ class BlockManager:
             return
         self.page_hashes(request_id, token_ids, full)
         for i in range(blocks.num_published, full):
-            h, page = blocks.hashes[i], blocks.pages[i]
-            if h not in self._page_of_hash:
-                self._page_of_hash[h] = page
-                self._hash_of_page[page] = h
+            self.pool.cache(blocks.hashes[i], blocks.pages[i])
         blocks.num_published = full
 
     def page_hashes(self, request_id: str, token_ids: Sequence[int], num_pages: int) -> list[bytes]:
@@ -471,9 +427,8 @@ class BlockManager:
         blocks = self._request(request_id)
         del self._requests[request_id]
         if blocks.restoring is not None:
-            self._let_go_image(blocks.restoring)
-        for page in reversed(blocks.pages):
-            self._release(page)
+            self.pool.let_go(blocks.restoring)
+        self.pool.release_all(reversed(blocks.pages))
         self._free_slots.append(blocks.slot)
 
     def page_table(self, request_id: str) -> tuple[int, ...]:
@@ -491,24 +446,14 @@ class BlockManager:
         and the image it restores are not reclaimed for them."""
         if count <= 0:
             raise BlockManagerError(f"count: {count} (allowed: > 0)")
-        if count > self._reclaimable(keep):
+        kept = self._kept(keep)
+        if count > self.pool.reclaimable(kept):
             return None
-        pages = self._take_fresh(count, keep)
-        self._private_pages.update(pages)
-        return pages
+        return self.pool.allocate_private(count, kept)
 
     def free_pages(self, pages: Sequence[int]) -> None:
         """Hands back PAGEs from ``allocate_pages`` that no attached image holds."""
-        if len(set(pages)) != len(pages):
-            raise BlockManagerError(f"pages: {list(pages)} repeats a PAGE")
-        for page in pages:
-            if page not in self._private_pages:
-                raise BlockManagerError(
-                    f"pages: PAGE {page} was not handed out by allocate_pages (or an attached image owns it)"
-                )
-        for page in pages:
-            self._private_pages.discard(page)
-            self._release(page)
+        self.pool.free_private(pages)
 
     def wants_image(self, request_id: str, boundary: int) -> bool:
         """Whether a checkpoint at ``boundary`` tokens of the request would be kept:
@@ -516,7 +461,7 @@ class BlockManager:
         if self.state_transfer is StateTransfer.REPLAY or not self.enable_prefix_caching:
             return False
         h = self._boundary_hash(self._request(request_id), boundary)
-        return h in self._page_of_hash and h not in self._images
+        return self.pool.cached_page(h) is not None and self.pool.image(h) is None
 
     def attach_image(self, request_id: str, boundary: int, image: StateImage) -> bool:
         """Attaches ``image`` (taken at ``boundary`` tokens of the request) to the hash
@@ -527,14 +472,11 @@ class BlockManager:
             raise BlockManagerError("attach_image: state_transfer is 'replay', which keeps no checkpoint images")
         if image.num_tokens != boundary:
             raise BlockManagerError(f"image: taken at {image.num_tokens} tokens, not at boundary {boundary}")
-        if not all(page in self._private_pages for page in image.pages):
+        if not self.pool.is_private(image.pages):
             raise BlockManagerError("image: its PAGEs must come from allocate_pages and not be attached already")
         if not self.wants_image(request_id, boundary):
             return False
-        h = self._boundary_hash(self._request(request_id), boundary)
-        self._private_pages.difference_update(image.pages)
-        self._images[h] = image
-        self._mark_image_idle(h)
+        self.pool.attach(self._boundary_hash(self._request(request_id), boundary), image)
         return True
 
     # -- eviction ---------------------------------------------------------------------
@@ -543,29 +485,26 @@ class BlockManager:
         """Reclaims at least ``num_pages`` PAGEs where it can, evicting cached PAGEs
         (with their hash entries and images) and idle images, least recently used
         first; returns how many PAGEs it freed."""
-        before = len(self._free_pages)
-        while len(self._free_pages) - before < num_pages and (self._idle_pages or self._idle_images):
-            self._evict_oldest()
-        return len(self._free_pages) - before
+        return self.pool.evict(num_pages)
 
     # -- introspection ----------------------------------------------------------------
 
     def refcount(self, page: int) -> int:
-        return self._refcount[page]
+        return self.pool.refcount(page)
 
     def is_cached(self, page: int) -> bool:
         """Whether the PAGE is in the prefix index."""
-        return page in self._hash_of_page
+        return self.pool.is_cached(page)
 
     def stats(self) -> BlockManagerStats:
         return BlockManagerStats(
             num_pages=self.num_pages,
-            pages_used=self.num_pages - len(self._free_pages) - len(self._idle_pages),
-            pages_cached=len(self._idle_pages),
-            pages_free=len(self._free_pages),
-            images=len(self._images),
-            image_pages=sum(len(image.pages) for image in self._images.values()),
-            image_pages_idle=self._idle_image_pages,
+            pages_used=self.num_pages - self.pool.num_free - self.pool.num_idle,
+            pages_cached=self.pool.num_idle,
+            pages_free=self.pool.num_free,
+            images=self.pool.num_images,
+            image_pages=self.pool.image_pages,
+            image_pages_idle=self.pool.idle_image_pages,
             num_slots=self.num_slots,
             slots_used=self.num_slots - len(self._free_slots),
             requests=len(self._requests),
@@ -573,56 +512,22 @@ class BlockManager:
             hits=self._hits,
             lookup_tokens=self._lookup_tokens,
             hit_tokens=self._hit_tokens,
-            evictions=self._evictions,
-            image_evictions=self._image_evictions,
+            evictions=self.pool.evictions,
+            image_evictions=self.pool.image_evictions,
             fetched_pages=self._fetched_pages,
             fetched_images=self._fetched_images,
         )
 
     def check_invariants(self) -> None:
-        """Raises BlockManagerError naming the first broken invariant: every PAGE's
-        reference count equals its holders (requests' tables, attached images, the
-        caller's private PAGEs); free, cached-idle and referenced PAGEs partition the
-        pool; the prefix index is one-to-one; images hang off cached entries, hold
-        PAGEs no one else does, and are idle exactly when no request holds them for a
-        restore (then their host PAGE is referenced); slots are each held once."""
-        holders = Counter(page for blocks in self._requests.values() for page in blocks.pages)
-        holders.update(page for image in self._images.values() for page in image.pages)
-        holders.update(self._private_pages)
-        for page in range(self.num_pages):
-            if self._refcount[page] != holders[page]:
-                raise BlockManagerError(
-                    f"invariant: PAGE {page} has refcount {self._refcount[page]}, {holders[page]} holders"
-                )
-        free, idle = set(self._free_pages), set(self._idle_pages)
-        referenced = {page for page in range(self.num_pages) if self._refcount[page]}
-        if len(free) != len(self._free_pages) or free & idle or (free | idle) & referenced:
-            raise BlockManagerError("invariant: a PAGE is in more than one of free / idle / referenced")
-        if len(free) + len(idle) + len(referenced) != self.num_pages:
-            raise BlockManagerError("invariant: a PAGE is neither free, idle nor referenced (leaked)")
-        if free & set(self._hash_of_page) or any(page not in self._hash_of_page for page in idle):
-            raise BlockManagerError("invariant: a free PAGE is cached, or an idle one is not")
-        if {page: h for h, page in self._page_of_hash.items()} != self._hash_of_page:
-            raise BlockManagerError("invariant: the prefix index and its inverse disagree")
-        image_pages = [page for image in self._images.values() for page in image.pages]
-        if len(set(image_pages)) != len(image_pages) or set(image_pages) & set(self._hash_of_page):
-            raise BlockManagerError("invariant: an image PAGE is shared or cached")
-        restoring = Counter(b.restoring for b in self._requests.values() if b.restoring is not None)
-        if restoring != self._restores:
-            raise BlockManagerError(
-                f"invariant: image holds {dict(self._restores)}, requests restoring {dict(restoring)}"
-            )
-        for h in self._images:
-            if h not in self._page_of_hash:
-                raise BlockManagerError("invariant: an image hangs off no cached PAGE")
-            if (h in self._idle_images) == (h in self._restores):
-                raise BlockManagerError("invariant: an image is idle while held for a restore, or neither")
-            if h in self._restores and not self._refcount[self._page_of_hash[h]]:
-                raise BlockManagerError("invariant: an image held for a restore sits on an unreferenced PAGE")
-        if set(self._idle_images) - set(self._images):
-            raise BlockManagerError("invariant: an idle image is not attached")
-        if self._idle_image_pages != sum(len(self._images[h].pages) for h in self._idle_images):
-            raise BlockManagerError("invariant: the idle image PAGE count is off")
+        """Raises BlockManagerError naming the first broken invariant: the pool's own
+        (every PAGE's reference count equals its holders: the requests' tables, attached
+        images and private PAGEs; see BlockPool.check_invariants), given the PAGEs the
+        requests hold and the images their first forwards restore; slots are each held
+        once."""
+        self.pool.check_invariants(
+            (page for blocks in self._requests.values() for page in blocks.pages),
+            Counter(b.restoring for b in self._requests.values() if b.restoring is not None),
+        )
         slots = [blocks.slot for blocks in self._requests.values()] + list(self._free_slots)
         if sorted(slots) != list(range(self.num_slots)):
             raise BlockManagerError(
@@ -645,21 +550,21 @@ class BlockManager:
         if hit.hit_tokens != hit.num_hit_pages * b or hit.num_hit_pages > (len(token_ids) - 1) // b:
             raise BlockManagerError(f"hit: {hit.num_hit_pages} PAGEs for hit_tokens={hit.hit_tokens}")
         for i, page in enumerate(hit.pages):
-            if self._page_of_hash.get(hit.prompt_hashes[i]) != page:
+            if self.pool.cached_page(hit.prompt_hashes[i]) != page:
                 raise BlockManagerError(
                     f"hit: PAGE {page} was evicted since lookup() (look up and allocate in the same step)"
                 )
         for h in hit.prompt_hashes[len(hit.pages) : hit.num_hit_pages]:
-            if h in self._page_of_hash:
+            if self.pool.cached_page(h) is not None:
                 raise BlockManagerError("hit: a fetched PAGE's hash is cached here (use the cached PAGE)")
         if self.state_transfer is StateTransfer.REPLAY:
             if hit.restore_image is not None or hit.forward_start != self.replay_start(hit.hit_tokens):
                 raise BlockManagerError("hit: not a replay hit (state_transfer is 'replay')")
         elif hit.fetched_image and hit.restore_image is not None:
-            if not all(page in self._private_pages for page in hit.restore_image.pages):
+            if not self.pool.is_private(hit.restore_image.pages):
                 raise BlockManagerError("hit: a fetched image's PAGEs must come from allocate_pages")
         elif hit.restore_image is not None:
-            if self._images.get(hit.prompt_hashes[hit.forward_start // b - 1]) != hit.restore_image:
+            if self.pool.image(hit.prompt_hashes[hit.forward_start // b - 1]) != hit.restore_image:
                 raise BlockManagerError("hit: its restore_image was evicted since lookup()")
 
     def _boundary_hash(self, blocks: _RequestBlocks, boundary: int) -> bytes:
@@ -676,92 +581,10 @@ class BlockManager:
             return None
         return hit.prompt_hashes[hit.forward_start // self.block_size - 1]
 
-    def _kept(self, hit: PrefixHit | None) -> tuple[frozenset[int], frozenset[bytes]]:
+    def _kept(self, hit: PrefixHit | None) -> Kept:
         """The reclaimable units a hit's allocation takes: its PAGEs, and the local
         image it restores (by hash entry)."""
         if hit is None:
-            return frozenset(), frozenset()
+            return Kept()
         entry = None if hit.fetched_image else self._restore_entry(hit)
-        return frozenset(hit.pages), frozenset(() if entry is None else (entry,))
-
-    def _reclaimable(self, keep: PrefixHit | None) -> int:
-        """PAGEs free or reclaimable, less those ``keep``'s allocation takes."""
-        pages, images = self._kept(keep)
-        taken = sum(1 for page in pages if page in self._idle_pages)
-        taken += sum(len(self._images[h].pages) for h in images if h in self._idle_images)
-        return len(self._free_pages) + len(self._idle_pages) + self._idle_image_pages - taken
-
-    def _take_fresh(self, count: int, keep: PrefixHit | None = None) -> list[int]:
-        kept_pages, kept_images = self._kept(keep)
-        while len(self._free_pages) < count:
-            self._evict_oldest(kept_pages, kept_images)
-        pages = [self._free_pages.popleft() for _ in range(count)]
-        for page in pages:
-            self._refcount[page] = 1
-        return pages
-
-    def _reference(self, page: int) -> None:
-        if self._refcount[page] == 0:
-            del self._idle_pages[page]
-        self._refcount[page] += 1
-
-    def _release(self, page: int) -> None:
-        if self._refcount[page] <= 0:
-            raise BlockManagerError(f"page: PAGE {page} released more often than it was taken")
-        self._refcount[page] -= 1
-        if self._refcount[page]:
-            return
-        h = self._hash_of_page.get(page)
-        if h is None:
-            self._free_pages.append(page)
-            return
-        if h in self._idle_images:
-            # The image is as recent as the entry it hangs off (and goes just before
-            # it): a chain is reclaimed from its tail, each image with its PAGE.
-            del self._idle_images[h]
-            self._idle_images[h] = next(self._clock)
-        self._idle_pages[page] = next(self._clock)
-
-    def _hold_image(self, h: bytes) -> None:
-        if h in self._idle_images:
-            del self._idle_images[h]
-            self._idle_image_pages -= len(self._images[h].pages)
-        self._restores[h] += 1
-
-    def _let_go_image(self, h: bytes) -> None:
-        self._restores[h] -= 1
-        if not self._restores[h]:
-            del self._restores[h]
-            self._mark_image_idle(h)
-
-    def _mark_image_idle(self, h: bytes) -> None:
-        self._idle_images[h] = next(self._clock)
-        self._idle_image_pages += len(self._images[h].pages)
-
-    def _evict_oldest(
-        self, kept_pages: frozenset[int] = frozenset(), kept_images: frozenset[bytes] = frozenset()
-    ) -> None:
-        """Evicts the least recently used cached PAGE or idle image not kept."""
-        page = next((p for p in self._idle_pages if p not in kept_pages), None)
-        image = next((h for h in self._idle_images if h not in kept_images), None)
-        if image is not None and (page is None or self._idle_images[image] < self._idle_pages[page]):
-            self._drop_image(image)
-            self._image_evictions += 1
-            return
-        if page is None:
-            raise BlockManagerError(f"internal: {len(self._free_pages)} PAGEs free and nothing left to reclaim")
-        del self._idle_pages[page]
-        h = self._hash_of_page.pop(page)
-        del self._page_of_hash[h]
-        if h in self._images:
-            # Idle (a held image's PAGE is referenced): with its entry gone no lookup reaches it.
-            self._drop_image(h)
-        self._free_pages.append(page)
-        self._evictions += 1
-
-    def _drop_image(self, h: bytes) -> None:
-        del self._idle_images[h]
-        image = self._images.pop(h)
-        self._idle_image_pages -= len(image.pages)
-        for page in image.pages:
-            self._release(page)
+        return Kept(frozenset(hit.pages), frozenset(() if entry is None else (entry,)))

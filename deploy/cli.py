@@ -1,7 +1,7 @@
-"""The ``dsv41`` command line: make-tiny, logits, generate, geometry, validate, bench, serve.
+"""The ``dsv41`` command line: make-tiny, train-tiny, logits, generate, geometry, validate, bench, serve.
 
 Owns argument parsing and printing only; every command calls the package's public
-Python interfaces (model.tiny, model.loader, cluster.engine, cluster.pool_layout).
+Python interfaces (model.tiny, model.training, model.loader, cluster.engine, cluster.pool_layout).
 Heavy imports happen inside the command that needs them, so ``dsv41 --help`` is fast.
 """
 
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from cluster.validate import ReplicaFactory, ReplicaShape
     from deploy.app import AppArgs
 
-DEFAULT_HOME = Path(os.environ.get("DSV41_HOME", Path.home() / ".cache" / "dsv41"))
 SERVE_APP_NAME = "dsv41"
 # Seconds `dsv41 serve` waits for every replica to run: loading a large checkpoint takes
 # minutes, and a cluster without the resources a replica asks for never places it.
@@ -40,14 +39,15 @@ def _ray_runtime_env() -> dict[str, dict[str, str]]:
 
 
 def default_model_dir() -> Path:
-    """The embedded tiny checkpoint, made on first use."""
-    from model.tiny import make_tiny
+    """The embedded model: the trained tiny checkpoint shipped as package data."""
+    from model.tiny import TRAINED_TINY_DIR
 
-    path = DEFAULT_HOME / "tiny"
-    if not (path / "config.json").is_file():
-        print(f"making the embedded tiny checkpoint in {path} ...", file=sys.stderr)
-        make_tiny(path)
-    return path
+    if not (TRAINED_TINY_DIR / "config.json").is_file():
+        raise SystemExit(
+            f"the embedded model is missing from {TRAINED_TINY_DIR} (an install without package data?); "
+            "pass --model DIR, or write one with `dsv41 train-tiny DIR`"
+        )
+    return TRAINED_TINY_DIR
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -69,14 +69,14 @@ def _read_ids(path: str) -> dict[str, list[int]]:
     return raw
 
 
-def _positive_seconds(text: str) -> float:
+def _positive_number(text: str) -> float:
     try:
-        seconds = float(text)
+        value = float(text)
     except ValueError:
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} (allowed: a finite number of seconds > 0)")
-    return seconds
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} (allowed: a finite number > 0)")
+    return value
 
 
 def _chunk_sizes(text: str | None) -> tuple[int, ...] | None:
@@ -94,6 +94,18 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
     spec = {"tiny": TINY, "tiny-alt": TINY_ALT}[args.preset]
     out = make_tiny(Path(args.dir), quantized=args.quantized, seed=args.seed, spec=spec)
     print(out)
+
+
+def cmd_train_tiny(args: argparse.Namespace) -> None:
+    from model.training import train_tiny
+
+    report = train_tiny(Path(args.dir), minutes=args.minutes, seed=args.seed)
+    for name, phase in (("target", report.target), ("DSpark", report.dspark)):
+        print(
+            f"{name}: {phase.steps} steps, {phase.tokens} tokens in {phase.seconds:.0f} s, "
+            f"loss {phase.first_loss:.3f} -> {phase.last_loss:.3f}"
+        )
+    print(args.dir)
 
 
 def cmd_logits(args: argparse.Namespace) -> None:
@@ -399,6 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=("tiny", "tiny-alt"), default="tiny")
     p.set_defaults(func=cmd_make_tiny)
 
+    p = sub.add_parser(
+        "train-tiny", help="train the tiny model (target and DSpark stages) on the Python standard library's sources"
+    )
+    p.add_argument("dir")
+    p.add_argument("--minutes", type=_positive_number, default=12.0, help="wall-clock training budget (default: 12)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train_tiny)
+
     p = sub.add_parser("logits", help="full-sequence logits of token-id prompts")
     p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--ids", required=True, help="JSON object: name -> list of token ids")
@@ -499,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="Serve YAML with one application of deploy.app:build_app")
     p.add_argument(
         "--start-timeout",
-        type=_positive_seconds,
+        type=_positive_number,
         default=DEFAULT_START_TIMEOUT_S,
         help=f"seconds to wait for every replica to run, then fail naming the ones that do not (default: {DEFAULT_START_TIMEOUT_S:g})",
     )

@@ -8,9 +8,11 @@ batch-invariant mode (``batch_invariant(True)``, entered by a forward for its wh
 duration) each computes a row in an order fixed by the row alone:
 
 - a projection runs every row through a GEMM of one shape, ``ROW_TILE`` rows: the
-  rows are padded to whole tiles and the tiles go through one batched GEMM, so the
-  BLAS never sees the call's row count (MKL picks another kernel, with another
-  reduction order, for 1-3 rows, and its thread split follows the shape);
+  rows are padded to whole tiles and the tiles go through one batched GEMM of at
+  least two tiles, so the BLAS never sees the call's row count (MKL picks another
+  kernel, with another reduction order, for 1-3 rows, and its thread split follows
+  the shape; ATen hands a batch of one to the plain GEMM, whose one-column kernel
+  differs from the batched one's);
 - dot products against a varying set of keys go through GEMMs of one shape,
   ``KEY_TILE`` keys each, so a key's dot product does not depend on how many keys
   share the call;
@@ -103,9 +105,12 @@ def cpu_threads(batch_invariant: bool, device: torch.device | str) -> None:
         torch.set_num_threads(1)
 
 
-def _pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
-    pad = (-x.shape[0]) % tile
-    return torch.cat((x, x.new_zeros(pad, *x.shape[1:]))) if pad else x
+def _tiled_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(a, b) with at least two batch items (a zero item appended to a batch of
+    one, then dropped), so every call takes ATen's batched path."""
+    if a.shape[0] != 1:
+        return torch.bmm(a, b)
+    return torch.bmm(torch.cat((a, torch.zeros_like(a))), b.expand(2, -1, -1))[:1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -120,9 +125,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         out = fixed_tile_matmul(rows, weight)
     else:
-        tiles = _pad_rows(rows, ROW_TILE)
-        count = tiles.shape[0] // ROW_TILE
-        out = torch.bmm(tiles.view(count, ROW_TILE, k), weight.t().unsqueeze(0).expand(count, -1, -1))
+        count = -(-rows.shape[0] // ROW_TILE)
+        tiles = rows.new_zeros(count * ROW_TILE, k)
+        tiles[: rows.shape[0]] = rows
+        out = _tiled_bmm(tiles.view(count, ROW_TILE, k), weight.t().unsqueeze(0).expand(count, -1, -1))
         out = out.reshape(-1, weight.shape[0])[: rows.shape[0]]
     return out.reshape(*lead, weight.shape[0])
 
@@ -163,7 +169,7 @@ def _tile_dots(q: torch.Tensor, keys: torch.Tensor, tiles: int) -> torch.Tensor:
     padded[:, :count] = keys
     per_tile_q = q.unsqueeze(1).expand(rows, tiles, heads, dim).reshape(rows * tiles, heads, dim)
     per_tile_keys = padded.view(rows * tiles, KEY_TILE, dim).transpose(1, 2)
-    dots = torch.bmm(per_tile_q, per_tile_keys).view(rows, tiles, heads, KEY_TILE)
+    dots = _tiled_bmm(per_tile_q, per_tile_keys).view(rows, tiles, heads, KEY_TILE)
     return dots.permute(0, 2, 1, 3).reshape(rows, heads, tiles * KEY_TILE)[:, :, :count]
 
 

@@ -2,8 +2,8 @@
 
 Owns the mapping from official tensor names (MODEL_FACTS section 8) to the weight
 records each arithmetic module takes (attention, compressor, indexer, MoE, mHC,
-Engram), plus each layer's RoPE. Both the dense reference and the paged runtime build
-their layers from here, so a name is spelled in one place.
+Engram, the DSpark drafter), plus each layer's RoPE. Both the dense reference and the
+paged runtime build their layers from here, so a name is spelled in one place.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -67,6 +67,22 @@ class LayerParams:
 
 
 @dataclass(frozen=True)
+class DSparkParams:
+    """The DSpark drafter's own weights (MODEL_FACTS section 9): three window stages
+    (``mtp.0..2``, layer ids num_hidden_layers..+2, routed over dspark_n_routed_experts)
+    and the heads of the first and last stage. Embedding and output head are the
+    target's."""
+
+    stages: tuple[LayerParams, ...]
+    main_proj: torch.Tensor  # [hidden, len(dspark_target_layer_ids) * hidden]
+    main_norm: torch.Tensor  # [hidden]
+    norm: torch.Tensor  # [hidden]: the last stage's final norm
+    markov_embed: torch.Tensor  # [vocab, dspark_markov_rank]
+    markov_head: torch.Tensor  # [vocab, dspark_markov_rank]
+    confidence_proj: torch.Tensor  # [1, hidden + dspark_markov_rank]
+
+
+@dataclass(frozen=True)
 class ModelParams:
     config: V41Config
     embed: torch.Tensor  # [vocab, hidden]
@@ -75,6 +91,7 @@ class ModelParams:
     layers: tuple[LayerParams, ...]  # the target layers
     engram_hashing: EngramHashing | None
     token_map: torch.Tensor  # [vocab] compressed Engram id of every token id
+    dspark: DSparkParams | None = None  # None: the checkpoint ships no mtp.* tensors
 
     def to(self, device: torch.device | str) -> "ModelParams":
         """The same weights on ``device``; Engram tables, their hashing and the token
@@ -104,12 +121,14 @@ class ModelParams:
         num_compressed: int,
     ) -> "ModelParams":
         layers = tuple(
-            _layer_params(config, tensors, engram_tables, config.topology.layer(i))
+            _layer_params(config, tensors, engram_tables, config.topology.layer(i), f"layers.{i}.")
             for i in range(config.num_hidden_layers)
         )
         hashing = (
             EngramHashing.from_config(config, token_map, num_compressed) if config.engram_layer_ids else None
         )
+        # The loader holds the DSpark stages all or nothing (LoadedCheckpoint.has_dspark).
+        has_dspark = config.num_nextn_predict_layers > 0 and any(name.startswith("mtp.") for name in tensors)
         return cls(
             config=config,
             embed=tensors["embed.weight"],
@@ -118,7 +137,25 @@ class ModelParams:
             layers=layers,
             engram_hashing=hashing,
             token_map=token_map,
+            dspark=_dspark_params(config, tensors) if has_dspark else None,
         )
+
+
+def _dspark_params(config: V41Config, tensors: Mapping[str, torch.Tensor]) -> DSparkParams:
+    stages = tuple(
+        _layer_params(config, tensors, {}, config.topology.layer(layer_id), f"mtp.{stage}.")
+        for stage, layer_id in enumerate(config.topology.dspark_layers)
+    )
+    first, last = "mtp.0.", f"mtp.{len(stages) - 1}."
+    return DSparkParams(
+        stages=stages,
+        main_proj=tensors[first + "main_proj.weight"],
+        main_norm=tensors[first + "main_norm.weight"],
+        norm=tensors[last + "norm.weight"],
+        markov_embed=tensors[last + "markov_head.embed.weight"],
+        markov_head=tensors[last + "markov_head.head.weight"],
+        confidence_proj=tensors[last + "confidence_head.proj.weight"],
+    )
 
 
 def _layer_params(
@@ -126,11 +163,13 @@ def _layer_params(
     tensors: Mapping[str, torch.Tensor],
     engram_tables: Mapping[int, EngramTable],
     topology: LayerTopology,
+    prefix: str,
 ) -> LayerParams:
+    """One block's weights under ``prefix`` (``layers.N.``, or ``mtp.S.`` for a DSpark stage)."""
     i = topology.layer_id
 
     def t(name: str) -> torch.Tensor:
-        return tensors[f"layers.{i}.{name}"]
+        return tensors[prefix + name]
 
     def site(prefix: str) -> HcSite:
         return HcSite(fn=t(f"{prefix}_fn.weight"), base=t(f"{prefix}_base.weight"), scale=t(f"{prefix}_scale.weight"))
@@ -160,9 +199,9 @@ def _layer_params(
     # A rank holds only its shard's experts; the ids present are the ones it loaded.
     expert_ids = sorted(
         {
-            int(name.split(".")[4])
+            int(name[len(prefix) :].split(".")[2])
             for name in tensors
-            if name.startswith(f"layers.{i}.ffn.experts.") and name.endswith(".w1.weight")
+            if name.startswith(prefix + "ffn.experts.") and name.endswith(".w1.weight")
         }
     )
     moe = MoEWeights(

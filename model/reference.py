@@ -28,6 +28,9 @@ class ReferenceOutput:
     logits: torch.Tensor  # [T, vocab] fp32
     # Per layer that computes a selection (FULL, REINDEX): [T, index_topk] entry ids, EMPTY-padded.
     selections: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Per layer asked for (``capture_layers``): the residual streams entering it
+    # [T, hc, hidden] (before its Engram), what the DSpark drafter's features read.
+    layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ReferenceModel:
@@ -44,15 +47,27 @@ class ReferenceModel:
         self.batch_invariant = default_batch_invariant(device) if batch_invariant is None else batch_invariant
 
     @torch.no_grad()
-    def forward(self, token_ids: list[int] | torch.Tensor) -> ReferenceOutput:
-        with batch_invariant(self.batch_invariant):
-            return self._forward(token_ids)
+    def forward(self, token_ids: list[int] | torch.Tensor, *, capture_layers: tuple[int, ...] = ()) -> ReferenceOutput:
+        """The logits of every row; ``capture_layers`` (target layer ids) also returns
+        the residual streams entering those layers. Capturing changes nothing else."""
+        return self.differentiable_forward(token_ids, capture_layers=capture_layers)
 
-    def _forward(self, token_ids: list[int] | torch.Tensor) -> ReferenceOutput:
+    def differentiable_forward(
+        self, token_ids: list[int] | torch.Tensor, *, capture_layers: tuple[int, ...] = ()
+    ) -> ReferenceOutput:
+        """``forward`` under the caller's grad mode: the same arithmetic, recorded for
+        autograd where gradients are on (training the tiny model: model/training.py)."""
+        with batch_invariant(self.batch_invariant):
+            return self._forward(token_ids, capture_layers)
+
+    def _forward(self, token_ids: list[int] | torch.Tensor, capture_layers: tuple[int, ...]) -> ReferenceOutput:
         cfg = self.config
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError("token_ids: a non-empty 1-D sequence of token ids")
+        unknown = sorted(set(capture_layers) - set(range(cfg.num_hidden_layers)))
+        if unknown:
+            raise ValueError(f"capture_layers: {unknown} (allowed: target layer ids 0..{cfg.num_hidden_layers - 1})")
         tokens = ids.numel()
         device = self.params.embed.device
         positions = torch.arange(tokens, device=device)
@@ -62,7 +77,10 @@ class ReferenceModel:
         ngrams = self._ngrams(ids)
         published: dict[int, CompressedEntries] = {}
         state = SelectionState()
+        layer_inputs: dict[int, torch.Tensor] = {}
         for layer in self.params.layers:
+            if layer.layer_id in capture_layers:
+                layer_inputs[layer.layer_id] = streams
             if layer.engram is not None:
                 streams = layer.engram.apply(layer.layer_id, streams, self.params.engram_hashing, ngrams, cfg.rms_norm_eps)
 
@@ -75,7 +93,9 @@ class ReferenceModel:
             streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg)
             streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, moe, cfg)
         h = final_hidden(streams, pre, self.params.norm, cfg.rms_norm_eps)
-        return ReferenceOutput(logits=linear(h, self.params.head.float()), selections=state.selections)
+        return ReferenceOutput(
+            logits=linear(h, self.params.head.float()), selections=state.selections, layer_inputs=layer_inputs
+        )
 
     def _ngrams(self, ids: torch.Tensor) -> torch.Tensor:
         """Each position's compressed n-gram ids, the sequence starting from nothing."""

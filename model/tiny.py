@@ -1,10 +1,13 @@
 """The embedded default model: a small DeepSeek-V4.1 checkpoint in the official format.
 
 Owns the tiny presets (:class:`TinySpec`, ``TINY``, ``TINY_ALT``), the tiny BPE
-tokenizer (trained here on text this module produces, with the special tokens of
-PROTOCOL.md) and :func:`make_tiny`, which writes config.json (the released nested
-layout), tokenizer.json and deterministic random weights sharded into two safetensors
-files with an index, plain or quantised through ``model/weights.py``.
+tokenizer (trained here on text this module produces, or on given text, with the
+special tokens of PROTOCOL.md), the checkpoint writer (:func:`write_checkpoint`:
+config.json in the released nested layout, tokenizer.json, weights sharded into two
+safetensors files with an index), :func:`make_tiny`, which writes deterministic random
+weights through it, plain or quantised through ``model/weights.py``, and where the
+shipped trained checkpoint lives (:data:`TRAINED_TINY_DIR`, the embedded default model;
+model/training.py makes it).
 
 Must not import: ``cache``, ``cluster``, ``actors``, ``deploy``, ``ray``.
 """
@@ -17,7 +20,7 @@ import os
 import random
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from safetensors.torch import save_file
@@ -51,6 +54,9 @@ _BYTE_ALPHABET_SIZE = 256
 
 SHARD_FILES = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 CONFIG_FILE = "config.json"
+# The trained TINY checkpoint shipped as package data: the default model of the CLI and
+# of `dsv41 serve` (bench/train_tiny.py writes it; BENCHMARKS.md records how).
+TRAINED_TINY_DIR = Path(__file__).resolve().parent / "assets" / "tiny-trained"
 
 # Fields every V4.1 checkpoint shares with Flash whatever its size (MODEL_FACTS section 1).
 _ARCHITECTURE_FIELDS: dict[str, Any] = {
@@ -255,12 +261,20 @@ def make_tiny(out_dir: str | Path, *, quantized: bool = False, seed: int = 0, sp
     """Writes a tiny checkpoint into ``out_dir`` and returns its path. The same
     arguments give byte-identical files; ``quantized`` stores the FP8/FP4/Engram kinds
     quantised (with ``.scale`` siblings) from the same underlying random weights."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec)
     raw_config = tiny_config(spec, tokenizer, quantized=quantized)
-    config = V41Config.from_dict(raw_config)
-    stored = _stored_tensors(checkpoint_tensors(config), seed + spec.seed_offset, quantized)
+    stored = random_tensors(V41Config.from_dict(raw_config), seed + spec.seed_offset, quantized=quantized)
+    return write_checkpoint(out_dir, raw_config, tokenizer, stored)
+
+
+def write_checkpoint(
+    out_dir: str | Path, raw_config: dict[str, Any], tokenizer: Tokenizer, stored: dict[str, torch.Tensor]
+) -> Path:
+    """Writes a checkpoint in the official format: ``stored`` (every stored tensor by
+    name, each ``.scale`` right after its values) sharded into two safetensors files
+    with an index, tokenizer.json, then config.json. Returns the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     _write_shards(out, stored)
     _write_atomically(out / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode())
     # config.json last: a directory left half-written has no config, so it is refused
@@ -324,16 +338,22 @@ def _corpus() -> list[str]:
 def build_tokenizer(spec: TinySpec) -> Tokenizer:
     """A byte-level BPE tokenizer trained deterministically on :func:`_corpus`, with
     :data:`SPECIAL_TOKENS` at ids 0, 1, 2, ..."""
+    return train_tokenizer(_corpus(), spec.tokenizer_vocab_size)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer of ``vocab_size`` ids trained on ``texts``, with
+    :data:`SPECIAL_TOKENS` at ids 0, 1, 2, ..."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=spec.tokenizer_vocab_size,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer)
+    tokenizer.train_from_iterator(texts, trainer)
     for expected_id, token in enumerate(SPECIAL_TOKENS):
         if tokenizer.token_to_id(token) != expected_id:
             raise RuntimeError(f"tokenizer: {token!r} got id {tokenizer.token_to_id(token)}, expected {expected_id}")
@@ -412,15 +432,16 @@ def _initial_values(spec: TensorSpec, generator: torch.Generator) -> torch.Tenso
     return noise / math.sqrt(spec.shape[1])
 
 
-def _stored_tensors(specs: dict[str, TensorSpec], seed: int, quantized: bool) -> dict[str, torch.Tensor]:
-    """Every stored tensor in declaration order, each ``.scale`` right after its values.
+def random_tensors(config: V41Config, seed: int, *, quantized: bool = False) -> dict[str, torch.Tensor]:
+    """Every stored tensor of a random checkpoint of ``config`` in declaration order,
+    each ``.scale`` right after its values.
 
     The underlying weights are drawn in float32 and rounded to bf16 (FP32 kinds stay
     float32): the plain checkpoint stores exactly them and the quantised one quantises
     exactly them, so the two differ only by quantisation."""
     generator = torch.Generator().manual_seed(seed)
     stored: dict[str, torch.Tensor] = {}
-    for spec in specs.values():
+    for spec in checkpoint_tensors(config).values():
         values = _initial_values(spec, generator)
         if spec.kind is TensorKind.FP32:
             stored[spec.name] = values

@@ -29,7 +29,7 @@ os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from model.tiny import TINY_ALT, make_tiny
+from model.tiny import TINY_ALT, TRAINED_TINY_DIR, make_tiny
 
 # One intra-op thread: results then do not depend on how a matmul of a given shape is
 # split across threads, so equivalence tests compare arithmetic, not scheduling noise
@@ -48,6 +48,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_quantized_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """TINY quantised (FP8 / FP4 / FP8 Engram rows with E8M0 scales), same weights as tiny_dir."""
     return make_tiny(tmp_path_factory.mktemp("tiny-quantized"), quantized=True)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_dir() -> Path:
+    """The shipped trained TINY checkpoint (model/assets/tiny-trained): the CLI's default
+    model. Package data: never write into it."""
+    return TRAINED_TINY_DIR
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from cluster.engine import Engine
 from cluster.request import SamplingParams
-from deploy.cli import main
+from deploy.cli import default_model_dir, main
 from model.config import FLASH_CONFIG_DIR
 from model.params import load_model_params
 from model.reference import ReferenceModel
@@ -99,6 +99,22 @@ def test_make_tiny_writes_a_loadable_checkpoint(tmp_path: Path, capsys: pytest.C
     assert Path(capsys.readouterr().out.strip()) == tmp_path / "t"
     params, checkpoint = load_model_params(tmp_path / "t")
     assert checkpoint.config.quantization is not None and params.layers
+
+
+def test_train_tiny_writes_a_loadable_checkpoint_and_the_default_is_the_shipped_one(
+    trained_tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dsv41 train-tiny DIR --minutes 0.02` runs both phases (a few steps) and writes
+    a checkpoint the loader reads with its DSpark stages; commands without --model use
+    the shipped trained checkpoint."""
+    main(["train-tiny", str(tmp_path / "t"), "--minutes", "0.02"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("target: ") and lines[1].startswith("DSpark: ") and Path(lines[2]) == tmp_path / "t"
+    params, checkpoint = load_model_params(tmp_path / "t")
+    assert checkpoint.has_dspark and params.dspark is not None
+    assert default_model_dir() == trained_tiny_dir
+    with pytest.raises(SystemExit):
+        main(["train-tiny", str(tmp_path / "u"), "--minutes", "0"])
 
 
 def test_bad_config_is_a_clean_error(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ def _generator(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("k", "n"), [(64, 32), (96, 200), (512, 64)])
+@pytest.mark.parametrize(("k", "n"), [(64, 32), (96, 200), (512, 64), (96, 1), (64, 3)])
 def test_a_projected_row_is_the_same_in_every_call(dtype: torch.dtype, k: int, n: int) -> None:
     """linear: every row of a call of any size, at any position, equals that row
     projected alone."""

@@ -1,4 +1,5 @@
-"""The embedded tiny checkpoints: determinism, layer-mode pattern, tokenizer, weights."""
+"""The tiny checkpoints, random and shipped trained: determinism, layer-mode pattern,
+tokenizer, weights, and the trained one's text."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from model.config import ConfigError, LayerMode, V41Config
 from model.loader import ExpertShard, load_checkpoint
 from model.params import ModelParams
 from model.reference import ReferenceModel
-from model.tiny import SHARD_FILES, TINY, make_tiny
+from model.tiny import SHARD_FILES, TINY, make_tiny, tiny_config
 from model.weights import checkpoint_tensors, quantize
 
 # PROTOCOL.md's strings, spelled with escapes so the fullwidth U+FF5C and U+2581 are explicit.
@@ -35,6 +36,8 @@ PROTOCOL_SPECIAL_TOKENS = {
     "<\uff5cdeepseek_image\uff5c>": "image",
 }
 PRESET_FIXTURES = ["tiny_dir", "tiny_alt_dir"]
+# The shipped trained checkpoint is TINY's architecture with a tokenizer of its own.
+CHECKPOINT_FIXTURES = PRESET_FIXTURES + ["trained_tiny_dir"]
 PROMPT_TOKENS = 300
 
 
@@ -91,9 +94,9 @@ def test_quantized_stores_the_plain_weights_quantized(tiny_dir: Path, tiny_quant
 # -- config and pattern --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fixture", PRESET_FIXTURES)
+@pytest.mark.parametrize("fixture", CHECKPOINT_FIXTURES)
 def test_presets_keep_the_flash_layer_mode_pattern(fixture: str, request: pytest.FixtureRequest) -> None:
-    """Both presets parse and have Flash's pattern: window layers first; ratio-2 Full
+    """The presets (and the trained checkpoint) parse and have Flash's pattern: window layers first; ratio-2 Full
     owners with a Reuse between two of them; a ratio-1 Full owner that is the candidate
     source and the decoder start; a Reindex after it followed by a Reuse; Engram on a
     window layer and on a compressed one; three window-only DSpark stages."""
@@ -117,7 +120,7 @@ def test_presets_keep_the_flash_layer_mode_pattern(fixture: str, request: pytest
     assert len(dspark) == 3 and all(t.mode is LayerMode.WINDOW for t in dspark)
 
 
-@pytest.mark.parametrize("fixture", PRESET_FIXTURES)
+@pytest.mark.parametrize("fixture", CHECKPOINT_FIXTURES)
 def test_sizes_exercise_the_paged_features_at_300_tokens(fixture: str, request: pytest.FixtureRequest) -> None:
     """A 300-token prompt passes the window, index_topk of the ratio-2 entries and the
     candidate budget of the ratio-1 entries; index heads >= 16 keep selection ties away;
@@ -165,7 +168,7 @@ def test_tiny_spec_refuses_unusable_sizes(change: dict, field: str, tmp_path: Pa
 # -- tokenizer -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fixture", PRESET_FIXTURES)
+@pytest.mark.parametrize("fixture", CHECKPOINT_FIXTURES)
 def test_tokenizer_has_the_protocol_special_tokens(fixture: str, request: pytest.FixtureRequest) -> None:
     """PROTOCOL.md's special tokens exist with the same strings, each one token; BOS,
     EOS and pad are ids 0, 1, 2 as in config.json; `<｜System｜>` is the DSpark noise
@@ -218,3 +221,39 @@ def test_random_weights_keep_logits_order_one(fixture: str, request: pytest.Fixt
     logits = ReferenceModel(params).forward(ids).logits
     assert torch.isfinite(logits).all()
     assert 0.3 < float(logits.std()) < 3.0
+
+
+# -- the shipped trained checkpoint --------------------------------------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_trained_checkpoint_is_tiny_in_the_official_format(trained_tiny_dir: Path) -> None:
+    """The shipped checkpoint's config.json is TINY's (tiny_config with its own
+    tokenizer); it stores every declared tensor plain (BF16/FP32, no .scale), DSpark
+    stages included, and loads through the same loader; it is a few MB."""
+    tokenizer = Tokenizer.from_file(str(trained_tiny_dir / "tokenizer.json"))
+    assert json.loads((trained_tiny_dir / "config.json").read_text()) == tiny_config(TINY, tokenizer, quantized=False)
+    checkpoint = load_checkpoint(trained_tiny_dir)
+    assert checkpoint.has_dspark
+    stored: dict[str, torch.Tensor] = {}
+    for file_name in SHARD_FILES:
+        stored.update(load_file(trained_tiny_dir / file_name))
+    assert stored.keys() == checkpoint_tensors(checkpoint.config).keys()
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16, torch.float32}
+    assert sum(path.stat().st_size for path in trained_tiny_dir.iterdir()) < 8 * 2**20
+
+
+def test_trained_checkpoint_continues_the_readme_prompt_with_text(trained_tiny_dir: Path) -> None:
+    """The README's client example (prompt "hello", 8 tokens, greedy) returns text on the
+    shipped model: no end of sentence among the tokens, and the text README.md shows."""
+    checkpoint = load_checkpoint(trained_tiny_dir)
+    model = ReferenceModel(ModelParams.from_checkpoint(checkpoint))
+    ids = checkpoint.tokenizer.encode("hello").ids
+    out: list[int] = []
+    for _ in range(8):
+        out.append(int(model.forward(ids + out).logits[-1].argmax()))
+    assert checkpoint.config.eos_token_id not in out
+    text = checkpoint.tokenizer.decode(out, skip_special_tokens=False)
+    assert text.strip()
+    assert repr(text) in README.read_text(), f"README.md does not show the example's output {text!r}"
