@@ -9,12 +9,14 @@ prefill must do over the bf16 matmul rate measured in the same run: every projec
 on every row (attention, compressor, indexer, shared and the top-k routed experts,
 the router, Engram, mHC), attention's QK and PV over each row's window and selected
 compressed keys, the index scores of each row over its visible entries, and the head
-on the one sampled row.
+on the one sampled row. ``--decoder-replay`` runs the prefill under decoder SWA bounded
+replay (the decoder on the prompt's last sliding_window rows, the last layer's query
+and FFN on the last row), and its floor counts those rows only.
 
 Prints a table and writes JSON. On the GPU machine, from the repo root:
     PYTHONPATH=. python3 bench/prefill.py [--experts fp4]
 On a CPU (the slice's layer roles at small widths, torch backend, in seconds):
-    PYTHONPATH=. python3 bench/prefill.py --small
+    PYTHONPATH=. python3 bench/prefill.py --small [--decoder-replay]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from bench.slice_engine import (  # noqa: E402
 )
 from cluster.engine import Engine
 from cluster.request import SamplingParams
+from model.bounded_replay import tail_start
 from model.config import LayerMode, V41Config
 
 # The issue's target: prefill within 2x of its matmul floor.
@@ -70,26 +73,35 @@ FULL_WORKLOAD = Workload(prompt_len=4096, warmup=1, repeats=3)
 SMALL_WORKLOAD = Workload(prompt_len=256, warmup=1, repeats=2)
 
 
-def prefill_flops(config: V41Config, tokens: int) -> dict[str, float]:
+def prefill_flops(config: V41Config, tokens: int, decoder_replay: bool = False) -> dict[str, float]:
     """Matmul FLOPs of one prompt of ``tokens`` tokens through every target layer, by
-    kind (2 per multiply-add)."""
+    kind (2 per multiply-add). Under ``decoder_replay`` a decoder layer runs the tail's
+    rows (its windows from the tail), its KV source compresses every row, and the last
+    layer runs its window KV on the tail and the rest on the last row."""
     t = tokens
-    position = torch.arange(t, dtype=torch.float64)
     hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
     q_lora, hc = config.q_lora_rank, config.hc_mult
     index_width = config.index_n_heads * config.index_head_dim
     expert = 3 * hidden * config.moe_intermediate_size
-    window_keys = float(torch.clamp(position + 1, max=config.sliding_window).sum())
+    tail = tail_start(t, config.sliding_window) if decoder_replay else 0
+    last = config.topology.target_layers[-1].layer_id
     flops = {"projections": 0.0, "experts": 0.0, "attention": 0.0, "index_scores": 0.0}
     for layer in config.topology.target_layers:
+        first = tail if layer.is_decoder else 0
+        kv_rows = t - first
+        queries = (t - 1 if decoder_replay and layer.layer_id == last else first, t)
+        position = torch.arange(*queries, dtype=torch.float64)
+        rows = queries[1] - queries[0]
+        window_keys = float(torch.clamp(position - first + 1, max=config.sliding_window).sum())
         mix = (2 + hc) * hc
-        flops["projections"] += 2 * t * 2 * mix * hc * hidden  # mHC site functions
-        flops["projections"] += 2 * t * (
-            hidden * q_lora + q_lora * heads * head_dim + hidden * head_dim  # wq_a, wq_b, wkv
+        flops["projections"] += 2 * rows * 2 * mix * hc * hidden  # mHC site functions
+        flops["projections"] += 2 * kv_rows * hidden * head_dim  # wkv
+        flops["projections"] += 2 * rows * (
+            hidden * q_lora + q_lora * heads * head_dim  # wq_a, wq_b
             + config.o_lora_rank * heads * head_dim + config.o_groups * config.o_lora_rank * hidden  # wo_a, wo_b
             + hidden * config.n_routed_experts  # router
         )
-        flops["experts"] += 2 * t * expert * (config.num_experts_per_tok + config.n_shared_experts)
+        flops["experts"] += 2 * rows * expert * (config.num_experts_per_tok + config.n_shared_experts)
         keys = window_keys
         if layer.mode is not LayerMode.WINDOW:
             visible = torch.div(position + 1, layer.ratio, rounding_mode="floor")
@@ -100,14 +112,14 @@ def prefill_flops(config: V41Config, tokens: int) -> dict[str, float]:
                 index_keys = entries * head_dim * config.index_head_dim  # indexer.wk on each entry
                 flops["projections"] += 2 * (t * projections * hidden * head_dim + index_keys)
             if layer.mode in (LayerMode.FULL, LayerMode.REINDEX):
-                flops["projections"] += 2 * t * (q_lora * index_width + hidden * config.index_n_heads)
+                flops["projections"] += 2 * rows * (q_lora * index_width + hidden * config.index_n_heads)
                 scored = visible
                 if layer.uses_candidates:
                     scored = torch.clamp(visible, max=config.candidate_topk_blocks * config.candidate_block_size)
                 flops["index_scores"] += 2 * index_width * float(scored.sum())
         flops["attention"] += 2 * 2 * heads * head_dim * keys  # QK and PV
         if layer.is_engram:
-            flops["projections"] += 2 * t * config.engram_input_dim * (hc + 1) * hidden
+            flops["projections"] += 2 * rows * config.engram_input_dim * (hc + 1) * hidden
     flops["projections"] += 2 * hidden * config.vocab_size  # the head on the sampled row
     return flops
 
@@ -129,6 +141,10 @@ def main() -> None:
     add_slice_options(parser)
     parser.add_argument("--prompt-len", type=int, default=None, help="default 4096 (small: 256)")
     parser.add_argument("--repeats", type=int, default=None, help="timed prefills (default 3; small: 2)")
+    parser.add_argument(
+        "--decoder-replay", action=argparse.BooleanOptionalAction, default=False,
+        help="decoder SWA bounded replay (the engine's decoder_swa_bounded_replay; default off)",
+    )
     parser.add_argument("--out", default="bench/results/prefill.json")
     args = parser.parse_args()
     workload = SMALL_WORKLOAD if args.small else FULL_WORKLOAD
@@ -139,7 +155,11 @@ def main() -> None:
     ceil = ceilings(device)
     print(f"ceilings on {device}: {describe_ceilings(ceil)}", flush=True)
     engine = build_slice_engine(
-        args, max_num_seqs=1, max_num_batched_tokens=workload.prompt_len, tokens_per_request=workload.prompt_len + 1
+        args,
+        max_num_seqs=1,
+        max_num_batched_tokens=workload.prompt_len,
+        tokens_per_request=workload.prompt_len + 1,
+        decoder_replay=args.decoder_replay,
     )
     prompts = random_prompts(workload.warmup + workload.repeats, workload.prompt_len, engine.config.vocab_size, seed=7)
     seconds = []
@@ -152,12 +172,13 @@ def main() -> None:
             seconds.append(elapsed)
         label = "timed" if timed else "warm-up"
         print(f"  prefill {i} ({label}): {workload.prompt_len / elapsed:,.0f} tok/s, {elapsed:.3f} s", flush=True)
-    flops = prefill_flops(engine.config, workload.prompt_len)
+    flops = prefill_flops(engine.config, workload.prompt_len, args.decoder_replay)
     total = sum(flops.values())
     median_s = statistics.median(seconds)
     floor_s = total / ceil["bf16_flop_per_s"]
     row = {
         "prompt_len": workload.prompt_len,
+        "decoder_replay": args.decoder_replay,
         "seconds": median_s,
         "seconds_min": min(seconds),
         "tok_per_s": workload.prompt_len / median_s,

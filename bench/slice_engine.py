@@ -84,11 +84,17 @@ def prepare_device(args: argparse.Namespace) -> str:
 
 
 def build_slice_engine(
-    args: argparse.Namespace, *, max_num_seqs: int, max_num_batched_tokens: int, tokens_per_request: int
+    args: argparse.Namespace,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    tokens_per_request: int,
+    decoder_replay: bool = False,
 ) -> Engine:
     """The slice (bf16 compute) in an in-process engine on ``args.device`` whose pools
     hold ``max_num_seqs`` requests of ``tokens_per_request`` tokens each; prefix
-    caching is off (random prompts share nothing)."""
+    caching is off (random prompts share nothing); ``decoder_replay``: the engine's
+    decoder_swa_bounded_replay."""
     device, backend = resolve_device(args)
     spec = SMALL_SLICE if args.small else REFERENCE_SLICE
     model = SliceModel.build(spec, V41Config.from_pretrained(FLASH, text_only=True), expert_format=args.experts)
@@ -110,6 +116,7 @@ def build_slice_engine(
         kernel_backend=backend,
         device=device,
         batch_invariant=args.batch_invariant,
+        decoder_swa_bounded_replay=decoder_replay,
     )
     geometry = RankLayout.build(model.config, options).geometry
     # One page more than the requests need: the sizing must never be what preempts.

@@ -6,8 +6,9 @@ writes through: window keys (this step's rows or the slot's ring), ring writes a
 attention, compression plans (which ratio-2 pairs or ratio-1 rows complete an entry in
 this step, where a pair's first member is a STATE tail, which PAGE row each entry
 lands in, which entries are already cached and not rewritten), tail writes, and the
-tiles of entry rows each request's index scorer reads. Everything is plain integers:
-no model arithmetic and no pool access.
+tiles of entry rows each request's index scorer reads; and under decoder SWA bounded
+replay the decoder's rows and their own addresses (``build_decoder_addresses``).
+Everything is plain integers: no model arithmetic and no pool access.
 
 Must not import: model (other than model.formats), cluster, actors, deploy, ray.
 """
@@ -121,12 +122,48 @@ class StepAddresses:
     last_rows: torch.Tensor  # [S] each segment's last row (NO_ROW for an empty segment)
 
 
+@dataclass(frozen=True)
+class DecoderAddresses:
+    """Under decoder SWA bounded replay, the step rows the decoder layers run and
+    their addresses, laid out as a step of their own: each segment's decoder rows are
+    its last rows, from its decoder view's start."""
+
+    rows: torch.Tensor  # [D] step rows, ascending
+    plan: StepAddresses  # over those rows (no compression plans: the decoder compresses nothing)
+
+
 def _long(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
-def build_step_addresses(segments: Sequence[SegmentSpec], shape: PoolShape) -> StepAddresses:
-    """Addresses of a step; rows are laid out segment after segment."""
+def build_decoder_addresses(
+    segments: Sequence[SegmentSpec], views: Sequence[SegmentSpec], shape: PoolShape
+) -> DecoderAddresses:
+    """The decoder's rows and addresses of a step of ``segments``. ``views[i]`` is the
+    decoder's view of segment i: the same request and end, starting at the first
+    position the decoder runs (the end: none of its rows), with the first position
+    its windows may read (a tail's start: nothing of the decoder exists below it).
+    Ring writes are the views' rows alone."""
+    if len(views) != len(segments):
+        raise ValueError(f"views: {len(views)} for {len(segments)} segments (allowed: one per segment)")
+    rows: list[int] = []
+    base = 0
+    for i, (seg, view) in enumerate(zip(segments, views)):
+        if view.slot != seg.slot or view.end != seg.end or view.start < seg.start:
+            raise ValueError(
+                f"views[{i}]: slot {view.slot}, positions [{view.start}, {view.end}) "
+                f"(allowed: slot {seg.slot}, the last rows of [{seg.start}, {seg.end}))"
+            )
+        rows.extend(range(base + view.start - seg.start, base + seg.length))
+        base += seg.length
+    return DecoderAddresses(rows=_long(rows), plan=build_step_addresses(views, shape, compression=False))
+
+
+def build_step_addresses(
+    segments: Sequence[SegmentSpec], shape: PoolShape, *, compression: bool = True
+) -> StepAddresses:
+    """Addresses of a step; rows are laid out segment after segment. ``compression``
+    False leaves the compression plans out (a step's decoder view compresses nothing)."""
     W, ring_rows, B = shape.window, shape.ring_rows, shape.block_size
     positions: list[int] = []
     row_segments: list[int] = []
@@ -170,14 +207,14 @@ def build_step_addresses(segments: Sequence[SegmentSpec], shape: PoolShape) -> S
         write_rows=_long(write_rows),
         write_dst=_long(write_dst),
     )
-    compression = {r: _compression_plan(segments, shape, r) for r in shape.ratios}
+    plans = {r: _compression_plan(segments, shape, r) for r in shape.ratios} if compression else {}
     tiles = {r: _entry_tile(segments, shape, r, pos_t) for r in shape.ratios}
     return StepAddresses(
         positions=pos_t,
         row_segments=seg_t,
         segment_slots=slots,
         window=window,
-        compression=compression,
+        compression=plans,
         tiles=tiles,
         last_rows=_long(last_rows),
     )

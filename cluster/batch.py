@@ -14,6 +14,7 @@ Must not import: model, actors, deploy, ray.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -51,10 +52,19 @@ class ScheduledSegment:
     fetch: tuple[PageFill, ...] = ()  # offloaded PAGEs/images to write before the forward
     publish: tuple[PagePublish, ...] = ()  # PAGEs/images to send to the offload store after it
     want_prompt_logits: bool = False  # return logits of every row (prompt logprobs, parity)
+    # The request's prompt length, whose last rows decoder SWA bounded replay runs
+    # the decoder on in whichever forward computes them (None: not stated; then only a
+    # forward that finishes the prompt and holds those rows runs them).
+    num_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError(f"ScheduledSegment {self.request_id}: no tokens")
+        if self.num_prompt_tokens is not None and self.num_prompt_tokens < 1:
+            raise ValueError(
+                f"ScheduledSegment {self.request_id}: num_prompt_tokens {self.num_prompt_tokens} "
+                "(allowed: None or >= 1)"
+            )
         if self.reset is not None and self.restore is not None:
             raise ValueError(f"ScheduledSegment {self.request_id}: reset and restore are exclusive")
 
@@ -81,7 +91,7 @@ class ScheduledBatch:
         return not self.segments
 
 
-DP_METADATA_LAYOUT = 1  # bump when the wire layout below changes
+DP_METADATA_LAYOUT = 2  # bump when the wire layout below changes
 
 
 class DPMetadataError(ValueError):
@@ -91,35 +101,53 @@ class DPMetadataError(ValueError):
 @dataclass(frozen=True)
 class RankStepInfo:
     """One DP rank's share of a step: its rows, whether any of them is prefill (not a
-    one-token decode), and the requests whose prompt this step finishes there (their
-    first token is sampled)."""
+    one-token decode), the requests whose prompt this step finishes there (their
+    first token is sampled), and how many of its rows the decoder's layers run and
+    how many reach the LM head (the last layer's FFN): under decoder SWA bounded
+    replay fewer than its rows (None: every row)."""
 
     num_tokens: int
     is_prefill: bool
     finished_prompts: tuple[str, ...] = ()
+    decoder_rows: int | None = None
+    query_rows: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
             raise DPMetadataError(f"RankStepInfo.num_tokens: {self.num_tokens!r} (allowed: an int >= 0)")
+        if self.decoder_rows is None:
+            object.__setattr__(self, "decoder_rows", self.num_tokens)
+        if self.query_rows is None:
+            object.__setattr__(self, "query_rows", self.decoder_rows)
+        if not 0 <= self.query_rows <= self.decoder_rows <= self.num_tokens:
+            raise DPMetadataError(
+                f"RankStepInfo.decoder_rows / query_rows: {self.decoder_rows} / {self.query_rows} "
+                f"(allowed: 0 <= query_rows <= decoder_rows <= num_tokens {self.num_tokens})"
+            )
 
     @classmethod
-    def of(cls, batch: ScheduledBatch) -> "RankStepInfo":
+    def of(
+        cls, batch: ScheduledBatch, decoder_rows: int | None = None, query_rows: int | None = None
+    ) -> "RankStepInfo":
         decode = [s.sample and s.length == 1 and s.output_index > 0 for s in batch.segments]
         return cls(
             num_tokens=batch.num_tokens,
             is_prefill=not all(decode),
             finished_prompts=tuple(s.request_id for s in batch.segments if s.sample and s.output_index == 0),
+            decoder_rows=decoder_rows,
+            query_rows=query_rows,
         )
 
 
 @dataclass(frozen=True)
 class DPMetadata:
     """What every DP rank knows of every other rank in a step, sent to all of them:
-    the MoE exchange pads to ``max(row_counts)`` and cuts each rank's rows out.
+    the MoE exchange pads to the largest rank's rows at each layer and cuts each
+    rank's rows out.
 
-    Wire layout 1 (one flat int64 tensor): ``[layout, step_id, world]`` then per rank
-    ``[num_tokens, is_prefill, num_finished]`` and per finished request
-    ``[num_bytes, *utf8_bytes]``."""
+    Wire layout 2 (one flat int64 tensor): ``[layout, step_id, world]`` then per rank
+    ``[num_tokens, is_prefill, decoder_rows, query_rows, num_finished]`` and per
+    finished request ``[num_bytes, *utf8_bytes]``."""
 
     step_id: int
     ranks: tuple[RankStepInfo, ...]
@@ -129,17 +157,36 @@ class DPMetadata:
             raise DPMetadataError("DPMetadata.ranks: empty (allowed: one entry per DP rank)")
 
     @classmethod
-    def of(cls, step_id: int, batches: tuple[ScheduledBatch, ...]) -> "DPMetadata":
-        return cls(step_id=step_id, ranks=tuple(RankStepInfo.of(b) for b in batches))
+    def of(
+        cls,
+        step_id: int,
+        batches: tuple[ScheduledBatch, ...],
+        stage_rows: Sequence[tuple[int, int]] | None = None,
+    ) -> "DPMetadata":
+        """``stage_rows``: each rank's (decoder rows, query rows) under decoder replay
+        (None: every row runs every layer)."""
+        stages = stage_rows if stage_rows is not None else [(None, None)] * len(batches)
+        if len(stages) != len(batches):
+            raise DPMetadataError(f"stage_rows: {len(stages)} entries for {len(batches)} ranks")
+        return cls(step_id=step_id, ranks=tuple(RankStepInfo.of(b, *stage) for b, stage in zip(batches, stages)))
 
     @property
     def row_counts(self) -> tuple[int, ...]:
         return tuple(r.num_tokens for r in self.ranks)
 
+    def decoder_row_counts(self, decoder_layers: Sequence[int]) -> dict[int, tuple[int, ...]]:
+        """Every rank's MoE rows at each of ``decoder_layers`` (the decoder's layer
+        ids, in order): its decoder rows, and at the last layer its query rows."""
+        counts = {layer: tuple(r.decoder_rows for r in self.ranks) for layer in decoder_layers[:-1]}
+        if decoder_layers:
+            counts[decoder_layers[-1]] = tuple(r.query_rows for r in self.ranks)
+        return counts
+
     def to_wire(self) -> torch.Tensor:
         words = [DP_METADATA_LAYOUT, self.step_id, len(self.ranks)]
         for rank in self.ranks:
-            words += [rank.num_tokens, int(rank.is_prefill), len(rank.finished_prompts)]
+            words += [rank.num_tokens, int(rank.is_prefill), rank.decoder_rows, rank.query_rows]
+            words.append(len(rank.finished_prompts))
             for request_id in rank.finished_prompts:
                 raw = request_id.encode()
                 words += [len(raw), *raw]
@@ -158,14 +205,14 @@ class DPMetadata:
         ranks = []
         try:
             for _ in range(world):
-                num_tokens, is_prefill, num_finished = words[at : at + 3]
-                at += 3
+                num_tokens, is_prefill, decoder_rows, query_rows, num_finished = words[at : at + 5]
+                at += 5
                 finished = []
                 for _ in range(num_finished):
                     size = words[at]
                     finished.append(bytes(words[at + 1 : at + 1 + size]).decode())
                     at += 1 + size
-                ranks.append(RankStepInfo(num_tokens, bool(is_prefill), tuple(finished)))
+                ranks.append(RankStepInfo(num_tokens, bool(is_prefill), tuple(finished), decoder_rows, query_rows))
         except (IndexError, ValueError, UnicodeDecodeError) as exc:
             raise DPMetadataError(f"wire: truncated or corrupt layout-{DP_METADATA_LAYOUT} tensor ({exc})") from exc
         if at != len(words):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime
 import socket
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -103,9 +103,10 @@ def open_process_group(spec: GroupSpec, rank: int, store: dist.Store) -> dist.Pr
 class DPExpertExchange:
     """The MoE of one layer across the DP ranks of a replica (a ``MoEFn``).
 
-    Call ``begin_step`` with every rank's row count (from the step's DPMetadata)
-    before the forward; every layer's call then runs the same collectives on every
-    rank, an idle rank contributing zero rows. The rank's routed contributions run on
+    Call ``begin_step`` with every rank's row count (from the step's DPMetadata, and
+    per layer where a layer runs fewer rows: the decoder under bounded replay) before
+    the forward; every layer's call then runs the same collectives on every rank, an
+    idle rank contributing zero rows. The rank's routed contributions run on
     ``kernels`` (default: the torch reference); ``expert_mode`` is how the experts are
     split ("ep": whole experts per rank, "tp": an intermediate slice of each);
     ``batch_invariant`` is the replica's mode, fixed here rather than read from the
@@ -133,22 +134,32 @@ class DPExpertExchange:
         self.world = group.size()
         self.backend = backend
         self._row_counts: tuple[int, ...] | None = None
+        self._layer_counts: dict[int, tuple[int, ...]] = {}
         self.experts = ExpertBanks(config, kernels or TorchKernels())
 
-    def begin_step(self, row_counts: Sequence[int]) -> None:
-        if len(row_counts) != self.world:
-            raise DistributedError(f"row_counts: {len(row_counts)} ranks (allowed: the world size {self.world})")
+    def begin_step(self, row_counts: Sequence[int], layer_counts: Mapping[int, Sequence[int]] | None = None) -> None:
+        """Every rank's rows this step; ``layer_counts``: every rank's rows at the
+        layers that run fewer (by layer id)."""
+        layer_counts = dict(layer_counts or {})
+        for name, counts in (("row_counts", row_counts), *((f"layer_counts[{k}]", v) for k, v in layer_counts.items())):
+            if len(counts) != self.world:
+                raise DistributedError(f"{name}: {len(counts)} ranks (allowed: the world size {self.world})")
         self._row_counts = tuple(row_counts)
+        self._layer_counts = {layer: tuple(counts) for layer, counts in layer_counts.items()}
 
     def __call__(self, layer: LayerParams, h: torch.Tensor) -> torch.Tensor:
-        counts = self._row_counts
-        if counts is None:
+        if self._row_counts is None:
             raise DistributedError("DPExpertExchange: called before begin_step() of this step")
+        counts = self._layer_counts.get(layer.layer_id, self._row_counts)
         if h.shape[0] != counts[self.rank]:
             raise DistributedError(
                 f"layer {layer.layer_id}: rank {self.rank} has {h.shape[0]} rows, the step's metadata says "
                 f"{counts[self.rank]}"
             )
+        if not any(counts):
+            # No rank has a row here (a decoder no rank's rows reach): every rank
+            # skips the collectives alike.
+            return h
         cfg = self.config
         pad = max(counts)
         padded = h.new_zeros(self.world * pad, h.shape[1])

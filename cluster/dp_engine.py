@@ -30,7 +30,7 @@ from cluster.engine import EngineFrontend, EngineOptions, RankLayout, engine_opt
 from cluster.offload_connector import LocalOffload, OffloadConnector
 from cluster.placement import RankLoad, place
 from cluster.request import Request, RequestOutput, RequestStatus
-from cluster.runner import ModelRunner, StepResult
+from cluster.runner import ModelRunner, StepResult, stage_rows
 from cluster.scheduler import Scheduler
 from model.config import V41Config
 from model.kernels import load_kernels
@@ -99,9 +99,11 @@ class DPRank:
         kernels: PagedKernels | None = None,
         offload: OffloadConnector | None = None,
         batch_invariant: bool = False,
+        decoder_replay: bool = False,
     ) -> None:
         self.rank = rank
         self.exchange = exchange
+        self.decoder_layers = params.config.topology.decoder_layers
         self.runner = ModelRunner(
             params,
             layout.geometry,
@@ -111,6 +113,7 @@ class DPRank:
             kernels=kernels,
             offload=offload,
             batch_invariant=batch_invariant,
+            decoder_replay=decoder_replay,
         )
 
     @classmethod
@@ -146,20 +149,30 @@ class DPRank:
             kernels=kernels,
             offload=offload,
             batch_invariant=bool(options.batch_invariant),
+            decoder_replay=options.decoder_swa_bounded_replay,
         )
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor) -> StepResult:
-        """Runs this rank's batch of a step (padding when it has no rows)."""
+        """Runs this rank's batch of a step (padding when it has no rows). Under
+        decoder replay the decoder's layers run fewer rows: the exchange learns every
+        rank's count at each of them from the metadata."""
         metadata = DPMetadata.from_wire(metadata_wire)
-        if metadata.ranks[self.rank].num_tokens != batch.num_tokens:
+        own = metadata.ranks[self.rank]
+        stages = (own.decoder_rows, own.query_rows)
+        if self.runner.decoder_replay:
+            expected = stage_rows(batch, self.runner.shape.window)
+        else:
+            expected = (batch.num_tokens, batch.num_tokens)
+        if own.num_tokens != batch.num_tokens or stages != expected:
             raise DPError(
-                f"rank {self.rank}: batch of {batch.num_tokens} rows, the step's metadata says "
-                f"{metadata.ranks[self.rank].num_tokens}"
+                f"rank {self.rank}: batch of {batch.num_tokens} rows ({expected[0]} decoder, {expected[1]} "
+                f"query), the step's metadata says {own.num_tokens} ({stages[0]}, {stages[1]})"
             )
-        if self.exchange is not None:
-            self.exchange.begin_step(metadata.row_counts)
-            if batch.is_empty:
-                return self.runner.execute_padding(batch.step_id)
+        if self.exchange is None:
+            return self.runner.execute(batch)
+        self.exchange.begin_step(metadata.row_counts, metadata.decoder_row_counts(self.decoder_layers))
+        if batch.is_empty:
+            return self.runner.execute_padding(batch.step_id)
         return self.runner.execute(batch)
 
 
@@ -294,7 +307,10 @@ class DPEngine(EngineFrontend):
         if all(b.is_empty for b in batches):
             return []
         self._step_id += 1
-        metadata = DPMetadata.of(self._step_id, batches)
+        stages = None
+        if self.options.decoder_swa_bounded_replay:
+            stages = [stage_rows(b, self.config.sliding_window) for b in batches]
+        metadata = DPMetadata.of(self._step_id, batches, stages)
         try:
             results = self.executor.execute(batches, metadata.to_wire())
         except RankFailure as exc:

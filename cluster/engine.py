@@ -109,6 +109,9 @@ class EngineOptions:
     # (model/linalg.py), so a scheduled run is token for token an uninterrupted one.
     # None: on for the CPU, off on a GPU (it costs GEMM throughput there).
     batch_invariant: bool | None = None
+    # Decoder SWA bounded replay (model/bounded_replay.py): the forward finishing a
+    # prompt runs the decoder on the prompt's last sliding_window rows alone.
+    decoder_swa_bounded_replay: bool = False
     # Offload store of PAGE units and STATE images (0: none): host bytes, then an
     # optional disk tier.
     offload_host_bytes: int = 0
@@ -469,6 +472,7 @@ class Engine(EngineFrontend):
                 kernels=load_kernels(options.kernel_backend),
                 offload=self.offload,
                 batch_invariant=bool(options.batch_invariant),
+                decoder_replay=options.decoder_swa_bounded_replay,
             )
         )
         logger.info(

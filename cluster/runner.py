@@ -6,19 +6,22 @@ Owns the rank's pools and what happens to them around a forward: readying slots
 forward (model/runtime), sampling, advancing each slot's cursor after the forward
 (position and Engram history), storing checkpoint images at PAGE boundaries, and the
 offload traffic its segments name: fetched PAGEs and images written before anything
-else of the step, completed ones published after the forward.
+else of the step, completed ones published after the forward. Under decoder SWA
+bounded replay it also derives, from each segment, the rows its decoder runs
+(``decoder_view``; model/bounded_replay.py states the rule).
 
 Must not import: actors, deploy, ray.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from cache.addressing import PoolShape, SegmentSpec, build_step_addresses
+from cache.addressing import DecoderAddresses, PoolShape, SegmentSpec, build_decoder_addresses, build_step_addresses
 from cache.checkpoints import Checkpoints
 from cache.geometry import CURSOR_POSITION, V41PoolGeometry
 from cache.plane_io import PlaneIO
@@ -26,11 +29,67 @@ from cache.pools import PoolSize, V41Pools
 from cluster.batch import ScheduledBatch, ScheduledSegment
 from cluster.offload_connector import OffloadConnector
 from cluster.sampler import Sampler, SamplingMetadata
+from model.bounded_replay import tail_start
 from model.device import move_tensors
 from model.kernels.interface import PagedKernels
 from model.linalg import batch_invariant, cpu_threads
 from model.params import LayerParams, ModelParams
 from model.runtime import PagedRuntime
+
+
+class DecoderReplayError(RuntimeError):
+    """A segment decoder SWA bounded replay cannot run: the decoder rows it needs
+    below its first row were never computed."""
+
+
+def decoder_view(seg: ScheduledSegment, window: int) -> tuple[int, int]:
+    """Under decoder SWA bounded replay, (the first position of ``seg`` whose rows run
+    the decoder, the first position the decoder's windows may read there).
+
+    The decoder runs a prompt's tail (model/bounded_replay.py) and every row after
+    it, each row in whichever forward computes it, its windows never reaching below
+    the tail. A segment that wants its rows' logits (prompt logprobs, parity checks)
+    runs the full prefill instead: every row. Where the segment states the prompt's
+    length, the rule is applied as it stands: a chunk ending before the tail runs no
+    decoder row, one reaching past it the rows from there, reading the decoder rows
+    its request's earlier forwards wrote. Where it does not, only what the segment
+    shows is known: a forward that does not finish its prompt runs no decoder row; a
+    decode step (one row after the first sampled token) runs its row; the forward
+    finishing a prompt of P tokens (or its recompute after a preemption: P is the end
+    less the tokens generated) must hold the tail and runs it. A slot just reset or
+    restored holds no decoder row of the request: its forward must start at or
+    before the tail.
+    """
+    if seg.want_prompt_logits:
+        return seg.start, seg.window_start
+    if seg.num_prompt_tokens is not None:
+        tail = tail_start(seg.num_prompt_tokens, window)
+    elif not seg.sample:
+        return seg.end, seg.window_start
+    elif seg.length == 1 and seg.output_index > 0:
+        return seg.start, seg.window_start
+    else:
+        tail = tail_start(seg.end - seg.output_index, window)
+    first = max(seg.start, tail)
+    if first >= seg.end:
+        return seg.end, seg.window_start
+    fresh_slot = seg.reset is not None or seg.restore is not None
+    if first > tail and (fresh_slot or seg.num_prompt_tokens is None):
+        raise DecoderReplayError(
+            f"request {seg.request_id}: its forward from {seg.start} needs the decoder rows of positions "
+            f"[{tail}, {seg.start}) (decoder bounded replay runs the prompt's last {window} rows), which no forward "
+            "of its slot computed: the scheduler must start the forward at or before the tail"
+            + ("" if fresh_slot else ", or state num_prompt_tokens on every chunk of the prompt")
+        )
+    return first, max(seg.window_start, tail)
+
+
+def stage_rows(batch: ScheduledBatch, window: int) -> tuple[int, int]:
+    """(decoder rows, rows reaching the LM head) of a step under decoder SWA bounded
+    replay: what its MoE runs from the decoder's first layer on, and at the last
+    layer."""
+    decoder = sum(seg.end - decoder_view(seg, window)[0] for seg in batch.segments)
+    return decoder, ModelRunner.logit_rows(batch.segments)[0].numel()
 
 
 @dataclass(frozen=True)
@@ -63,8 +122,10 @@ class ModelRunner:
         kernels: PagedKernels | None = None,
         offload: OffloadConnector | None = None,
         batch_invariant: bool = False,
+        decoder_replay: bool = False,
     ) -> None:
         config = params.config
+        self.decoder_replay = decoder_replay
         self.offload = offload
         self.params = params
         self.geometry = geometry
@@ -99,18 +160,18 @@ class ModelRunner:
         # the pools' device.
         compressed = self.params.token_map[tokens]
         histories = self.pools.cursor[[seg.slot for seg in segments], CURSOR_POSITION + 1 :].cpu()
-        addresses = build_step_addresses(
-            [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in segments],
-            self.shape,
-        )
-        logit_rows, logit_ranges, sample_rows = self._logit_rows(segments)
+        specs = [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in segments]
+        addresses = build_step_addresses(specs, self.shape)
+        logit_rows, logit_ranges, sample_rows = self.logit_rows(segments)
         device = self.pools.device
+        decoder = self._decoder_addresses(segments, specs) if self.decoder_replay else None
         output = self.runtime.forward(
             tokens.to(device),
             self._ngrams(segments, compressed, histories),
             move_tensors(addresses, device),
             self.store,
             logit_rows.to(device),
+            decoder=None if decoder is None else move_tensors(decoder, device),
         )
         self._advance_cursors(segments, compressed, histories)
         for seg in segments:
@@ -136,15 +197,21 @@ class ModelRunner:
         """An idle DP rank's step: every layer's MoE runs on zero rows, in the
         forward's layer order, so the collectives of the rank's exchange meet every
         peer; no PAGE or STATE is read or written."""
-        empty = torch.zeros(
-            0, self.params.config.hidden_size, dtype=self.params.embed.dtype, device=self.pools.device
-        )
         with batch_invariant(self.runtime.batch_invariant):
-            for layer in self.params.layers:
-                self.runtime.moe(layer, empty)
+            self.runtime.moe_padding(self.params.layers)
         return StepResult(step_id=step_id)
 
     # -- around the forward -------------------------------------------------------------
+
+    def _decoder_addresses(
+        self, segments: tuple[ScheduledSegment, ...], specs: list[SegmentSpec]
+    ) -> DecoderAddresses:
+        """The step's decoder rows and addresses under decoder replay (decoder_view)."""
+        views = []
+        for seg, spec in zip(segments, specs):
+            first, window_start = decoder_view(seg, self.shape.window)
+            views.append(dataclasses.replace(spec, start=first, length=seg.end - first, window_start=window_start))
+        return build_decoder_addresses(specs, views, self.shape)
 
     def _connector(self) -> OffloadConnector:
         if self.offload is None:
@@ -191,7 +258,7 @@ class ModelRunner:
             base += seg.length
 
     @staticmethod
-    def _logit_rows(
+    def logit_rows(
         segments: tuple[ScheduledSegment, ...],
     ) -> tuple[torch.Tensor, dict[str, tuple[int, int]], list[int]]:
         """Which rows the head runs on: every row of segments that want them, the last

@@ -116,8 +116,16 @@ def run_site(
     previous site's ``pre``, RMSNorm, the sublayer, expand. Returns the new streams
     and this site's pre (what the next site collapses with)."""
     mix = site.mix(streams, config)
-    h = rms_norm(collapse(streams, pre), norm, config.rms_norm_eps, out_dtype=streams.dtype)
+    h = site_input(streams, pre, norm, config.rms_norm_eps)
     return expand(streams, sublayer(h), mix), mix.pre
+
+
+def site_input(streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """What a site's sublayer reads: the streams collapsed with the previous site's
+    ``pre``, RMS-normed with the site's weight, in the streams' dtype. Row by row, so
+    a subset of rows gives those rows' inputs (a bounded replay's KV source compresses
+    every row's while its attention reads the tail's)."""
+    return rms_norm(collapse(streams, pre), norm, eps, out_dtype=streams.dtype)
 
 
 def final_hidden(streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:

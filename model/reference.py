@@ -3,6 +3,10 @@
 Owns nothing but the obvious composition of the arithmetic modules over one whole
 sequence: every layer sees every row, compressed entries and selections are computed
 densely with masks. Slow and plain on purpose; the paged runtime is tested against it.
+With ``decoder_replay`` it is the oracle of decoder SWA bounded replay instead
+(model/bounded_replay.py): the decoder runs the prompt's tail alone, its windows cut
+at the tail, and the last layer's query, attention and FFN run the rows whose logits
+are wanted.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -13,24 +17,36 @@ from dataclasses import dataclass, field
 import torch
 
 from model.attention import output_projection, project_query, project_window_kv, query_latent, sparse_attention
+from model.bounded_replay import selection_rows, tail_start
 from model.compressor import CompressedEntries, finish_entries, pool_pairs, ratio1_latent, ratio2_projections
 from model.config import LayerMode
 from model.engram import DEAD
 from model.indexer import SelectionState, index_query, index_scores, visible_entries
 from model.linalg import batch_invariant, default_batch_invariant, linear
-from model.mhc import final_hidden, first_pre, run_site
+from model.mhc import final_hidden, first_pre, run_site, site_input
 from model.moe import moe_forward
 from model.params import LayerParams, ModelParams
 
 
 @dataclass(frozen=True)
 class ReferenceOutput:
-    logits: torch.Tensor  # [T, vocab] fp32
-    # Per layer that computes a selection (FULL, REINDEX): [T, index_topk] entry ids, EMPTY-padded.
+    """A forward's results. Each layer's rows are positions [first, T): every row (a
+    full forward), or under decoder replay the tail for the decoder layers (``first``
+    is ``tail_start``) and, for the last layer's selection and the logits, the rows
+    from the prompt's last on."""
+
+    logits: torch.Tensor  # [rows, vocab] fp32: every position's, or from the prompt's last on
+    # Per layer that computes a selection (FULL, REINDEX): [rows, index_topk] entry ids, EMPTY-padded.
     selections: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Per layer asked for (``capture_layers``): the residual streams entering it
-    # [T, hc, hidden] (before its Engram), what the DSpark drafter's features read.
+    # Per layer asked for (``capture_layers``): the residual streams entering it (before
+    # its Engram; the rows it computes), what the DSpark drafter's features read.
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Per layer, the window KV of every row it computes one for ([rows, head_dim]): what
+    # its sliding-window ring holds after the forward.
+    window_kv: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Per Full owner, the compressed KV and index keys it published.
+    entries: dict[int, CompressedEntries] = field(default_factory=dict)
+    tail_start: int = 0  # the first position the decoder computed (0: a full forward)
 
 
 class ReferenceModel:
@@ -47,20 +63,42 @@ class ReferenceModel:
         self.batch_invariant = default_batch_invariant(device) if batch_invariant is None else batch_invariant
 
     @torch.no_grad()
-    def forward(self, token_ids: list[int] | torch.Tensor, *, capture_layers: tuple[int, ...] = ()) -> ReferenceOutput:
-        """The logits of every row; ``capture_layers`` (target layer ids) also returns
-        the residual streams entering those layers. Capturing changes nothing else."""
-        return self.differentiable_forward(token_ids, capture_layers=capture_layers)
+    def forward(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        decoder_replay: bool = False,
+        prompt_len: int | None = None,
+        *,
+        capture_layers: tuple[int, ...] = (),
+    ) -> ReferenceOutput:
+        """The full forward of ``token_ids``, or with ``decoder_replay`` the bounded
+        replay of its first ``prompt_len`` tokens (default: all of them) followed by
+        one decode step per further token: the decoder computes the rows from the
+        prompt's tail on, and the logits are those of the prompt's last row and every
+        row after it. ``capture_layers`` (target layer ids) also returns the residual
+        streams entering those layers; capturing changes nothing else."""
+        return self.differentiable_forward(token_ids, decoder_replay, prompt_len, capture_layers=capture_layers)
 
     def differentiable_forward(
-        self, token_ids: list[int] | torch.Tensor, *, capture_layers: tuple[int, ...] = ()
+        self,
+        token_ids: list[int] | torch.Tensor,
+        decoder_replay: bool = False,
+        prompt_len: int | None = None,
+        *,
+        capture_layers: tuple[int, ...] = (),
     ) -> ReferenceOutput:
         """``forward`` under the caller's grad mode: the same arithmetic, recorded for
         autograd where gradients are on (training the tiny model: model/training.py)."""
         with batch_invariant(self.batch_invariant):
-            return self._forward(token_ids, capture_layers)
+            return self._forward(token_ids, decoder_replay, prompt_len, capture_layers)
 
-    def _forward(self, token_ids: list[int] | torch.Tensor, capture_layers: tuple[int, ...]) -> ReferenceOutput:
+    def _forward(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        decoder_replay: bool,
+        prompt_len: int | None,
+        capture_layers: tuple[int, ...],
+    ) -> ReferenceOutput:
         cfg = self.config
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         if ids.dim() != 1 or ids.numel() == 0:
@@ -69,6 +107,15 @@ class ReferenceModel:
         if unknown:
             raise ValueError(f"capture_layers: {unknown} (allowed: target layer ids 0..{cfg.num_hidden_layers - 1})")
         tokens = ids.numel()
+        if prompt_len is not None and not (decoder_replay and 1 <= prompt_len <= tokens):
+            raise ValueError(
+                f"prompt_len: {prompt_len} (allowed: None, or 1..{tokens} with decoder_replay: a full forward "
+                "computes every row)"
+            )
+        prompt = tokens if prompt_len is None else prompt_len
+        tail = tail_start(prompt, cfg.sliding_window) if decoder_replay else 0
+        decoder_start = cfg.topology.decoder_start
+        last = self.params.layers[-1].layer_id
         device = self.params.embed.device
         positions = torch.arange(tokens, device=device)
         streams = self.params.embed[ids.to(device)].to(self.dtype).unsqueeze(1)
@@ -77,25 +124,88 @@ class ReferenceModel:
         ngrams = self._ngrams(ids)
         published: dict[int, CompressedEntries] = {}
         state = SelectionState()
+        window_kv: dict[int, torch.Tensor] = {}
         layer_inputs: dict[int, torch.Tensor] = {}
+        first = 0
         for layer in self.params.layers:
+            replay_source = decoder_replay and layer.layer_id == decoder_start
+            if replay_source:
+                # The KV source compresses every row's attention input; from here on
+                # only the tail runs.
+                h_all = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps)
+                published[layer.layer_id] = self._compress(layer, h_all)
+                streams, pre, positions, ngrams = streams[tail:], pre[tail:], positions[tail:], ngrams[tail:]
+                first = tail
             if layer.layer_id in capture_layers:
                 layer_inputs[layer.layer_id] = streams
             if layer.engram is not None:
-                streams = layer.engram.apply(layer.layer_id, streams, self.params.engram_hashing, ngrams, cfg.rms_norm_eps)
+                streams = layer.engram.apply(
+                    layer.layer_id, streams, self.params.engram_hashing, ngrams, cfg.rms_norm_eps
+                )
+            if decoder_replay and layer.layer_id == last:
+                query_from = prompt - 1 - tail
+                streams, pre = self._last_layer(layer, streams, pre, positions, query_from, published, state, window_kv)
+                continue
 
-            def attention(h: torch.Tensor, layer: LayerParams = layer) -> torch.Tensor:
-                return self._attention(layer, h, positions, published, state)
+            def attention(
+                h: torch.Tensor, layer: LayerParams = layer, positions: torch.Tensor = positions, first: int = first,
+                compress: bool = layer.topology.mode is LayerMode.FULL and not replay_source,
+            ) -> torch.Tensor:
+                if compress:
+                    published[layer.layer_id] = self._compress(layer, h)
+                kv = project_window_kv(h, layer.attn, cfg.rms_norm_eps, layer.rope, positions)
+                window_kv[layer.layer_id] = kv
+                return self._attention(layer, h, positions, published, state, kv, first)
 
             def moe(h: torch.Tensor, layer: LayerParams = layer) -> torch.Tensor:
-                return moe_forward(h, layer.moe, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+                return self._moe(layer, h)
 
             streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg)
             streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, moe, cfg)
         h = final_hidden(streams, pre, self.params.norm, cfg.rms_norm_eps)
         return ReferenceOutput(
-            logits=linear(h, self.params.head.float()), selections=state.selections, layer_inputs=layer_inputs
+            logits=linear(h, self.params.head.float()),
+            selections=state.selections,
+            window_kv=window_kv,
+            entries=published,
+            tail_start=tail,
+            layer_inputs=layer_inputs,
         )
+
+    def _moe(self, layer: LayerParams, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        return moe_forward(h, layer.moe, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+
+    def _last_layer(
+        self,
+        layer: LayerParams,
+        streams: torch.Tensor,
+        pre: torch.Tensor,
+        positions: torch.Tensor,
+        query_from: int,
+        published: dict[int, CompressedEntries],
+        state: SelectionState,
+        window_kv: dict[int, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer under decoder replay: window KV on every tail row (what its
+        ring keeps), query, attention and FFN on the rows from ``query_from`` on.
+        Returns those rows' streams and pre."""
+        cfg = self.config
+        h_kv = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps)
+        kv = project_window_kv(h_kv, layer.attn, cfg.rms_norm_eps, layer.rope, positions)
+        window_kv[layer.layer_id] = kv
+        queries = slice(query_from, None)
+        query_state = selection_rows(state, queries)
+        first = int(positions[0])
+
+        def attention(h: torch.Tensor) -> torch.Tensor:
+            return self._attention(layer, h, positions[queries], published, query_state, kv, first)
+
+        streams, pre = run_site(streams[queries], pre[queries], layer.hc_attn, layer.attn_norm, attention, cfg)
+        streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, lambda h: self._moe(layer, h), cfg)
+        if layer.layer_id in query_state.selections:
+            state.selections[layer.layer_id] = query_state.selections[layer.layer_id]
+        return streams, pre
 
     def _ngrams(self, ids: torch.Tensor) -> torch.Tensor:
         """Each position's compressed n-gram ids, the sequence starting from nothing."""
@@ -127,17 +237,19 @@ class ReferenceModel:
         positions: torch.Tensor,
         published: dict[int, CompressedEntries],
         state: SelectionState,
+        kv: torch.Tensor,
+        kv_first: int,
     ) -> torch.Tensor:
+        """The attention of the query rows ``h`` at ``positions`` over the window KV
+        ``kv`` of positions [kv_first, ...): a window reads nothing below kv_first."""
         cfg = self.config
         topo = layer.topology
         q_lat = query_latent(h, layer.attn, cfg.rms_norm_eps)
         q = project_query(q_lat, layer.attn, cfg.num_attention_heads, layer.rope, positions)
-        kv = project_window_kv(h, layer.attn, cfg.rms_norm_eps, layer.rope, positions)
-        window = positions.unsqueeze(1) - cfg.sliding_window + 1 + torch.arange(cfg.sliding_window, device=positions.device)
-        keys, valid = kv[window.clamp_min(0)], window >= 0
+        offsets = torch.arange(cfg.sliding_window, device=positions.device)
+        window = positions.unsqueeze(1) - cfg.sliding_window + 1 + offsets
+        keys, valid = kv[(window - kv_first).clamp_min(0)], window >= kv_first
         if topo.mode is not LayerMode.WINDOW:
-            if topo.mode is LayerMode.FULL:
-                published[topo.layer_id] = self._compress(layer, h)
             owner = published[topo.kv_owner]
             if layer.indexer is not None:
                 iq, iw = index_query(q_lat, h, layer.indexer, cfg.index_n_heads, layer.rope, positions)

@@ -15,24 +15,31 @@ provides both (the addresses as plain tensors, the storage with its formats), an
 model/reference.py. The routed experts run through the kernels backend too: each
 layer's held experts are arranged once into that backend's bank (``ExpertBanks``).
 
+Under decoder SWA bounded replay (model/bounded_replay.py) a step also names the rows
+its decoder runs (``DecoderPlan``): every row runs the encoder and the KV source's
+compression, the decoder rows the decoder layers (their windows, ring writes and tiles
+are the plan's), and the last layer's query, attention and FFN run on the rows whose
+logits are wanted while its window KV covers every decoder row.
+
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
 from model.attention import output_projection, project_query, project_window_kv, query_latent
+from model.bounded_replay import selection_rows
 from model.compressor import finish_entries, ratio1_latent, ratio2_projections
 from model.config import LayerMode, V41Config
-from model.indexer import SelectionState, index_query
+from model.indexer import EMPTY, SelectionState, index_query
 from model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
 from model.kernels.torch_backend import TorchKernels
 from model.linalg import batch_invariant, linear
-from model.mhc import final_hidden, first_pre, run_site
+from model.mhc import final_hidden, first_pre, run_site, site_input
 from model.moe import ExpertWeights, Routing, combine_slots, expert_ffn, route
 from model.params import LayerParams, ModelParams
 
@@ -70,6 +77,56 @@ class StepPlan(Protocol):
     window: WindowAddresses
     compression: Mapping[int, CompressionAddresses]
     tiles: Mapping[int, TileAddresses]
+
+
+class DecoderPlan(Protocol):
+    """Under decoder SWA bounded replay, the step rows the decoder layers run and
+    their addresses (cache/addressing.DecoderAddresses fits it)."""
+
+    rows: torch.Tensor  # [D] step rows, ascending
+    plan: StepPlan  # over those rows: positions, windows (from each tail's start), ring writes, tiles
+
+
+@dataclass(frozen=True)
+class _RowWindow:
+    chunk_rows: torch.Tensor
+    ring_rows: torch.Tensor
+    valid: torch.Tensor
+    write_rows: torch.Tensor
+    write_dst: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _RowTile:
+    ratio: int
+    entry_rows: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _QueryPlan:
+    """A stage's plan for a subset of its rows as queries: their positions, segments,
+    windows and visible counts, the stage's ring writes (its KV rows are all of the
+    stage's). Fits StepPlan (without compression: the subset compresses nothing)."""
+
+    positions: torch.Tensor
+    row_segments: torch.Tensor
+    window: _RowWindow
+    tiles: dict[int, _RowTile]
+    compression: dict[int, CompressionAddresses]
+
+    @classmethod
+    def of(cls, plan: StepPlan, rows: torch.Tensor) -> "_QueryPlan":
+        win = plan.window
+        return cls(
+            positions=plan.positions[rows],
+            row_segments=plan.row_segments[rows],
+            window=_RowWindow(
+                win.chunk_rows[rows], win.ring_rows[rows], win.valid[rows], win.write_rows, win.write_dst
+            ),
+            tiles={r: _RowTile(r, tile.entry_rows, tile.visible[rows]) for r, tile in plan.tiles.items()},
+            compression={},
+        )
 
 
 class PagedStore(PlaneSource, Protocol):
@@ -130,6 +187,7 @@ class ExpertBanks:
 class StepOutput:
     logits: torch.Tensor  # [len(logit_rows), vocab] fp32
     # Per selecting layer, [R, index_topk] entry ids (EMPTY-padded): for parity tests.
+    # Under decoder replay a decoder layer's rows outside its stage hold EMPTY only.
     selections: dict[int, torch.Tensor]
 
 
@@ -169,14 +227,25 @@ class PagedRuntime:
         plan: StepPlan,
         store: PagedStore,
         logit_rows: torch.Tensor,
+        decoder: DecoderPlan | None = None,
     ) -> StepOutput:
         """token_ids [R] (on the weights' device); engram_ngrams [R, max_ngram]
         compressed ids at t, t-1, ... (pad-substituted; on the host, where the Engram
         tables are); logit_rows: the rows whose next-token logits are wanted. In the
         batch-invariant mode (model/linalg.py) every row's logits are what that row
-        gets in any other step."""
+        gets in any other step. ``decoder``: decoder SWA bounded replay's rows (None:
+        every row runs every layer); every logit row must be one of them. Every
+        layer's MoE is called, in layer order, on the rows that reach it, none
+        included: a DP exchange's collectives meet every peer's."""
         with batch_invariant(self.batch_invariant):
-            return self._forward(token_ids, engram_ngrams, plan, store, logit_rows)
+            return self._forward(token_ids, engram_ngrams, plan, store, logit_rows, decoder)
+
+    def moe_padding(self, layers: Sequence[LayerParams]) -> None:
+        """Each of ``layers``' MoE on zero rows, in order: the side of a DP exchange's
+        collectives of a rank whose rows do not reach them."""
+        empty = self.params.embed.new_zeros(0, self.config.hidden_size)
+        for layer in layers:
+            self.moe(layer, empty)
 
     def _forward(
         self,
@@ -185,6 +254,7 @@ class PagedRuntime:
         plan: StepPlan,
         store: PagedStore,
         logit_rows: torch.Tensor,
+        decoder: DecoderPlan | None,
     ) -> StepOutput:
         cfg = self.config
         rows = token_ids.numel()
@@ -192,22 +262,105 @@ class PagedRuntime:
         streams = streams.expand(rows, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = first_pre(rows, cfg.hc_mult, device=token_ids.device)
         state = SelectionState()
-        for layer in self.params.layers:
+        stage, ngrams, out_rows = plan, engram_ngrams, logit_rows
+        queries = None
+        if decoder is not None:
+            queries = _rows_within(decoder.rows, logit_rows, rows)
+            out_rows = torch.arange(queries.numel(), device=logit_rows.device)
+        decoder_start = cfg.topology.decoder_start
+        last = self.params.layers[-1].layer_id
+        for i, layer in enumerate(self.params.layers):
+            replay_source = decoder is not None and layer.layer_id == decoder_start
+            if replay_source:
+                # The KV source compresses every row's attention input; from here on
+                # only the decoder rows run.
+                h_all = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps)
+                self._compress(layer, h_all, plan.compression[layer.topology.ratio], store)
+                streams, pre = streams[decoder.rows], pre[decoder.rows]
+                ngrams, stage = ngrams[decoder.rows.to(ngrams.device)], decoder.plan
+                if decoder.rows.numel() == 0:
+                    self.moe_padding(self.params.layers[i:])
+                    break
             if layer.engram is not None:
                 streams = layer.engram.apply(
-                    layer.layer_id, streams, self.params.engram_hashing, engram_ngrams, cfg.rms_norm_eps
+                    layer.layer_id, streams, self.params.engram_hashing, ngrams, cfg.rms_norm_eps
                 )
+            if queries is not None and layer.layer_id == last:
+                streams, pre = self._last_layer(layer, streams, pre, stage, queries, store, state)
+                continue
 
-            def attention(h: torch.Tensor, layer: LayerParams = layer) -> torch.Tensor:
-                return self._attention(layer, h, plan, store, state)
+            def attention(
+                h: torch.Tensor,
+                layer: LayerParams = layer,
+                stage: StepPlan = stage,
+                compress: bool = layer.topology.mode is LayerMode.FULL and not replay_source,
+            ) -> torch.Tensor:
+                if compress:
+                    self._compress(layer, h, stage.compression[layer.topology.ratio], store)
+                return self._attention(layer, h, stage, store, state)
 
             def moe(h: torch.Tensor, layer: LayerParams = layer) -> torch.Tensor:
                 return self.moe(layer, h)
 
             streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg)
             streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, moe, cfg)
-        h = final_hidden(streams[logit_rows], pre[logit_rows], self.params.norm, cfg.rms_norm_eps)
-        return StepOutput(logits=linear(h, self.params.head.float()), selections=state.selections)
+        h = final_hidden(streams[out_rows], pre[out_rows], self.params.norm, cfg.rms_norm_eps)
+        selections = state.selections
+        if decoder is not None and queries is not None:
+            selections = self._step_selections(selections, rows, decoder.rows, queries)
+        return StepOutput(logits=linear(h, self.params.head.float()), selections=selections)
+
+    def _last_layer(
+        self,
+        layer: LayerParams,
+        streams: torch.Tensor,
+        pre: torch.Tensor,
+        plan: StepPlan,
+        queries: torch.Tensor,
+        store: PagedStore,
+        state: SelectionState,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer under decoder replay: window KV (and its ring writes) on the
+        stage's rows, query, attention and FFN on ``queries`` (rows of the stage).
+        Returns the queries' streams and pre."""
+        cfg = self.config
+        h_kv = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps)
+        kv = project_window_kv(h_kv, layer.attn, cfg.rms_norm_eps, layer.rope, plan.positions)
+        if queries.numel() == 0:
+            # A step whose decoder rows all precede the prompts' last rows: the ring
+            # keeps their KV, and nothing reaches the head.
+            self._write_window(layer, plan, kv, store)
+            self.moe_padding([layer])
+            return streams[queries], pre[queries]
+        query_plan = _QueryPlan.of(plan, queries)
+        query_state = selection_rows(state, queries)
+
+        def attention(h: torch.Tensor) -> torch.Tensor:
+            return self._attention(layer, h, query_plan, store, query_state, kv)
+
+        streams, pre = run_site(streams[queries], pre[queries], layer.hc_attn, layer.attn_norm, attention, cfg)
+        streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, lambda h: self.moe(layer, h), cfg)
+        if layer.layer_id in query_state.selections:
+            state.selections[layer.layer_id] = query_state.selections[layer.layer_id]
+        return streams, pre
+
+    def _step_selections(
+        self, selections: dict[int, torch.Tensor], rows: int, decoder_rows: torch.Tensor, queries: torch.Tensor
+    ) -> dict[int, torch.Tensor]:
+        """Each selection over the step's rows: a decoder layer's (over the decoder
+        rows, the last layer's over the queries) spread out, EMPTY elsewhere."""
+        decoder_start = self.config.topology.decoder_start
+        last = self.params.layers[-1].layer_id
+        out = {}
+        for layer, picked in selections.items():
+            if layer < decoder_start:
+                out[layer] = picked
+                continue
+            where = decoder_rows[queries] if layer == last else decoder_rows
+            spread = picked.new_full((rows, picked.shape[1]), EMPTY)
+            spread[where] = picked
+            out[layer] = spread
+        return out
 
     def _compress(self, layer: LayerParams, h: torch.Tensor, plan: CompressionAddresses, store: PagedStore) -> None:
         """Completes every group the step closes, in one call, and writes the owner's
@@ -230,21 +383,30 @@ class PagedRuntime:
         self.kernels.write_rows(store.index_plane(owner), plan.dst, entries.index_keys)
 
     def _attention(
-        self, layer: LayerParams, h: torch.Tensor, plan: StepPlan, store: PagedStore, state: SelectionState
+        self,
+        layer: LayerParams,
+        h: torch.Tensor,
+        plan: StepPlan,
+        store: PagedStore,
+        state: SelectionState,
+        kv: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention of ``plan``'s rows (``h``) over their windows and selected
+        entries. ``kv``: the window KV of the rows the plan's chunk rows and ring writes
+        index, when those are not the query rows themselves (the last layer under
+        decoder replay); None: ``h``'s own."""
         cfg = self.config
         topo = layer.topology
         positions = plan.positions
         win = plan.window
         q_lat = query_latent(h, layer.attn, cfg.rms_norm_eps)
         q = project_query(q_lat, layer.attn, cfg.num_attention_heads, layer.rope, positions)
-        kv = project_window_kv(h, layer.attn, cfg.rms_norm_eps, layer.rope, positions)
+        if kv is None:
+            kv = project_window_kv(h, layer.attn, cfg.rms_norm_eps, layer.rope, positions)
         entry_rows = None
         main = None
         if topo.mode is not LayerMode.WINDOW:
             tile = plan.tiles[topo.ratio]
-            if topo.mode is LayerMode.FULL:
-                self._compress(layer, h, plan.compression[topo.ratio], store)
             if layer.indexer is not None:
                 iq, iw = index_query(q_lat, h, layer.indexer, cfg.index_n_heads, layer.rope, positions)
                 scores = self.kernels.score(
@@ -268,5 +430,20 @@ class PagedRuntime:
             layer.attn.attn_sink,
             cfg.head_dim**-0.5,
         )
-        self.kernels.write_rows(store.window_plane(topo.layer_id), win.write_dst, kv[win.write_rows])
+        self._write_window(layer, plan, kv, store)
         return output_projection(o, layer.attn, cfg.o_groups, layer.rope, positions)
+
+    def _write_window(self, layer: LayerParams, plan: StepPlan, kv: torch.Tensor, store: PagedStore) -> None:
+        """Stores the plan's ring writes of the layer's window KV (after its attention
+        has read the ring)."""
+        self.kernels.write_rows(store.window_plane(layer.layer_id), plan.window.write_dst, kv[plan.window.write_rows])
+
+
+def _rows_within(rows: torch.Tensor, subset: torch.Tensor, total: int) -> torch.Tensor:
+    """Where each of ``subset`` (rows of the step) is in ``rows``; an error if one is not."""
+    where = torch.full((total,), -1, dtype=torch.long, device=rows.device)
+    where[rows] = torch.arange(rows.numel(), device=rows.device)
+    found = where[subset]
+    if bool((found < 0).any()):
+        raise RuntimeError("logit_rows: a row the decoder does not run (only decoder rows reach the LM head)")
+    return found

@@ -37,13 +37,20 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs
 OPTIONS = dict(block_size=32, state_transfer="copy", max_num_seqs=4, max_num_batched_tokens=64)
 
 request_ids = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
-rank_infos = st.builds(
-    RankStepInfo, st.integers(0, 10_000), st.booleans(), st.lists(request_ids, max_size=4).map(tuple)
-)
+
+
+@st.composite
+def rank_infos(draw: st.DrawFn) -> RankStepInfo:
+    """A rank's step: its rows, and the decoder and query rows bounded replay leaves
+    of them (or every row)."""
+    rows = draw(st.integers(0, 10_000))
+    decoder = draw(st.one_of(st.none(), st.integers(0, rows)))
+    query = draw(st.one_of(st.none(), st.integers(0, rows if decoder is None else decoder)))
+    return RankStepInfo(rows, draw(st.booleans()), tuple(draw(st.lists(request_ids, max_size=4))), decoder, query)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**40), st.lists(rank_infos, min_size=1, max_size=8))
+@given(st.integers(0, 2**40), st.lists(rank_infos(), min_size=1, max_size=8))
 def test_dp_metadata_wire_round_trips(step_id: int, ranks: list[RankStepInfo]) -> None:
     """from_wire(to_wire(m)) == m for every metadata, as one flat int64 tensor."""
     metadata = DPMetadata(step_id=step_id, ranks=tuple(ranks))
@@ -63,6 +70,18 @@ def test_dp_metadata_rejects_unknown_layouts_and_corrupt_tensors() -> None:
         DPMetadata.from_wire(wire[:-1])
     with pytest.raises(DPMetadataError, match="after the last rank"):
         DPMetadata.from_wire(torch.cat((wire, torch.zeros(1, dtype=torch.int64))))
+
+
+def test_stage_rows_outside_the_ranks_rows_are_refused() -> None:
+    """Decoder rows are some of a rank's rows and query rows some of its decoder
+    rows: anything else is refused, on construction and off the wire."""
+    for decoder, query in ((6, None), (3, 4), (-1, 0)):
+        with pytest.raises(DPMetadataError, match="decoder_rows / query_rows"):
+            RankStepInfo(5, True, (), decoder, query)
+    wire = DPMetadata(step_id=1, ranks=(RankStepInfo(5, True, (), 3, 1),)).to_wire()
+    wire[5] = 9  # the rank's decoder rows
+    with pytest.raises(DPMetadataError, match="corrupt"):
+        DPMetadata.from_wire(wire)
 
 
 @settings(max_examples=100, deadline=None)
