@@ -44,6 +44,12 @@ from model.source import ModelSource
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 512 << 20
+# The context a CPU replica gets unless max_model_len says otherwise. A prefill's cost
+# grows faster than its length on the CPU (the tiny model, one core of a shared 2-core
+# box: 2k tokens in about 2.2 s, 16k in 159 s; BENCHMARKS.md, prefill_fairness), so the
+# model's own limit (1,048,576 positions) would admit requests that run for hours;
+# 4,096 tokens prefill in seconds.
+CPU_DEFAULT_MAX_MODEL_LEN = 4096
 PARITY_REQUEST_ID = "__prompt_logits__"
 
 
@@ -83,7 +89,10 @@ class EngineOptions:
     dtype: torch.dtype = torch.float32
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    long_prefill_token_threshold: int = 0
+    # A request's prefill tokens per step (0: off, only the step budget bounds them).
+    # None: half of max_num_batched_tokens, so that a long prefill leaves room in every
+    # step for new requests' prefills and running decodes (see default_prefill_threshold).
+    long_prefill_token_threshold: int | None = None
     block_size: int = 128
     num_pages: int | None = None  # cap on PAGEs (tests force preemption with it)
     num_state_slots: int | None = None  # default: max_num_seqs
@@ -92,7 +101,7 @@ class EngineOptions:
     index_cache_dtype: str = "fp8"
     state_transfer: str = "replay"
     enable_prefix_caching: bool = True
-    max_model_len: int | None = None  # default: what the config and the pools allow
+    max_model_len: int | None = None  # default: default_max_model_len
     seed: int = 0
     kernel_backend: str = "torch"  # "torch" (reference, anywhere) | "triton" (GPU) | "aiter" (ROCm)
     device: str = "cpu"  # where weights, pools and the forward live ("cuda", "cuda:1", ...)
@@ -151,6 +160,38 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise EngineError(f"{name}: {value!r} (allowed: None or a positive integer)")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise EngineError(f"{name}: {value!r} (allowed: a positive integer)")
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            object.__setattr__(self, "long_prefill_token_threshold", default_prefill_threshold(self.max_num_batched_tokens))
+        elif not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise EngineError(f"long_prefill_token_threshold: {threshold!r} (allowed: None, 0 = off, or a positive integer)")
+
+
+def default_prefill_threshold(max_num_batched_tokens: int) -> int:
+    """The per-request prefill cap of a step when none is given: half the step's token
+    budget. vLLM's V1 scheduler applies the same cap (a request's new tokens per step
+    cut to ``long_prefill_token_threshold`` when that is > 0) but defaults it to 0,
+    setting 4% of max_model_len only when ``max_num_partial_prefills`` > 1; a cap tied
+    to max_model_len does nothing once it exceeds the step budget, so this one is tied
+    to the budget: one long prefill takes at most half of every step, and a request
+    that arrives behind it is admitted at the next step instead of after it."""
+    return max(max_num_batched_tokens // 2, 1)
+
+
+def default_max_model_len(config: V41Config, options: EngineOptions, pool_tokens: int) -> int:
+    """A replica's context limit: ``options.max_model_len`` if given, else the model's
+    ``max_position_embeddings`` (on a CPU device at most CPU_DEFAULT_MAX_MODEL_LEN),
+    never more than the pools hold (one sequence may fill them)."""
+    if options.max_model_len is not None:
+        return min(options.max_model_len, pool_tokens)
+    limit = config.max_position_embeddings
+    if torch.device(options.device).type == "cpu":
+        limit = min(limit, CPU_DEFAULT_MAX_MODEL_LEN)
+    return min(limit, pool_tokens)
 
 
 @dataclass(frozen=True)
@@ -254,7 +295,7 @@ class EngineFrontend(abc.ABC):
         self.seeds = SeedSource(options.seed)
         self.pool_pages = layout.pool_size.num_pages
         pool_tokens = self.pool_pages * options.block_size
-        self.max_model_len = min(options.max_model_len or config.max_position_embeddings, pool_tokens)
+        self.max_model_len = default_max_model_len(config, options, pool_tokens)
         self._requests: dict[str, Request] = {}
         self._children: dict[str, tuple[str, ...]] = {}
 

@@ -4,7 +4,11 @@ Owns: :class:`SamplingParams` (the validated, frozen sampling declaration of one
 request), :class:`RequestStatus` and :class:`FinishReason`, :class:`Request` (the
 mutable per-request record the scheduler owns: tokens, status, cursor, sampling seed,
 collected logprobs and text), :class:`RequestOutput` (the frozen snapshot handed back
-to callers) and :class:`SeedSource` (where a request without a seed gets one).
+to callers) and :class:`SeedSource` (where a request without a seed gets one); and the
+bounds one request's work is held to: those of any engine at construction
+(:data:`MAX_N`, :data:`MAX_INT64`, the stop limits), those of a given engine in
+``SamplingParams.validate_for`` (vocabulary, the context), each cheap whatever the
+values (:func:`short_repr` keeps the refusals short too).
 
 Must not import: torch, tokenizers, ray, ``model``, ``cache``, ``actors``, ``deploy``,
 or the other ``cluster`` modules (they import this one). The text fields are written
@@ -22,6 +26,18 @@ from typing import Sequence
 
 # The OpenAI API caps top logprobs at 20; vLLM's default max_logprobs is the same.
 MAX_LOGPROBS = 20
+# Integers the sampling metadata carries as int64 (top_k, max_tokens): anything
+# larger is refused here rather than overflowing a tensor inside the engine step.
+MAX_INT64 = 2**63 - 1
+# Samples of one request: OpenAI's own cap on ``n``. Each is a sequence the engine
+# queues (and an id it builds), so the bound is checked before any is made.
+MAX_N = 128
+# Stop conditions are checked after every token: each stop string is searched for in
+# the text's tail (its length), each stop token id compared. The counts and lengths are
+# bounded so that one request cannot make that check cost more than a step.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 512
 # Incremental detokenisation starts this many prompt tokens before the first output
 # token, so decoders whose output depends on the preceding token (a leading space,
 # a word-piece join) render the first output token as it reads in context.
@@ -52,6 +68,9 @@ class SamplingParams:
     ``prompt_logprobs`` are the number of top alternatives reported per position
     (0: only the chosen / actual token), ``None`` for none. ``seed`` None draws one
     from the engine's :class:`SeedSource`; an integer seed is taken modulo 2**64.
+    ``max_tokens`` and ``top_k`` are at most :data:`MAX_INT64` here and ``n`` at most
+    :data:`MAX_N`; what bounds them on a given engine (the context, the vocabulary) is
+    :meth:`validate_for`'s.
     """
 
     max_tokens: int = 16
@@ -67,26 +86,26 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT64:
+            raise SamplingParamsError(f"max_tokens: must be an integer in 1..{MAX_INT64}, got {short_repr(self.max_tokens)}")
         if not _is_real(self.temperature) or self.temperature < 0:
             raise SamplingParamsError(
-                f"temperature: must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+                f"temperature: must be a finite number >= 0 (0 = greedy), got {short_repr(self.temperature)}"
             )
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise SamplingParamsError(f"top_p: must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise SamplingParamsError(f"top_k: must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+            raise SamplingParamsError(f"top_p: must be a number in (0, 1], got {short_repr(self.top_p)}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64):
+            raise SamplingParamsError(f"top_k: must be -1 (off) or an integer in 1..{MAX_INT64}, got {short_repr(self.top_k)}")
         if self.seed is not None and not _is_int(self.seed):
-            raise SamplingParamsError(f"seed: must be None or an integer, got {self.seed!r}")
+            raise SamplingParamsError(f"seed: must be None or an integer, got {short_repr(self.seed)}")
         if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
-        if not _is_int(self.n) or self.n < 1:
-            raise SamplingParamsError(f"n: must be an integer >= 1, got {self.n!r}")
+            raise SamplingParamsError(f"ignore_eos: must be a bool, got {short_repr(self.ignore_eos)}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n: must be an integer in 1..{MAX_N}, got {short_repr(self.n)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise SamplingParamsError(f"{name}: must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}")
+                raise SamplingParamsError(f"{name}: must be None or an integer in 0..{MAX_LOGPROBS}, got {short_repr(value)}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
 
@@ -96,8 +115,11 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=0)
 
     def validate_for(self, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
-        """Check what depends on the model and the prompt: token ids inside the
-        vocabulary and the whole sequence inside the context limit."""
+        """Check what depends on the model and the prompt: ``top_k`` and token ids
+        inside the vocabulary and the whole sequence inside the context limit. Cheap
+        whatever the values: nothing is built per sample or per token."""
+        if self.top_k > vocab_size:
+            raise SamplingParamsError(f"top_k: {self.top_k} exceeds the vocabulary (allowed: -1 or 1..{vocab_size})")
         out_of_vocab = [t for t in self.stop_token_ids if t >= vocab_size]
         if out_of_vocab:
             raise SamplingParamsError(
@@ -116,14 +138,32 @@ class SamplingParams:
 def _normalise_stop(stop: object) -> tuple[str, ...]:
     items = (stop,) if isinstance(stop, str) else stop
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
-        raise SamplingParamsError(f"stop: must be a non-empty string or a list of non-empty strings, got {stop!r}")
+        raise SamplingParamsError(f"stop: must be a non-empty string or a list of non-empty strings, got {short_repr(stop)}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise SamplingParamsError(f"stop: must be at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+    longest = max((len(s) for s in items), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise SamplingParamsError(
+            f"stop: must be strings of at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}"
+        )
     return tuple(items)
 
 
 def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-        raise SamplingParamsError(f"stop_token_ids: must be a list of integers >= 0, got {ids!r}")
+        raise SamplingParamsError(f"stop_token_ids: must be a list of integers >= 0, got {short_repr(ids)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise SamplingParamsError(f"stop_token_ids: must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
     return tuple(ids)
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: refusals quote what they refuse,
+    not megabytes of it."""
+    if _is_int(value) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 class FinishReason(enum.StrEnum):

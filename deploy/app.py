@@ -6,8 +6,20 @@ Serve YAML's ``args:``), :func:`make_engine` (the one place a replica's engine i
 :class:`LLMServer` (the deployment whose every replica owns one engine, driven by an
 ``AsyncEngine``), :class:`OpenAIIngress` (the FastAPI deployment: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``, and the gRPC
-``Generate`` of ``deploy.grpc_service``), :func:`build_app`, the ``import_path`` of
-``deploy/configs/*.yaml``, and :func:`run_app`, ``serve.run`` with a deadline.
+``Generate`` of ``deploy.grpc_service`` on its own listener), :func:`build_app`, the
+``import_path`` of ``deploy/configs/*.yaml``, and :func:`run_app`, ``serve.run`` with a
+deadline.
+
+What the ingress accepts (:class:`IngressOptions`): with an API key, every ``/v1``
+route and the gRPC call need it (``Authorization: Bearer KEY``, compared in constant
+time; 401 otherwise), ``/health`` and ``/metrics`` too unless they are public (the
+default); a POST body must be ``application/json`` (415 otherwise: a ``text/plain``
+body is what a cross-site form may send without asking) and at most
+``limits.max_body_bytes`` (413, refused before it is read whole), then it is parsed
+within ``limits`` (``deploy.openai_api.parse_body``). Every answer other than 200 has
+the OpenAI error shape (unknown routes and methods included); a failure that is not
+the request's is a generic 500 naming Serve's request id (``X-Request-ID``), the
+details logged under it.
 
 Overload is Serve's: each deployment has ``max_ongoing_requests`` and
 ``max_queued_requests``; a full LLM server queue answers 429 with ``Retry-After``, a
@@ -44,19 +56,21 @@ from pathlib import Path
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Mapping
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.schema import ApplicationStatus
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 
 from cluster.engine import EngineFrontend, engine_options
-from cluster.request import RequestOutput, SamplingParams
+from cluster.request import MAX_N, RequestOutput, SamplingParams
 from deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
-from deploy.chat_protocol import encode_chat
-from deploy.grpc_service import GenerateServicer
+from deploy.chat_protocol import PromptEncoder, render_pieces
+from deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
 from deploy.metrics import METRICS_CONTENT_TYPE, ServingMetrics
 from deploy.openai_api import (
     REFUSALS,
@@ -65,18 +79,24 @@ from deploy.openai_api import (
     ChatStreamWriter,
     CompletionRequest,
     OpenAIError,
+    RequestLimits,
     bad_request,
+    bearer_matches,
     chat_completion_response,
     chunk,
     completion_choice,
     completion_logprobs,
     completion_response,
     error_for,
+    internal_error,
     model_not_found,
     now,
     parse_body,
+    payload_too_large,
     replica_lost,
     sse,
+    unauthorized,
+    unsupported_media_type,
     usage,
 )
 
@@ -100,6 +120,9 @@ DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
 DEFAULT_HEALTH_CHECK_TIMEOUT_S = 30.0
 # Serve's default for a replica's ray_actor_options.
 SERVE_REPLICA_NUM_CPUS = 1
+# Routes an API key may leave open (probes and scrapers rarely carry one).
+OPEN_ROUTES = ("/health", "/metrics")
+LOOPBACK_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -117,6 +140,11 @@ class AppArgs:
     ``actors.group.GroupOptions`` fields (a rank's CPUs and GPUs, deadlines, the step
     transport). ``health_check_period_s`` / ``health_check_timeout_s``: Serve's health
     check of an LLM server replica, which fails once its engine cannot serve.
+
+    ``api_key``: when set, required on every route but ``public_routes`` (a subset of
+    :data:`OPEN_ROUTES`, all of them by default) and on the gRPC call. ``limits``:
+    ``RequestLimits`` fields. ``grpc_port``: where the ingress serves
+    ``dsv41.GenerateService`` (None: no gRPC), on ``grpc_host`` (loopback by default).
     """
 
     model: str | None = None
@@ -137,6 +165,11 @@ class AppArgs:
     group: Mapping[str, Any] = field(default_factory=dict)
     health_check_period_s: float = DEFAULT_HEALTH_CHECK_PERIOD_S
     health_check_timeout_s: float = DEFAULT_HEALTH_CHECK_TIMEOUT_S
+    api_key: str | None = field(default=None, repr=False)
+    public_routes: tuple[str, ...] = OPEN_ROUTES
+    limits: Mapping[str, Any] = field(default_factory=dict)
+    grpc_host: str = LOOPBACK_HOST
+    grpc_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -189,6 +222,18 @@ class AppArgs:
                     f"ray_actor_options: {dict(self.ray_actor_options)!r} reserves nothing (allowed with backend "
                     "'ray': some CPU, GPU or resource, the first bundle of the replica's placement group)"
                 )
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key: (allowed: a non-empty string, or null for none)")
+        if not isinstance(self.public_routes, (list, tuple)) or not set(self.public_routes) <= set(OPEN_ROUTES):
+            raise ValueError(f"public_routes: {self.public_routes!r} (allowed: a list of {', '.join(OPEN_ROUTES)})")
+        object.__setattr__(self, "public_routes", tuple(self.public_routes))
+        if not isinstance(self.limits, Mapping):
+            raise ValueError(f"limits: {self.limits!r} (allowed: a mapping of RequestLimits fields)")
+        RequestLimits.from_dict(self.limits)
+        if not isinstance(self.grpc_host, str) or not self.grpc_host:
+            raise ValueError(f"grpc_host: {self.grpc_host!r} (allowed: an address to listen on)")
+        if self.grpc_port is not None and not (isinstance(self.grpc_port, int) and 0 <= self.grpc_port <= 65535):
+            raise ValueError(f"grpc_port: {self.grpc_port!r} (allowed: a port 0..65535, 0 for any free one, or null)")
         # Refuse bad engine options here, before Serve starts a replica that would die on them.
         engine_options(self.engine_options())
 
@@ -227,6 +272,29 @@ class AppArgs:
         from deploy.cli import default_model_dir
 
         return Path(self.model) if self.model is not None else default_model_dir()
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits.from_dict(self.limits)
+
+    def ingress_options(self) -> "IngressOptions":
+        return IngressOptions(
+            api_key=self.api_key,
+            public_routes=self.public_routes,
+            limits=self.request_limits(),
+            grpc_host=self.grpc_host,
+            grpc_port=self.grpc_port,
+        )
+
+
+@dataclass(frozen=True)
+class IngressOptions:
+    """What the ingress accepts and where it listens for gRPC (AppArgs' fields)."""
+
+    api_key: str | None = field(default=None, repr=False)
+    public_routes: tuple[str, ...] = OPEN_ROUTES
+    limits: RequestLimits = RequestLimits()
+    grpc_host: str = LOOPBACK_HOST
+    grpc_port: int | None = None
 
 
 def _is_count(value: object) -> bool:
@@ -330,7 +398,9 @@ def _sample_index(output: RequestOutput) -> int:
 class LLMServer:
     """One engine per replica; the ingress calls it through a DeploymentHandle. Every
     method answers a refused request with an :class:`OpenAIError` value (not raised:
-    the ingress turns it into the HTTP answer)."""
+    the ingress turns it into the HTTP answer); the endpoints take the ingress's
+    ``request_id`` (Serve's), under which a refusal that hides its reason from the
+    client (a dead engine) is logged."""
 
     def __init__(self, args: AppArgs) -> None:
         self.args = args
@@ -339,6 +409,8 @@ class LLMServer:
         # An engine group (backend ray) has processes of its own to watch and release.
         self._group: "EngineGroup | None" = engine if args.backend == "ray" else None
         self.tokenizer = engine.tokenizer
+        self.prompts = PromptEncoder(engine.tokenizer)
+        self.limits = args.request_limits()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.config.vocab_size
         self.metrics = ServingMetrics(self.model_name)
@@ -383,7 +455,7 @@ class LLMServer:
     def metrics_text(self) -> bytes:
         return self.metrics.render()
 
-    async def completions(self, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
+    async def completions(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any] | OpenAIError:
         try:
             request, prompts, params = self._completion_request(body)
             finals: dict[int, RequestOutput] = {}
@@ -391,7 +463,7 @@ class LLMServer:
                 if output.finished:
                     finals[index] = output
         except REFUSALS as exc:
-            return error_for(exc)
+            return error_for(exc, request_id)
         choices = []
         for index in sorted(finals):
             output = finals[index]
@@ -406,14 +478,14 @@ class LLMServer:
             _response_id("cmpl"), self.model_name, now(), choices, usage(sum(map(len, prompts)), generated)
         )
 
-    async def completions_stream(self, body: dict[str, Any]) -> AsyncIterator[str | OpenAIError]:
+    async def completions_stream(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[str | OpenAIError]:
         """SSE events; the first item is an OpenAIError instead when refused."""
         try:
             request, prompts, params = self._completion_request(body)
             outputs = self._run(prompts, params)
             first = await anext(outputs)
         except REFUSALS as exc:
-            yield error_for(exc)
+            yield error_for(exc, request_id)
             return
         response_id, created = _response_id("cmpl"), now()
         sent_text: dict[int, int] = {}
@@ -436,7 +508,7 @@ class LLMServer:
                 yield chunk("text_completion", response_id, self.model_name, created, [choice])
         except REFUSALS as exc:
             # The status line is already sent: the error ends the stream as an event.
-            yield sse(error_for(exc).body())
+            yield sse(error_for(exc, request_id).body())
             yield SSE_DONE
             return
         if request.include_usage:
@@ -444,7 +516,9 @@ class LLMServer:
             yield chunk("text_completion", response_id, self.model_name, created, [], counts)
         yield SSE_DONE
 
-    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any] | OpenAIError]:
+    async def generate_stream(
+        self, body: dict[str, Any], request_id: str | None = None
+    ) -> AsyncIterator[dict[str, Any] | OpenAIError]:
         """The token deltas of one prompt (a completions body with one prompt, ``n`` 1, no
         logprobs), for the gRPC ingress and ``deploy.client``: ``{"token_ids", "text",
         "finish_reason", "usage"}`` per step, the last with ``finish_reason`` and
@@ -460,7 +534,7 @@ class LLMServer:
             outputs = self._run(prompts, params)
             first = await anext(outputs)
         except REFUSALS as exc:
-            yield error_for(exc)
+            yield error_for(exc, request_id)
             return
         sent_text = sent_tokens = 0
         try:
@@ -476,9 +550,9 @@ class LLMServer:
                     "usage": usage(len(prompts[0]), sent_tokens) if output.finished else None,
                 }
         except REFUSALS as exc:
-            yield error_for(exc)
+            yield error_for(exc, request_id)
 
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any] | OpenAIError:
+    async def chat(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any] | OpenAIError:
         try:
             request, prompt, params = self._chat_request(body)
             finals: dict[int, RequestOutput] = {}
@@ -486,19 +560,19 @@ class LLMServer:
                 if output.finished:
                     finals[index] = output
         except REFUSALS as exc:
-            return error_for(exc)
+            return error_for(exc, request_id)
         return chat_completion_response(
             request, _response_id("chatcmpl"), self.model_name, now(), finals, len(prompt), self.tokenizer
         )
 
-    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[str | OpenAIError]:
+    async def chat_stream(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[str | OpenAIError]:
         """SSE events; the first item is an OpenAIError instead when refused."""
         try:
             request, prompt, params = self._chat_request(body)
             outputs = self._run([prompt], params)
             first = await anext(outputs)
         except REFUSALS as exc:
-            yield error_for(exc)
+            yield error_for(exc, request_id)
             return
         writer = ChatStreamWriter(request, _response_id("chatcmpl"), self.model_name, now(), self.tokenizer)
         for event in writer.opening():
@@ -509,7 +583,7 @@ class LLMServer:
                     yield event
         except REFUSALS as exc:
             # The status line is already sent: the error ends the stream as an event.
-            yield sse(error_for(exc).body())
+            yield sse(error_for(exc, request_id).body())
             yield SSE_DONE
             return
         for event in writer.closing(len(prompt)):
@@ -526,37 +600,44 @@ class LLMServer:
         self._check_model(body)
         request = CompletionRequest.from_json(body)
         params = request.params()
-        prompts = [p if isinstance(p, tuple) else tuple(self.tokenizer.encode(p).ids) for p in request.prompts]
+        sequences = len(request.prompts) * params.n
+        # (n alone past the bound is SamplingParams', naming n.)
+        if sequences > MAX_N:
+            raise bad_request(
+                "prompt",
+                f"prompt: {len(request.prompts)} prompts x n={params.n} = {sequences} choices "
+                f"(allowed: at most {MAX_N} per request)",
+            )
+        # A text prompt that cannot fit is refused before it is tokenized.
+        room = self.max_model_len - 1
+        prompts = [p if isinstance(p, tuple) else tuple(self.prompts.encode_text(p, max_tokens=room)) for p in request.prompts]
         for prompt in prompts:
             self._check_prompt(prompt, params)
         return request, prompts, params
 
     def _chat_request(self, body: dict[str, Any]) -> tuple[ChatCompletionRequest, tuple[int, ...], SamplingParams]:
         self._check_model(body)
-        request = ChatCompletionRequest.from_json(body)
-        prompt = tuple(
-            encode_chat(
-                self.tokenizer,
-                request.messages,
-                tools=request.tools,
-                tool_choice=request.tool_choice,
-                thinking=request.thinking,
-                reasoning_effort=request.reasoning_effort,
-                response_format=request.response_format,
-            )
+        request = ChatCompletionRequest.from_json(body, self.limits)
+        pieces = render_pieces(
+            request.messages,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            thinking=request.thinking,
+            reasoning_effort=request.reasoning_effort,
+            response_format=request.response_format,
         )
+        prompt = tuple(self.prompts.encode_pieces(pieces, max_tokens=self.max_model_len - 1))
         params = request.params(len(prompt), self.max_model_len)
         self._check_prompt(prompt, params)
         return request, prompt, params
 
     def _check_prompt(self, prompt: tuple[int, ...], params: SamplingParams) -> None:
-        """What the engine would refuse, refused before anything streams."""
-        if not prompt:
-            raise OpenAIError(400, "prompt: encodes to no tokens (allowed: at least one token)", param="prompt")
+        """What the engine would refuse, refused before anything streams (the cheap
+        checks first: a prompt is at most a body's worth of ids)."""
+        params.validate_for(self.vocab_size, self.max_model_len, len(prompt))
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise OpenAIError(400, f"prompt: token ids {bad[:8]} outside the vocabulary 0..{self.vocab_size - 1}", param="prompt")
-        params.validate_for(self.vocab_size, self.max_model_len, len(prompt))
 
     def _run(
         self, prompts: list[tuple[int, ...]], params: SamplingParams
@@ -594,6 +675,8 @@ api = FastAPI(title="dsv41", description="DeepSeek-V4.1 on a paged runtime: Open
 
 def _error_response(error: OpenAIError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+    if error.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -603,17 +686,73 @@ def _overloaded() -> OpenAIError:
     )
 
 
-async def _forward(first: str, events: Any) -> AsyncIterator[str]:
+def _request_id(request: Request) -> str:
+    """Serve's id of the request (its proxy sets ``x-request-id`` and answers it as
+    ``X-Request-ID``), under which its logs and ours file the request."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+# Registered before the ingress class copies the app (serve.ingress freezes it).
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Unknown routes, wrong methods: the OpenAI error shape, not FastAPI's."""
+    error = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=None)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+@api.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """Anything a route did not answer: logged with its traceback, answered generically
+    (a call Serve cancelled because its client went away is no failure: nobody reads
+    the answer)."""
+    request_id = _request_id(request)
+    if isinstance(exc, TaskCancelledError):
+        logger.debug("request %s: cancelled (the client went away)", request_id)
+    else:
+        logger.error("request %s failed", request_id, exc_info=exc)
+    return _error_response(internal_error(request_id))
+
+
+def _is_json(content_type: str | None) -> bool:
+    """``application/json``, with no charset or UTF-8's."""
+    if content_type is None:
+        return False
+    media_type, *parameters = (part.strip().lower() for part in content_type.split(";"))
+    charsets = [value.strip('"') for name, _, value in (p.partition("=") for p in parameters) if name.strip() == "charset"]
+    return media_type == "application/json" and all(charset in ("utf-8", "utf8") for charset in charsets)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 once it passes ``limit`` bytes: by its declared
+    length before any byte is read, else while it streams in."""
+    declared = request.headers.get("content-length")  # the HTTP server refused a malformed one
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise payload_too_large(limit)
+    chunks, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise payload_too_large(limit)
+        chunks.append(piece)
+    return b"".join(chunks)
+
+
+async def _forward(first: str, events: Any, request_id: str) -> AsyncIterator[str]:
     """The LLM server's events; a client that goes away cancels the call, which
-    aborts the request and frees its cache. A replica that dies mid-stream ends it
-    with an error event and ``[DONE]``."""
+    aborts the request and frees its cache. A failure past the status line ends the
+    stream with an error event and ``[DONE]``: a replica that died mid-stream with
+    ``replica_lost``, anything else with a generic error (the details go to the log)."""
     try:
         yield first
         async for event in events:
             yield event
     except RayActorError:
-        logger.exception("the LLM server replica of a stream died")
-        yield sse(replica_lost().body())
+        logger.exception("request %s: the LLM server replica of a stream died", request_id)
+        yield sse(replica_lost(request_id).body())
+        yield SSE_DONE
+    except Exception:  # noqa: BLE001 - the client gets the generic error, the log the details
+        logger.exception("request %s failed while streaming", request_id)
+        yield sse(internal_error(request_id).body())
         yield SSE_DONE
     finally:
         events.cancel()
@@ -621,15 +760,34 @@ async def _forward(first: str, events: Any) -> AsyncIterator[str]:
 
 @serve.deployment
 @serve.ingress(api)
-class OpenAIIngress(GenerateServicer):
-    """The OpenAI-compatible HTTP surface and, through :class:`GenerateServicer`, the gRPC
-    ``Generate`` call (Serve routes both protocols to an application's one ingress);
-    every request is answered by an LLMServer replica through ``llm`` (streams through
-    ``.options(stream=True)``)."""
+class OpenAIIngress:
+    """The OpenAI-compatible HTTP surface and, when ``options.grpc_port`` is set, the
+    gRPC ``Generate`` call on a listener of its own (``deploy.grpc_service``); every
+    request is answered by an LLMServer replica through ``llm`` (streams through
+    ``.options(stream=True)``). What it accepts: the module docstring."""
 
-    def __init__(self, llm: DeploymentHandle, model_name: str) -> None:
+    async def __init__(self, llm: DeploymentHandle, model_name: str, options: IngressOptions) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.options = options
+        self._grpc: grpc.aio.Server | None = None
+        self._grpc_address: str | None = None
+        if options.grpc_port is not None:
+            servicer = GenerateServicer(llm, options.api_key)
+            self._grpc, port = await start_generate_server(
+                servicer, options.grpc_host, options.grpc_port, options.limits.max_body_bytes
+            )
+            self._grpc_address = f"{options.grpc_host}:{port}"
+
+    async def __del__(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=STOP_GRACE_S)
+        # Serve's ASGI wrapper (next in the deployment class's bases) ends the app's lifespan.
+        await super().__del__()
+
+    def grpc_address(self) -> str | None:
+        """``host:port`` the gRPC listener bound (None: no gRPC)."""
+        return self._grpc_address
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -640,42 +798,59 @@ class OpenAIIngress(GenerateServicer):
         return await self._answer(request, "chat", "chat_stream")
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _error_response(unauthorized())
         card = {"id": self.model_name, "object": "model", "created": now(), "owned_by": "dsv41"}
-        return {"object": "list", "data": [card]}
+        return JSONResponse({"object": "list", "data": [card]})
 
     @api.get("/health")
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
         """200 while the LLM server replica that answers can serve (its health check
         passes); 503 in the OpenAI error shape otherwise."""
+        if not self._authorized(request):
+            return _error_response(unauthorized())
         try:
             error = await self.llm.health.remote()
         except RayActorError:
-            error = replica_lost()
+            error = replica_lost(_request_id(request))
         return Response(status_code=200) if error is None else _error_response(error)
 
     @api.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _error_response(unauthorized())
         return Response(content=await self.llm.metrics_text.remote(), media_type=METRICS_CONTENT_TYPE)
 
+    def _authorized(self, request: Request) -> bool:
+        key = self.options.api_key
+        if key is None or request.url.path in self.options.public_routes:
+            return True
+        return bearer_matches(request.headers.get("authorization"), key)
+
     async def _answer(self, request: Request, method: str, stream_method: str) -> Response:
+        request_id = _request_id(request)
         try:
-            body = parse_body(await request.body())
-        except OpenAIError as error:
-            return _error_response(error)
-        try:
+            if not self._authorized(request):
+                raise unauthorized()
+            if not _is_json(request.headers.get("content-type")):
+                raise unsupported_media_type(request.headers.get("content-type"))
+            limits = self.options.limits
+            body = parse_body(await _read_body(request, limits.max_body_bytes), limits)
             if body.get("stream") is True:
-                events = getattr(self.llm.options(stream=True), stream_method).remote(body)
+                events = getattr(self.llm.options(stream=True), stream_method).remote(body, request_id)
                 first = await anext(events)
                 if isinstance(first, OpenAIError):
                     return _error_response(first)
-                return StreamingResponse(_forward(first, events), media_type="text/event-stream")
-            result = await getattr(self.llm, method).remote(body)
+                return StreamingResponse(_forward(first, events, request_id), media_type="text/event-stream")
+            result = await getattr(self.llm, method).remote(body, request_id)
+        except OpenAIError as error:
+            return _error_response(error)
         except BackPressureError:
             return _error_response(_overloaded())
         except RayActorError:
-            logger.exception("the LLM server replica of a request died")
-            return _error_response(replica_lost())
+            logger.exception("request %s: the LLM server replica of a request died", request_id)
+            return _error_response(replica_lost(request_id))
         return _error_response(result) if isinstance(result, OpenAIError) else JSONResponse(result)
 
 
@@ -702,7 +877,7 @@ def build_app(args: Mapping[str, Any] | AppArgs) -> serve.Application:
         max_ongoing_requests=parsed.ingress_max_ongoing_requests,
         max_queued_requests=parsed.ingress_max_queued_requests,
         ray_actor_options={"num_cpus": INGRESS_NUM_CPUS, **parsed.ingress_ray_actor_options},
-    ).bind(llm, parsed.model_name)
+    ).bind(llm, parsed.model_name, parsed.ingress_options())
 
 
 # Serve's own wait for an application polls its controller at this pace.

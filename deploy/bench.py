@@ -539,7 +539,7 @@ def run_in_process(engine: "Engine", workload: Workload, progress: Progress | No
     held it back), as a server's queue would count it."""
     from cluster.request import SamplingParams
 
-    prompt_ids = [_engine_prompt(engine, workload.endpoint, p) for p in workload.prompts()]
+    prompt_ids = _engine_prompts(engine, workload.endpoint, workload.prompts())
     offsets = workload.arrival_offsets()
     params = SamplingParams(
         max_tokens=workload.output_len, temperature=float(workload.temperature), ignore_eos=workload.ignore_eos
@@ -595,18 +595,22 @@ def run_in_process(engine: "Engine", workload: Workload, progress: Progress | No
     return BenchReport.build("in-process", target, workload, records, duration)
 
 
-def _engine_prompt(engine: "Engine", endpoint: Endpoint, prompt: BenchPrompt) -> list[int]:
-    """The token ids the server would run for ``prompt``: ids as given; text through the
-    chat template (chat) or the tokenizer alone (completions)."""
-    if isinstance(prompt.prompt, tuple):
-        return list(prompt.prompt)
-    if endpoint == "chat":
-        from deploy.chat_protocol import encode_chat
+def _engine_prompts(engine: "Engine", endpoint: Endpoint, prompts: Sequence[BenchPrompt]) -> list[list[int]]:
+    """The token ids the server would run for each prompt: ids as given; text through
+    the chat template (chat) or the tokenizer alone (completions), as the server's
+    ``deploy.chat_protocol.PromptEncoder`` encodes them."""
+    from deploy.chat_protocol import PromptEncoder, render_pieces
 
-        return encode_chat(engine.tokenizer, [{"role": "user", "content": prompt.prompt}])
-    # (?) Completions text is encoded with the tokenizer's own post-processing, as
-    # `dsv41 generate --prompt` does.
-    return engine.tokenizer.encode(prompt.prompt).ids
+    encoder = PromptEncoder(engine.tokenizer)
+    ids = []
+    for prompt in prompts:
+        if isinstance(prompt.prompt, tuple):
+            ids.append(list(prompt.prompt))
+        elif endpoint == "chat":
+            ids.append(encoder.encode_pieces(render_pieces([{"role": "user", "content": prompt.prompt}])))
+        else:
+            ids.append(encoder.encode_text(prompt.prompt))
+    return ids
 
 
 class _EngineRequest:

@@ -5,12 +5,20 @@ Owns the protocol's strings (the special-token markers, the DSML call block's ex
 bytes, the tools, response-format and reasoning-effort texts), the validation of
 OpenAI-style messages, tools and options (:class:`ChatRequestError`, which names the
 offending field: the HTTP layer answers it with a 400), :func:`render_chat`,
-:func:`encode_chat` and :func:`format_call_block`, the one writer of DSML that the
-output parser (``deploy/chat_parser.py``) inverts.
+:func:`format_call_block` (the one writer of DSML, which the output parser,
+``deploy/chat_parser.py``, inverts) and :class:`PromptEncoder`, where prompts become
+token ids.
+
+Only the renderer places special tokens. A prompt is built as a sequence of pieces:
+:class:`Special` (a marker the renderer writes, one special-token id) or text; all text
+that comes from a request (any message's content, reasoning, tool results, tool names,
+descriptions, schemas, call arguments) is a text piece, tokenized with no special-token
+matching, so a marker string inside it becomes ordinary tokens, never the marker's id.
+``render_chat`` joins the pieces into the prompt's text.
 
 Must not import: ``ray``, ``torch``, ``model``, ``cache``, ``cluster``, ``actors``, or
-any other ``deploy`` module. The tokenizer is passed in; special-token ids are looked
-up in it, never written here.
+any other ``deploy`` module but ``deploy.safe_json``. The tokenizer is passed in;
+special-token ids are looked up in it, never written here.
 
 Choices where PROTOCOL.md is unsure, marked (?) where they are made, each in one place:
 - :data:`REASONING_EFFORT_PRESETS`, :data:`DEFAULT_REASONING_EFFORT`: the model's README.
@@ -28,7 +36,9 @@ import json
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+from deploy import safe_json
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -43,9 +53,30 @@ ASSISTANT = "<｜Assistant｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
-# Every special token a rendered prompt can contain; encode_chat checks that the
+# Every special token a rendered prompt can contain; PromptEncoder checks that the
 # tokenizer carries each as an added token, so it becomes one id, never pieces.
 PROMPT_MARKERS = (BOS, EOS, SYSTEM, USER, ASSISTANT, THINK_START, THINK_END, DSML)
+_MARKER_SPLIT = re.compile("(" + "|".join(map(re.escape, PROMPT_MARKERS)) + ")")
+
+
+@dataclass(frozen=True)
+class Special:
+    """A piece of a prompt that is one special token: a marker the renderer places."""
+
+    marker: str
+
+
+# A prompt piece: a special token, or text (tokenized as text, whatever it holds).
+Piece = Special | str
+
+
+def _protocol(text: str) -> tuple[Piece, ...]:
+    """Text this module writes (never a request's), its markers as special tokens."""
+    return tuple(Special(part) if part in PROMPT_MARKERS else part for part in _MARKER_SPLIT.split(text) if part)
+
+
+def _join(pieces: Iterable[Piece]) -> str:
+    return "".join(piece.marker if isinstance(piece, Special) else piece for piece in pieces)
 
 # -- the DSML call block ------------------------------------------------------------------
 
@@ -117,6 +148,13 @@ _TOOLS_SECTION_HEAD = "\n".join(
 _TOOLS_SECTION_TAIL = (
     "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
 )
+_TOOLS_SECTION_HEAD_PIECES = _protocol(_TOOLS_SECTION_HEAD)
+_CALL_BLOCK_OPEN = _protocol(f"{CALL_BLOCK_START}\n")
+_CALLS_CLOSE = _protocol(f"\n{CALLS_END_TAG}")
+_INVOKE_OPEN = _protocol(INVOKE_TAG_START)
+_INVOKE_CLOSE = _protocol(f"\n{INVOKE_END_TAG}")
+_PARAMETER_OPEN = _protocol(PARAMETER_TAG_START)
+_PARAMETER_CLOSE = _protocol(PARAMETER_END_TAG)
 
 # (?) PROTOCOL.md: "an instruction carrying the JSON schema". The instruction carries
 # the schema object itself (response_format.json_schema.schema) as the protocol's JSON.
@@ -129,8 +167,8 @@ _TOOL_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 
 
 class ChatRequestError(ValueError):
-    """A chat request this protocol cannot render. ``field`` is the request path of the
-    offending value (``messages[3].tool_call_id``, ``tools[0].function.name``)."""
+    """A request this protocol cannot render or encode. ``field`` is the request path of
+    the offending value (``messages[3].tool_call_id``, ``tools[0].function.name``)."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -146,14 +184,16 @@ def to_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+# Nesting allowed in JSON text carried inside a string (call arguments, in a request or
+# in the model's output): such text is not covered by the body's own depth scan.
+MAX_EMBEDDED_JSON_DEPTH = 64
 
 
 def parse_json(text: str) -> Any:
-    """``json.loads`` that refuses NaN and Infinity: they are not JSON, and a client
-    could not read an arguments string that carries them."""
-    return json.loads(text, parse_constant=_refuse_constant)
+    """``deploy.safe_json.loads`` at :data:`MAX_EMBEDDED_JSON_DEPTH`: refuses (with a
+    ValueError) NaN and Infinity, which are not JSON and which a client could not read
+    back, deep nesting, huge integers and lone surrogates."""
+    return safe_json.loads(text, max_depth=MAX_EMBEDDED_JSON_DEPTH)
 
 
 # -- the call block -----------------------------------------------------------------------
@@ -163,16 +203,24 @@ def format_call_block(calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     """The DSML block of ``(name, arguments)`` calls, from its leading ``\\n\\n`` to the
     closing tag: string values raw with ``string="true"``, every other value as JSON
     with ``string="false"``, in the arguments' own order."""
-    invokes = []
-    for name, arguments in calls:
-        parameters = "\n".join(
-            f'{PARAMETER_TAG_START}{key}" string="true">{value}{PARAMETER_END_TAG}'
-            if isinstance(value, str)
-            else f'{PARAMETER_TAG_START}{key}" string="false">{to_json(value)}{PARAMETER_END_TAG}'
-            for key, value in arguments.items()
-        )
-        invokes.append(f'{INVOKE_TAG_START}{name}">\n{parameters}\n{INVOKE_END_TAG}')
-    return f"{CALL_BLOCK_START}\n" + "\n".join(invokes) + f"\n{CALLS_END_TAG}"
+    return _join(_call_block_pieces(calls))
+
+
+def _call_block_pieces(calls: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Piece]:
+    """format_call_block's pieces: the tags are the protocol's, names and values text."""
+    pieces: list[Piece] = [*_CALL_BLOCK_OPEN]
+    for i, (name, arguments) in enumerate(calls):
+        if i:
+            pieces.append("\n")
+        pieces += [*_INVOKE_OPEN, name, '">\n']
+        for j, (key, value) in enumerate(arguments.items()):
+            if j:
+                pieces.append("\n")
+            raw = isinstance(value, str)
+            text = value if raw else to_json(value)
+            pieces += [*_PARAMETER_OPEN, key, f'" string="{"true" if raw else "false"}">', text, *_PARAMETER_CLOSE]
+        pieces += [*_INVOKE_CLOSE]
+    return [*pieces, *_CALLS_CLOSE]
 
 
 # -- the conversation as turns ------------------------------------------------------------
@@ -456,25 +504,25 @@ def _read_response_format(response_format: Any) -> Mapping[str, Any] | None:
     return schema
 
 
-def _system_addendum(functions: tuple[dict[str, Any], ...], schema: Mapping[str, Any] | None) -> str:
+def _system_addendum(functions: tuple[dict[str, Any], ...], schema: Mapping[str, Any] | None) -> list[Piece]:
     """What follows the leading system message's content: the tools section, then the
     response-format instruction, each after a blank line.
 
     (?) Without a leading system message an empty one is put first to carry them (the
     released encoder's callers do that), so the addendum then starts right after
     ``<｜System｜>`` (or after the reasoning-effort line) with its blank line."""
-    addendum = ""
+    addendum: list[Piece] = []
     if functions:
-        addendum += "\n\n" + _TOOLS_SECTION_HEAD + "\n".join(map(to_json, functions)) + _TOOLS_SECTION_TAIL
+        addendum += ["\n\n", *_TOOLS_SECTION_HEAD_PIECES, "\n".join(map(to_json, functions)), _TOOLS_SECTION_TAIL]
     if schema is not None:
-        addendum += "\n\n" + RESPONSE_FORMAT_INSTRUCTION + to_json(schema)
+        addendum += ["\n\n" + RESPONSE_FORMAT_INSTRUCTION, to_json(schema)]
     return addendum
 
 
 # -- rendering ----------------------------------------------------------------------------
 
 
-def render_chat(
+def render_pieces(
     messages: list[Mapping[str, Any]],
     *,
     tools: list[Mapping[str, Any]] | None = None,
@@ -482,10 +530,11 @@ def render_chat(
     thinking: bool = False,
     reasoning_effort: str | int | None = None,
     response_format: Mapping[str, Any] | None = None,
-) -> str:
-    """The prompt for an OpenAI-style chat request, ending with the assistant header
-    after which the model generates. Raises :class:`ChatRequestError` naming the field
-    of anything it cannot render. ``reasoning_effort`` applies to thinking mode only.
+) -> list[Piece]:
+    """The prompt for an OpenAI-style chat request as pieces (the module docstring),
+    ending with the assistant header after which the model generates. Raises
+    :class:`ChatRequestError` naming the field of anything it cannot render.
+    ``reasoning_effort`` applies to thinking mode only.
 
     ``tool_choice="none"`` leaves the tools out of the prompt (the parser then returns
     any call block as text); past calls in the messages are still rendered."""
@@ -507,50 +556,124 @@ def render_chat(
     # assistant turn.
     keep_past_reasoning = thinking and bool(functions)
 
-    parts = [BOS]
+    pieces: list[Piece] = [Special(BOS)]
     if thinking:
-        parts += [SYSTEM, REASONING_EFFORT_LINE.format(budget=budget)]
+        pieces += [Special(SYSTEM), REASONING_EFFORT_LINE.format(budget=budget)]
     for t, turn in enumerate(turns):
         if isinstance(turn, _LeadingSystem):
             if not thinking:  # in thinking mode the reasoning-effort line opened the block
-                parts.append(SYSTEM)
-            parts += [turn.text, addendum]
+                pieces.append(Special(SYSTEM))
+            pieces += [turn.text, *addendum]
         elif isinstance(turn, _UserSideTurn):
-            parts += [turn.marker, turn.text]
+            pieces += [Special(turn.marker), turn.text]
             if t + 1 == len(turns):
-                parts += [ASSISTANT, THINK_START if thinking else THINK_END]
+                pieces += [Special(ASSISTANT), Special(THINK_START if thinking else THINK_END)]
             elif isinstance(turns[t + 1], _AssistantTurn):
-                parts += [ASSISTANT, THINK_START if keep_past_reasoning else THINK_END]
+                pieces += [Special(ASSISTANT), Special(THINK_START if keep_past_reasoning else THINK_END)]
         else:
             if keep_past_reasoning:
-                parts += [turn.reasoning, THINK_END]
-            parts += [turn.content, format_call_block(turn.calls) if turn.calls else "", EOS]
-    return "".join(parts)
+                pieces += [turn.reasoning, Special(THINK_END)]
+            pieces.append(turn.content)
+            if turn.calls:
+                pieces += _call_block_pieces(turn.calls)
+            pieces.append(Special(EOS))
+    return pieces
 
 
-def encode_chat(
-    tokenizer: Tokenizer,
-    messages: list[Mapping[str, Any]],
-    *,
-    tools: list[Mapping[str, Any]] | None = None,
-    tool_choice: str = "auto",
-    thinking: bool = False,
-    reasoning_effort: str | int | None = None,
-    response_format: Mapping[str, Any] | None = None,
-) -> list[int]:
-    """The token ids of :func:`render_chat`'s prompt. Every marker becomes its single
-    added-token id; a tokenizer that lacks one as an added token is refused
-    (ValueError: a server misconfiguration, not a bad request)."""
-    added = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
-    missing = [marker for marker in PROMPT_MARKERS if marker not in added]
-    if missing:
-        raise ValueError(f"tokenizer: the markers {missing} are not added tokens, so they would not be single ids")
-    prompt = render_chat(
-        messages,
-        tools=tools,
-        tool_choice=tool_choice,
-        thinking=thinking,
-        reasoning_effort=reasoning_effort,
-        response_format=response_format,
-    )
-    return tokenizer.encode(prompt, add_special_tokens=False).ids
+def render_chat(messages: list[Mapping[str, Any]], **options: Any) -> str:
+    """The prompt of :func:`render_pieces` (same arguments) as text."""
+    return _join(render_pieces(messages, **options))
+
+
+# -- encoding -----------------------------------------------------------------------------
+
+
+def text_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of ``tokenizer`` that matches no added token: text goes through its
+    normalizer, pre-tokenizer and model only, as if no special token existed.
+    (``encode(..., add_special_tokens=False)`` only leaves out the post-processor's
+    tokens: added tokens still match.) The copy marks every added token special and
+    sets ``encode_special_tokens``, with which the tokenizer skips special tokens when
+    it splits the input."""
+    spec = json.loads(tokenizer.to_str())
+    for token in spec.get("added_tokens", []):
+        token["special"] = True
+    copy = type(tokenizer).from_str(json.dumps(spec))
+    copy.encode_special_tokens = True
+    return copy
+
+
+def longest_token_bytes(tokenizer: Tokenizer) -> int | None:
+    """The most UTF-8 bytes one token of ``tokenizer`` stands for (its decoded text;
+    a byte piece decodes to U+FFFD, which only overstates it), or None when a
+    normalizer may change the text before tokenizing (then no bound holds)."""
+    if tokenizer.normalizer is not None:
+        return None
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    return max(len(tokenizer.decode([i], skip_special_tokens=False).encode()) for i in range(size))
+
+
+class PromptEncoder:
+    """Where prompts become token ids, for one tokenizer.
+
+    :meth:`encode_pieces` (a chat prompt from :func:`render_pieces`): every
+    :class:`Special` piece its one added-token id, the text between them (adjacent text
+    pieces joined, so the ids are those of the rendered text split at its markers)
+    tokenized by :func:`text_tokenizer`'s copy, which matches no special token.
+    :meth:`encode_text` (a raw completion prompt): the tokenizer as is, its
+    post-processor included, special-token strings matched as vLLM does for a text
+    prompt.
+
+    Both refuse, before tokenizing, text too long to fit ``max_tokens`` whatever it
+    holds: a tokenizer without a normalizer maps every token to at most
+    :func:`longest_token_bytes` bytes of the text, so text of more than ``max_tokens``
+    times that many bytes is longer than ``max_tokens`` tokens.
+
+    A tokenizer that lacks a marker as an added token, or whose model turns a marker's
+    text into the marker's id, is refused (ValueError: a server misconfiguration)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        added = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+        missing = [marker for marker in PROMPT_MARKERS if marker not in added]
+        if missing:
+            raise ValueError(f"tokenizer: the markers {missing} are not added tokens, so they would not be single ids")
+        self._tokenizer = tokenizer
+        self._text = text_tokenizer(tokenizer)
+        self._marker_ids = {marker: added[marker] for marker in PROMPT_MARKERS}
+        special_ids = set(added.values())
+        leaking = [text for text in added if special_ids & set(self._text.encode(text, add_special_tokens=False).ids)]
+        if leaking:
+            raise ValueError(f"tokenizer: the text of {leaking} tokenizes to special-token ids even as plain text")
+        self.longest_token_bytes = longest_token_bytes(tokenizer)
+
+    def encode_pieces(self, pieces: Sequence[Piece], *, max_tokens: int | None = None, field: str = "messages") -> list[int]:
+        texts = [piece for piece in pieces if not isinstance(piece, Special)]
+        self._check_fits(sum(len(text.encode()) for text in texts), len(pieces) - len(texts), max_tokens, field)
+        ids: list[int] = []
+        pending: list[str] = []
+        for piece in pieces:
+            if isinstance(piece, Special):
+                if pending:
+                    ids += self._text.encode("".join(pending), add_special_tokens=False).ids
+                    pending = []
+                ids.append(self._marker_ids[piece.marker])
+            else:
+                pending.append(piece)
+        if pending:
+            ids += self._text.encode("".join(pending), add_special_tokens=False).ids
+        return ids
+
+    def encode_text(self, text: str, *, max_tokens: int | None = None, field: str = "prompt") -> list[int]:
+        self._check_fits(len(text.encode()), 0, max_tokens, field)
+        return self._tokenizer.encode(text).ids
+
+    def _check_fits(self, text_bytes: int, specials: int, max_tokens: int | None, field: str) -> None:
+        if max_tokens is None or self.longest_token_bytes is None:
+            return
+        fewest = specials + -(-text_bytes // self.longest_token_bytes)
+        if fewest > max_tokens:
+            raise ChatRequestError(
+                field,
+                f"{text_bytes} bytes of text are at least {fewest} tokens (allowed: at most {max_tokens}, "
+                "the context left for the prompt)",
+            )

@@ -19,11 +19,16 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:
     from cluster.validate import ReplicaFactory, ReplicaShape
+    from deploy.app import AppArgs
 
 SERVE_APP_NAME = "dsv41"
 # Seconds `dsv41 serve` waits for every replica to run: loading a large checkpoint takes
 # minutes, and a cluster without the resources a replica asks for never places it.
 DEFAULT_START_TIMEOUT_S = 600.0
+# What `dsv41 serve` listens on unless --host (or the config) says otherwise.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT = 8000, 9000
+API_KEY_ENV = "DSV41_API_KEY"
 
 
 def _ray_runtime_env() -> dict[str, dict[str, str]]:
@@ -280,33 +285,60 @@ def cmd_bench(args: argparse.Namespace) -> None:
     run_bench_command(args)
 
 
+def _serve_settings(args: argparse.Namespace) -> tuple[str, int, str, dict[str, object]]:
+    """HTTP host, HTTP port, route prefix and the application's args of `dsv41 serve`:
+    the flags, else the config's values (the HTTP host only where the config sets it:
+    Serve's own default is every interface), else the defaults, which listen on
+    loopback only. The API key: --api-key, else $DSV41_API_KEY, else the config's."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    host, port, route_prefix, app_args = None, DEFAULT_HTTP_PORT, "/", {}
+    if args.config:
+        config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
+        if len(config.applications) != 1:
+            raise SystemExit(f"--config: {args.config} declares {len(config.applications)} applications (allowed: 1)")
+        if config.grpc_options.grpc_servicer_functions:
+            raise SystemExit(
+                f"--config: {args.config} sets grpc_options.grpc_servicer_functions: Serve's gRPC proxy listens on "
+                "every interface; the application serves gRPC itself (allowed: the application's grpc_port arg)"
+            )
+        application = config.applications[0]
+        if "host" in config.http_options.model_fields_set:
+            host = config.http_options.host
+        port = config.http_options.port
+        route_prefix, app_args = application.route_prefix or "/", dict(application.args or {})
+    host = args.host or host or DEFAULT_HOST
+    port = args.port if args.port is not None else port
+    app_args["grpc_port"] = args.grpc_port if args.grpc_port is not None else app_args.get("grpc_port", DEFAULT_GRPC_PORT)
+    if args.host or "grpc_host" not in app_args:
+        app_args["grpc_host"] = host
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or app_args.get("api_key")
+    if api_key:
+        app_args["api_key"] = api_key
+    if args.max_body_bytes is not None:
+        app_args["limits"] = {**app_args.get("limits", {}), "max_body_bytes": args.max_body_bytes}
+    if args.auth_all_routes:
+        app_args["public_routes"] = []
+    # Made here, once, rather than by replicas racing to write the same directory.
+    app_args["model"] = args.model or app_args.get("model") or str(default_model_dir())
+    return host, port, route_prefix, app_args
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import signal
     import time
 
     import ray
-    import yaml
     from ray import serve
-    from ray.serve.schema import ServeDeploySchema
-
-    from ray.serve.config import gRPCOptions
 
     from deploy.app import AppArgs, AppStartFailed, AppStartTimeout, build_app, run_app
-    from deploy.grpc_service import GRPC_SERVICER_FUNCTIONS
 
-    host, port, grpc_port, route_prefix, app_args = "127.0.0.1", 8000, 9000, "/", {}
-    if args.config:
-        config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
-        if len(config.applications) != 1:
-            raise SystemExit(f"--config: {args.config} declares {len(config.applications)} applications (allowed: 1)")
-        application = config.applications[0]
-        host, port, grpc_port = config.http_options.host, config.http_options.port, config.grpc_options.port
-        route_prefix, app_args = application.route_prefix or "/", dict(application.args or {})
-    port = args.port if args.port is not None else port
-    grpc_port = args.grpc_port if args.grpc_port is not None else grpc_port
-    # Made here, once, rather than by replicas racing to write the same directory.
-    app_args["model"] = args.model or app_args.get("model") or str(default_model_dir())
-    parsed = AppArgs.from_dict(app_args)
+    host, port, route_prefix, app_args = _serve_settings(args)
+    try:
+        parsed = AppArgs.from_dict(app_args)
+    except ValueError as exc:
+        raise SystemExit(f"dsv41 serve: {exc}") from exc
 
     # Replicas import the project from this checkout, whatever else is installed.
     ray.init(include_dashboard=False, runtime_env=_ray_runtime_env())
@@ -330,28 +362,41 @@ def cmd_serve(args: argparse.Namespace) -> None:
         waiting = f"up to {args.start_timeout:g} s for its replicas to run"
         print(f"starting {parsed.model_name}: {waiting} ...", file=sys.stderr, flush=True)
         try:
-            serve.start(
-                http_options={"host": host, "port": port},
-                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
-            )
-            run_app(build_app(parsed), name=SERVE_APP_NAME, route_prefix=route_prefix, timeout_s=args.start_timeout)
+            serve.start(http_options={"host": host, "port": port})
+            handle = run_app(build_app(parsed), name=SERVE_APP_NAME, route_prefix=route_prefix, timeout_s=args.start_timeout)
+            grpc_address = handle.grpc_address.remote().result(timeout_s=args.start_timeout)
         except (AppStartTimeout, AppStartFailed) as exc:
             raise SystemExit(f"dsv41 serve: {exc}") from exc
         except KeyboardInterrupt:
             raise SystemExit(f"dsv41 serve: {signal.Signals(received[0]).name} before the application was running") from None
         starting = False
-        base = f"http://{host}:{port}{route_prefix.rstrip('/')}/v1"
-        print(f"serving {parsed.model_name} at {base} (Ctrl-C to stop); try:", flush=True)
-        body = json.dumps({"model": parsed.model_name, "prompt": "hello", "max_tokens": 8})
-        print(f"  curl {base}/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
-        print(f"gRPC (dsv41.GenerateService/Generate) on {host}:{grpc_port}; try:", flush=True)
-        print(f"  python -m deploy.examples.grpc_client --address {host}:{grpc_port} --prompt hello", flush=True)
+        _print_serving(parsed, host, port, route_prefix, grpc_address)
         while not received:
             time.sleep(0.2)
         print("shutting down ...", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _print_serving(parsed: "AppArgs", host: str, port: int, route_prefix: str, grpc_address: str | None) -> None:
+    """What `dsv41 serve` listens on, read back from the sockets the machine holds."""
+    from deploy.procfs import listening_addresses
+
+    base = f"http://{host}:{port}{route_prefix.rstrip('/')}/v1"
+    bound = ", ".join(listening_addresses(port)) or "no socket found"
+    print(f"serving {parsed.model_name} at {base} (Ctrl-C to stop); HTTP listening on {bound}", flush=True)
+    auth = " -H 'Authorization: Bearer $DSV41_API_KEY'" if parsed.api_key else ""
+    body = json.dumps({"model": parsed.model_name, "prompt": "hello", "max_tokens": 8})
+    print(f"  try: curl {base}/completions{auth} -H 'Content-Type: application/json' -d '{body}'", flush=True)
+    if grpc_address is not None:
+        grpc_port = int(grpc_address.rpartition(":")[2])
+        grpc_bound = ", ".join(listening_addresses(grpc_port)) or "no socket found"
+        print(f"gRPC (dsv41.GenerateService/Generate) listening on {grpc_bound}; try:", flush=True)
+        print(f"  python -m deploy.examples.grpc_client --address {grpc_address} --prompt hello", flush=True)
+    if parsed.api_key:
+        public = ", ".join(parsed.public_routes) or "none"
+        print(f"an API key is required (Authorization: Bearer KEY) on every route but: {public}", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -441,8 +486,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve until Ctrl-C or SIGTERM")
     p.add_argument("--model", help="checkpoint directory (default: the config's, else the embedded tiny model)")
-    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, else 8000)")
-    p.add_argument("--grpc-port", type=int, default=None, help="gRPC port of dsv41.GenerateService (default: the config's, else 9000)")
+    p.add_argument(
+        "--host",
+        default=None,
+        help=f"address the HTTP and gRPC listeners bind (default: the config's, else {DEFAULT_HOST}, this machine only; "
+        "0.0.0.0 for every interface)",
+    )
+    p.add_argument("--port", type=int, default=None, help=f"HTTP port (default: the config's, else {DEFAULT_HTTP_PORT})")
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help=f"gRPC port of dsv41.GenerateService (default: the config's grpc_port arg, else {DEFAULT_GRPC_PORT})",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes and as gRPC metadata (default: ${API_KEY_ENV}, "
+        "else the config's api_key arg, else none)",
+    )
+    p.add_argument(
+        "--auth-all-routes",
+        action="store_true",
+        help="with an API key, require it on /health and /metrics too (default: they stay open for probes)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="refuse larger request bodies with 413 (default: the config's limits, else 8 MiB)",
+    )
     p.add_argument("--config", help="Serve YAML with one application of deploy.app:build_app")
     p.add_argument(
         "--start-timeout",

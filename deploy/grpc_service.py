@@ -1,18 +1,20 @@
-"""The gRPC ingress: ``dsv41.GenerateService/Generate`` served through Ray Serve's gRPC proxy.
+"""The gRPC ingress: ``dsv41.GenerateService/Generate`` on a listener the ingress owns.
 
-Owns :class:`GenerateServicer` (the ``Generate`` method Serve's gRPC proxy calls by
-name on the application's ingress), :func:`request_body` (a ``GenerateRequest`` as the
-completions body the LLM servers validate), :func:`response_for` (a token delta as a
-``GenerateResponse``), :func:`grpc_code` (the one mapping of an ``OpenAIError``'s HTTP
-status onto a gRPC status code) and :data:`GRPC_SERVICER_FUNCTIONS` (what
-``gRPCOptions(grpc_servicer_functions=...)`` must register in the proxy).
+Owns :class:`GenerateServicer` (the ``Generate`` method, served by a ``grpc.aio``
+server), :func:`start_generate_server` (that server, bound to the address it is given),
+:func:`request_body` (a ``GenerateRequest`` as the completions body the LLM servers
+validate), :func:`response_for` (a token delta as a ``GenerateResponse``) and
+:func:`grpc_code` (the one mapping of an ``OpenAIError``'s HTTP status onto a gRPC
+status code).
 
-Serve sends every HTTP and gRPC call of an application to its single ingress
-deployment, so the servicer is a base class of ``deploy.app.OpenAIIngress`` rather than
-a deployment of its own: both protocols then share one set of LLM servers (one engine
-per replica). The request is validated by ``LLMServer.generate_stream``, the same code
-that validates ``/v1/completions``, so both protocols refuse the same requests with the
-same messages.
+Why not Ray Serve's gRPC proxy: it listens on every interface (``[::]:port``, with no
+option for the host), so a server meant for this machine only would be reachable from
+the network. The ingress replica (``deploy.app.OpenAIIngress``) starts this server on
+``grpc_host:grpc_port`` instead; both protocols still share one set of LLM servers (one
+engine per replica), and the request is validated by ``LLMServer.generate_stream``, the
+same code that validates ``/v1/completions``, so both refuse the same requests with the
+same messages. With an API key, a call must carry ``authorization: Bearer KEY``
+metadata (UNAUTHENTICATED otherwise).
 
 Must not import: ``torch``, ``model``, ``cache``, ``cluster``, ``actors``, ``fastapi``,
 or ``deploy.app`` (which imports this module).
@@ -20,36 +22,34 @@ or ``deploy.app`` (which imports this module).
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Mapping, NoReturn
+import logging
+import uuid
+from typing import Any, AsyncIterator, Mapping
 
 import grpc
+from google.protobuf.message import DecodeError
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
-from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from deploy.openai_api import OpenAIError, bad_request, replica_lost
-from deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, Usage
+from deploy.openai_api import OpenAIError, bad_request, bearer_matches, internal_error, replica_lost, unauthorized
+from deploy.proto.generate_pb2 import DESCRIPTOR, GenerateRequest, GenerateResponse, Usage
 
-GRPC_SERVICER_FUNCTIONS = ("deploy.proto.generate_pb2_grpc.add_GenerateServiceServicer_to_server",)
+logger = logging.getLogger(__name__)
 
 # The HTTP statuses the LLM servers answer with, as gRPC codes (the usual HTTP <-> gRPC
 # correspondence, as in grpc-gateway).
 _GRPC_CODES: Mapping[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,
 }
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-
-
-class GenerateRefused(Exception):
-    """Ends a ``Generate`` call whose status code is already set on the gRPC context.
-
-    Serve's proxy copies a context's code to the caller only with a streamed message
-    or with an exception raised after the code was set, so a refusal is raised."""
+# Seconds in-flight calls get to finish when the ingress stops.
+STOP_GRACE_S = 5.0
 
 
 def grpc_code(error: OpenAIError) -> grpc.StatusCode:
@@ -86,40 +86,84 @@ def response_for(delta: Mapping[str, Any]) -> GenerateResponse:
 
 
 class GenerateServicer:
-    """``dsv41.GenerateService``'s methods for an ingress holding ``llm``, a handle to
-    the LLM server deployment. A refused request ends the call with the status code of
-    :func:`grpc_code` and the refusal's message as the details."""
+    """``dsv41.GenerateService``'s method for ``llm``, a handle to the LLM server
+    deployment. A refused request ends the call with the status code of
+    :func:`grpc_code` and the refusal's message as the details; with ``api_key``, a
+    call without ``authorization: Bearer <api_key>`` is refused UNAUTHENTICATED."""
 
-    llm: DeploymentHandle
+    def __init__(self, llm: DeploymentHandle, api_key: str | None) -> None:
+        self.llm = llm
+        self.api_key = api_key
 
-    async def Generate(  # noqa: N802 - Serve calls the method named like the RPC
-        self, request: GenerateRequest, grpc_context: RayServegRPCContext
+    async def Generate(  # noqa: N802 - gRPC calls the method named like the RPC
+        self, request: GenerateRequest | DecodeError, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[GenerateResponse]:
+        request_id = uuid.uuid4().hex
+        if self.api_key is not None:
+            metadata = dict(context.invocation_metadata() or ())
+            if not bearer_matches(metadata.get("authorization"), self.api_key):
+                await _refuse(context, unauthorized())
+        if isinstance(request, DecodeError):
+            await _refuse(context, bad_request(None, f"the request is not a GenerateRequest: {request}"))
         try:
             body = request_body(request)
         except OpenAIError as error:
-            _refuse(grpc_context, error)
-        deltas = self.llm.options(stream=True).generate_stream.remote(body)
+            await _refuse(context, error)
+        deltas = self.llm.options(stream=True).generate_stream.remote(body, request_id)
         try:
             async for delta in deltas:
                 if isinstance(delta, OpenAIError):
-                    _refuse(grpc_context, delta)
+                    await _refuse(context, delta)
                 yield response_for(delta)
-        except BackPressureError as exc:
-            _end(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"every LLM server queue is full; retry later ({exc})")
+        except BackPressureError:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "every LLM server queue is full; retry later")
+        except grpc.aio.AbortError:
+            raise
         except RayActorError:
-            _refuse(grpc_context, replica_lost())
+            logger.exception("gRPC request %s: the LLM server replica died", request_id)
+            await _refuse(context, replica_lost(request_id))
+        except Exception:  # noqa: BLE001 - the caller gets the generic error, the log the details
+            logger.exception("gRPC request %s failed", request_id)
+            await _refuse(context, internal_error(request_id))
         finally:
             # A caller that goes away cancels this call; the LLM server then aborts the
             # request and frees its cache.
             deltas.cancel()
 
 
-def _refuse(grpc_context: RayServegRPCContext, error: OpenAIError) -> NoReturn:
-    _end(grpc_context, grpc_code(error), error.message)
+async def _refuse(context: grpc.aio.ServicerContext, error: OpenAIError) -> None:
+    """Ends the call (``abort`` raises) with the refusal's code and message."""
+    await context.abort(grpc_code(error), error.message)
 
 
-def _end(grpc_context: RayServegRPCContext, code: grpc.StatusCode, details: str) -> NoReturn:
-    grpc_context.set_code(code)
-    grpc_context.set_details(details)
-    raise GenerateRefused(details)
+def _read_request(data: bytes) -> GenerateRequest | DecodeError:
+    """A request off the wire, or why it is not one (invalid UTF-8 in a string, say):
+    handed to ``Generate``, which answers INVALID_ARGUMENT; a deserializer that raised
+    would end the call INTERNAL, a server error for a client's bytes."""
+    try:
+        return GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return exc
+
+
+async def start_generate_server(
+    servicer: GenerateServicer, host: str, port: int, max_message_bytes: int
+) -> tuple[grpc.aio.Server, int]:
+    """A started ``grpc.aio`` server of ``servicer`` on ``host:port`` (port 0: any free
+    one) that takes messages of at most ``max_message_bytes``; returns it and the port
+    it bound. Several ingress replicas of one node share the port (gRPC sets
+    SO_REUSEPORT), the kernel spreading connections over them. The method is registered
+    here rather than by the generated ``add_GenerateServiceServicer_to_server``, for
+    :func:`_read_request`."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
+    generate = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=_read_request, response_serializer=GenerateResponse.SerializeToString
+    )
+    service = DESCRIPTOR.services_by_name["GenerateService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {"Generate": generate}),))
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if not bound:
+        raise RuntimeError(f"grpc_port: could not listen on {address}")
+    await server.start()
+    return server, bound

@@ -10,6 +10,14 @@ and the writers of completion and chat responses, stream chunks, usage and logpr
 (reasoning, content, ``tool_calls``, finish reason) from the engine's outputs, read by
 ``deploy.chat_parser``. Nothing here runs a request.
 
+Also owns :class:`RequestLimits` (what one request may hold before anything reads it:
+body bytes, JSON nesting, messages, tools, schema nesting) and :func:`parse_body`, the
+request body read through ``deploy.safe_json`` within them.
+
+Errors never carry internal text to a client: a dead engine is answered with a generic
+503 and an internal failure with a generic 500, each naming the request id the server's
+log files the details under.
+
 Must not import: ``ray``, ``fastapi``, ``torch``, ``model``, ``cache``, ``actors``,
 ``deploy.app``. From ``cluster`` only ``cluster.request`` and ``cluster.engine``'s error
 type; from ``deploy.async_engine`` only its error types.
@@ -25,13 +33,17 @@ Choices where the docs are unsure, each made in one place (marked (?) where made
 
 from __future__ import annotations
 
+import hmac
 import json
+import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from cluster.engine import EngineError
-from cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError
+from cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError, short_repr
+from deploy import safe_json
 from deploy.async_engine import EngineDeadError, RequestFailedError
 from deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, parse_assistant_output
 from deploy.chat_protocol import ChatRequestError
@@ -39,8 +51,12 @@ from deploy.chat_protocol import ChatRequestError
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 SSE_DONE = "data: [DONE]\n\n"
+# An error message quotes what it refuses; past this many characters it is cut.
+MAX_ERROR_MESSAGE_CHARS = 1024
 
 # Fields the OpenAI API defines that this server does not implement: accepted only at
 # the value that means "off", so a request never silently gets less than it asked for.
@@ -100,6 +116,8 @@ class OpenAIError(Exception):
         error_type: str = "invalid_request_error",
         code: str | None = None,
     ) -> None:
+        if len(message) > MAX_ERROR_MESSAGE_CHARS:
+            message = message[: MAX_ERROR_MESSAGE_CHARS - 3] + "..."
         super().__init__(message)
         self.status = status
         self.message = message
@@ -126,27 +144,83 @@ def bad_request(param: str | None, message: str) -> OpenAIError:
 def model_not_found(model: str, served: str) -> OpenAIError:
     return OpenAIError(
         404,
-        f"model: {model!r} does not exist (served: {served!r})",
+        f"model: {short_repr(model)} does not exist (served: {served!r})",
         param="model",
         code="model_not_found",
     )
 
 
-def engine_unavailable(reason: str) -> OpenAIError:
-    return OpenAIError(503, f"the engine is unavailable: {reason}", error_type="server_error", code="engine_dead")
+def _named(request_id: str | None) -> str:
+    return "" if request_id is None else f" (request id {request_id})"
 
 
-def request_failed(reason: str) -> OpenAIError:
+def engine_unavailable(request_id: str | None) -> OpenAIError:
+    """A 503 for a dead engine: another replica, or this one's replacement, can take
+    the retry. Why it died is in the server's log, not here."""
+    return OpenAIError(
+        503, f"the engine is unavailable; retry later{_named(request_id)}", error_type="server_error", code="engine_dead"
+    )
+
+
+def internal_error(request_id: str | None) -> OpenAIError:
+    """A 500 for a failure that is not the request's: what failed is in the server's log."""
+    return OpenAIError(
+        500,
+        f"internal error; the server's log has the details{_named(request_id)}",
+        error_type="server_error",
+        code="internal_error",
+    )
+
+
+def unauthorized() -> OpenAIError:
+    return OpenAIError(
+        401,
+        "missing or wrong API key (allowed: an Authorization: Bearer header with the server's key)",
+        code="invalid_api_key",
+    )
+
+
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """Whether an ``Authorization`` value (HTTP header or gRPC metadata) is
+    ``Bearer <key>``, compared in constant time (the scheme is case-insensitive, as
+    HTTP's are)."""
+    if authorization is None:
+        return False
+    scheme, _, token = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def payload_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        413, f"the request body is larger than {limit} bytes (allowed: at most {limit})", code="request_too_large"
+    )
+
+
+def unsupported_media_type(content_type: str | None) -> OpenAIError:
+    return OpenAIError(
+        415,
+        f"Content-Type: {short_repr(content_type)} (allowed: application/json, UTF-8)",
+        code="unsupported_media_type",
+    )
+
+
+def request_failed(reason: str, request_id: str | None) -> OpenAIError:
     """A request the engine ended in error: a 500, as vLLM answers a finish reason of
-    ``error`` (which is not one of OpenAI's)."""
-    return OpenAIError(500, f"Internal server error: {reason}", error_type="server_error", code="request_failed")
+    ``error`` (which is not one of OpenAI's). ``reason`` is the engine's own fixed
+    message (``deploy.async_engine.REQUEST_FAILED_MESSAGE``), never an exception's."""
+    return OpenAIError(
+        500, f"Internal server error: {reason}{_named(request_id)}", error_type="server_error", code="request_failed"
+    )
 
 
-def replica_lost() -> OpenAIError:
+def replica_lost(request_id: str | None) -> OpenAIError:
     """The answer when the LLM server replica serving a call died (what a handle call
     then raises: RayActorError); Serve replaces it, so a retry can succeed."""
     return OpenAIError(
-        503, "the LLM server replica serving this request stopped; retry", error_type="server_error", code="replica_lost"
+        503,
+        f"the LLM server replica serving this request stopped; retry{_named(request_id)}",
+        error_type="server_error",
+        code="replica_lost",
     )
 
 
@@ -163,18 +237,21 @@ REFUSALS: tuple[type[Exception], ...] = (
 )
 
 
-def error_for(exc: Exception) -> OpenAIError:
+def error_for(exc: Exception, request_id: str | None = None) -> OpenAIError:
     """The answer to one of :data:`REFUSALS`: an OpenAIError is its own; a dead engine
-    is a 503 ``engine_dead`` (the HTTP layer adds ``Retry-After``: another replica, or
-    this one's replacement, can take the retry); a failed request a 500
-    ``request_failed``; anything the protocol, the sampling
-    parameters or the engine refused is a 400 naming the field its message starts with."""
+    is a generic 503 ``engine_dead`` (the HTTP layer adds ``Retry-After``: another
+    replica, or this one's replacement, can take the retry) and a failed request a 500
+    ``request_failed``, each naming ``request_id``, the reason logged under it; anything
+    the protocol, the sampling parameters or the engine refused is a 400 naming the
+    field its message starts with."""
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineDeadError):
-        return engine_unavailable(str(exc))
+        logger.error("request %s: the engine is unavailable: %s", request_id, exc)
+        return engine_unavailable(request_id)
     if isinstance(exc, RequestFailedError):
-        return request_failed(str(exc))
+        logger.error("request %s failed in the engine: %s", request_id, exc)
+        return request_failed(str(exc), request_id)
     if isinstance(exc, ChatRequestError):
         return bad_request(exc.field, str(exc))
     if isinstance(exc, (SamplingParamsError, EngineError)):
@@ -189,11 +266,56 @@ def error_for(exc: Exception) -> OpenAIError:
 # -- reading a request ------------------------------------------------------------------
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body (400 for anything else)."""
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may hold, checked before it is parsed or queued (every bound
+    that depends on the engine, such as the context, is the LLM server's).
+
+    ``max_body_bytes``: a larger body is answered 413 before it is read whole.
+    ``max_json_depth``: nesting of arrays and objects in the body (checked by a scan
+    before the parser runs). ``max_messages``, ``max_tools``: list lengths of a chat
+    request (128 tools is OpenAI's own limit). ``max_schema_depth``: nesting of a tool's
+    ``parameters`` and of a ``response_format`` schema (the prompt carries them)."""
+
+    max_body_bytes: int = 8 << 20
+    max_json_depth: int = 64
+    max_messages: int = 1024
+    max_tools: int = 128
+    max_schema_depth: int = 32
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"limits.{name}: {value!r} (allowed: an integer >= 1)")
+        if self.max_schema_depth >= self.max_json_depth:
+            raise ValueError(
+                f"limits.max_schema_depth: {self.max_schema_depth} (allowed: below max_json_depth, "
+                f"{self.max_json_depth}: a schema nests inside the body)"
+            )
+
+    @classmethod
+    def from_dict(cls, limits: Mapping[str, Any]) -> "RequestLimits":
+        unknown = sorted(set(limits) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"limits: unknown {unknown} (allowed: {sorted(cls.__dataclass_fields__)})")
+        return cls(**limits)
+
+
+def parse_body(raw: bytes, limits: RequestLimits) -> dict[str, Any]:
+    """The JSON object of a request body: UTF-8 (RFC 8259's only encoding for JSON on
+    the wire) read by ``deploy.safe_json`` within ``limits``; 413 past
+    ``max_body_bytes``, 400 for anything else that is not a JSON object."""
+    if len(raw) > limits.max_body_bytes:
+        raise payload_too_large(limits.max_body_bytes)
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = safe_json.loads(raw.decode("utf-8"), max_depth=limits.max_json_depth)
+    except UnicodeDecodeError as exc:
+        raise bad_request(None, f"the request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    except safe_json.JSONLimitError as exc:
+        field = None if exc.path is None else re.split(r"[.\[ ]", exc.path, maxsplit=1)[0]
+        raise bad_request(field, f"the request body: {exc}") from None
+    except ValueError as exc:
         raise bad_request(None, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(None, f"the request body must be a JSON object, got {type(body).__name__}")
@@ -206,7 +328,7 @@ def _check_fields(body: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
         raise bad_request(unknown[0], f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(allowed))})")
     for name, off in _OFF_VALUES.items():
         if name in body and body[name] not in off:
-            raise bad_request(name, f"{name}: {body[name]!r} is not supported (allowed: {off[-1]!r} or absent)")
+            raise bad_request(name, f"{name}: {short_repr(body[name])} is not supported (allowed: {off[-1]!r} or absent)")
 
 
 def _optional(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
@@ -216,14 +338,14 @@ def _optional(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], defau
     # bool is an int in Python, not in JSON.
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         allowed = " or ".join(k.__name__ for k in kinds)
-        raise bad_request(name, f"{name}: {value!r} (allowed: {allowed})")
+        raise bad_request(name, f"{name}: {short_repr(value)} (allowed: {allowed})")
     return value
 
 
 def _model(body: Mapping[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad_request("model", f"model: {model!r} (allowed: a served model name)")
+        raise bad_request("model", f"model: {short_repr(model)} (allowed: a served model name)")
     return model
 
 
@@ -236,7 +358,7 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
         raise bad_request("stream_options", f"stream_options.{unknown[0]}: unknown (allowed: include_usage)")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
-        raise bad_request("stream_options", f"stream_options.include_usage: {include!r} (allowed: true, false)")
+        raise bad_request("stream_options", f"stream_options.include_usage: {short_repr(include)} (allowed: true, false)")
     return include
 
 
@@ -280,7 +402,7 @@ def _read_sampling(body: Mapping[str, Any], max_tokens_field: str, logprobs: int
     stop_token_ids = body.get("stop_token_ids") or ()
     if not isinstance(stop_strings, (list, tuple)) or not isinstance(stop_token_ids, (list, tuple)):
         name = "stop" if not isinstance(stop_strings, (list, tuple)) else "stop_token_ids"
-        raise bad_request(name, f"{name}: {body.get(name)!r} (allowed: a list)")
+        raise bad_request(name, f"{name}: {short_repr(body.get(name))} (allowed: a list)")
     numbers = (int, float)
     sampling = _Sampling(
         max_tokens=body.get(max_tokens_field),
@@ -296,7 +418,7 @@ def _read_sampling(body: Mapping[str, Any], max_tokens_field: str, logprobs: int
     )
     max_tokens = sampling.max_tokens
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise bad_request(max_tokens_field, f"{max_tokens_field}: {max_tokens!r} (allowed: an integer >= 1)")
+        raise bad_request(max_tokens_field, f"{max_tokens_field}: {short_repr(max_tokens)} (allowed: an integer >= 1)")
     # Every other range check is SamplingParams' own, run now so nothing is tokenized
     # for a request that cannot run.
     sampling.params(DEFAULT_COMPLETION_MAX_TOKENS)
@@ -363,10 +485,32 @@ class CompletionRequest:
         return self.sampling.params(DEFAULT_COMPLETION_MAX_TOKENS)
 
 
+def _check_chat_sizes(body: Mapping[str, Any], limits: RequestLimits) -> None:
+    """The bounds on what a chat prompt is built from, checked before it is read."""
+    for name, limit in (("messages", limits.max_messages), ("tools", limits.max_tools)):
+        items = body.get(name)
+        if isinstance(items, list) and len(items) > limit:
+            raise bad_request(name, f"{name}: {len(items)} entries (allowed: at most {limit})")
+    schemas: list[tuple[str, Any]] = []
+    tools = body.get("tools")
+    for k, tool in enumerate(tools if isinstance(tools, list) else ()):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and "parameters" in function:
+            schemas.append((f"tools[{k}].function.parameters", function["parameters"]))
+    response_format = body.get("response_format")
+    json_schema = response_format.get("json_schema") if isinstance(response_format, Mapping) else None
+    if isinstance(json_schema, Mapping) and "schema" in json_schema:
+        schemas.append(("response_format.json_schema.schema", json_schema["schema"]))
+    for field, schema in schemas:
+        depth = safe_json.value_depth(schema)
+        if depth > limits.max_schema_depth:
+            raise bad_request(field, f"{field}: nested {depth} levels deep (allowed: at most {limits.max_schema_depth})")
+
+
 @dataclass(frozen=True)
 class ChatCompletionRequest:
     """A ``/v1/chat/completions`` body: the conversation and its protocol options
-    (rendered by ``deploy.chat_protocol.encode_chat``) and the sampling fields."""
+    (rendered by ``deploy.chat_protocol.render_pieces``) and the sampling fields."""
 
     model: str
     messages: list[Any]
@@ -380,8 +524,11 @@ class ChatCompletionRequest:
     include_usage: bool
 
     @classmethod
-    def from_json(cls, body: Mapping[str, Any]) -> "ChatCompletionRequest":
+    def from_json(cls, body: Mapping[str, Any], limits: RequestLimits = RequestLimits()) -> "ChatCompletionRequest":
+        """The request read from ``body``; 400 naming the field for anything it cannot
+        run, the list lengths and schema nesting of ``limits`` included."""
         _check_fields(body, CHAT_FIELDS)
+        _check_chat_sizes(body, limits)
         stream = _optional(body, "stream", (bool,), False)
         if "max_tokens" in body and "max_completion_tokens" in body:
             raise bad_request("max_tokens", "max_tokens: give max_tokens or max_completion_tokens, not both")
@@ -404,7 +551,9 @@ class ChatCompletionRequest:
         # it is refused by the protocol (effort without thinking).
         thinking = kwargs.get("thinking", reasoning_effort is not None)
         if not isinstance(thinking, bool):
-            raise bad_request("chat_template_kwargs", f"chat_template_kwargs.thinking: {thinking!r} (allowed: true, false)")
+            raise bad_request(
+                "chat_template_kwargs", f"chat_template_kwargs.thinking: {short_repr(thinking)} (allowed: true, false)"
+            )
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise bad_request("messages", "messages: required, a non-empty list of messages")

@@ -2,13 +2,14 @@
 
 Owns nothing others import except :func:`generate` (one call, its text printed as it
 streams). Needs only grpc and the generated ``deploy.proto`` modules; must not import
-ray or the rest of the project. Start a server whose Serve instance has a gRPC port
-(``serve.start(grpc_options=gRPCOptions(port=9000, grpc_servicer_functions=
-list(deploy.grpc_service.GRPC_SERVICER_FUNCTIONS)))`` then ``serve.run(build_app(...))``),
-and from the repository root run::
+ray or the rest of the project. Start a server with a gRPC port (``dsv41 serve`` has
+one, 9000 by default; from Python, ``build_app({..., "grpc_port": 9000})``), and from
+the repository root run::
 
     python -m deploy.examples.grpc_client --address 127.0.0.1:9000 --prompt "hello" \\
         --max-tokens 32 --temperature 0
+
+With a server that has an API key, pass ``--api-key KEY`` (or set ``DSV41_API_KEY``).
 
 The text goes to stdout as it streams; the finish reason and token counts go to
 stderr. A refused request exits with status 2 and the server's status and message.
@@ -17,6 +18,7 @@ stderr. A refused request exits with status 2 and the server's status and messag
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence, TextIO
 
@@ -27,11 +29,11 @@ from deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
 
 def generate(
-    address: str, request: GenerateRequest, out: TextIO, *, application: str | None = None, timeout_s: float = 300.0
+    address: str, request: GenerateRequest, out: TextIO, *, api_key: str | None = None, timeout_s: float = 300.0
 ) -> GenerateResponse:
     """Streams ``request``'s text to ``out``; returns the last response (finish reason
-    and usage). ``application`` names the Serve application when several run."""
-    metadata = (("application", application),) if application is not None else ()
+    and usage). ``api_key`` goes as ``authorization: Bearer`` metadata."""
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key is not None else ()
     with grpc.insecure_channel(address) as channel:
         last = GenerateResponse()
         for response in GenerateServiceStub(channel).Generate(request, metadata=metadata, timeout=timeout_s):
@@ -56,8 +58,8 @@ def _request(args: argparse.Namespace) -> GenerateRequest:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", default="127.0.0.1:9000", help="host:port of Serve's gRPC proxy")
-    parser.add_argument("--application", default=None, help="the Serve application (when several run)")
+    parser.add_argument("--address", default="127.0.0.1:9000", help="host:port of the server's gRPC listener")
+    parser.add_argument("--api-key", default=os.environ.get("DSV41_API_KEY"), help="the server's API key (default: $DSV41_API_KEY)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--ids", help="prompt token ids, comma-separated")
@@ -71,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ignore-eos", action="store_true")
     args = parser.parse_args(argv)
     try:
-        last = generate(args.address, _request(args), sys.stdout, application=args.application)
+        last = generate(args.address, _request(args), sys.stdout, api_key=args.api_key)
     except grpc.RpcError as error:
         print(f"\n{error.code().name}: {error.details()}", file=sys.stderr)
         return 2

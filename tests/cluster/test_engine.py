@@ -1,14 +1,16 @@
-"""The engine's public interface: validation, sampling options, outputs."""
+"""The engine's public interface: validation, sampling options, outputs, and the
+defaults a CPU replica gets (context limit, prefill chunking)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from cluster.engine import Engine, EngineError
-from cluster.request import SamplingParams, SamplingParamsError
+from cluster.engine import CPU_DEFAULT_MAX_MODEL_LEN, Engine, EngineError, EngineOptions
+from cluster.request import MAX_INT64, MAX_N, SamplingParams, SamplingParamsError
 from model.reference import ReferenceModel
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -47,6 +49,50 @@ def test_bad_requests_raise_and_queue_nothing(engine: Engine) -> None:
         engine.add_request("dup", [5, 6], GREEDY)
     assert engine.abort("dup")
     assert _idle(engine) == before == (False, 0, 0, 0)
+
+
+def test_work_sized_by_a_request_is_refused_before_anything_is_built(engine: Engine) -> None:
+    """n = 10**6 cannot reach add_request (SamplingParams refuses n beyond MAX_N at
+    once, before a sample id exists), top_k beyond the vocabulary is refused by
+    add_request with nothing queued, and top_k beyond int64 by SamplingParams itself,
+    before it could reach a tensor."""
+    before = _idle(engine)
+    start = time.perf_counter()
+    with pytest.raises(SamplingParamsError, match=rf"^n: must be an integer in 1\.\.{MAX_N}, got 1000000"):
+        SamplingParams(max_tokens=1, n=10**6)
+    assert time.perf_counter() - start < 0.1
+    with pytest.raises(SamplingParamsError, match=rf"^top_k: .*1\.\.{engine.config.vocab_size}\)"):
+        engine.add_request("wide", [5, 6], SamplingParams(max_tokens=1, temperature=0.7, top_k=engine.config.vocab_size + 1))
+    with pytest.raises(SamplingParamsError, match="^top_k:"):
+        SamplingParams(max_tokens=2, temperature=0.7, top_k=MAX_INT64 + 1)
+    assert _idle(engine) == before
+
+
+def test_cpu_defaults_bound_the_context_and_chunk_long_prefills(tiny_dir: Path) -> None:
+    """Without options a CPU replica of the tiny model (1,048,576 positions) serves
+    CPU_DEFAULT_MAX_MODEL_LEN tokens, an explicit max_model_len wins, and
+    long_prefill_token_threshold defaults to half the step budget (0 keeps it off)."""
+    assert Engine.from_pretrained(tiny_dir).max_model_len == CPU_DEFAULT_MAX_MODEL_LEN
+    assert Engine.from_pretrained(tiny_dir, max_model_len=8192).max_model_len == 8192
+    assert EngineOptions(max_num_batched_tokens=512).long_prefill_token_threshold == 256
+    assert EngineOptions(long_prefill_token_threshold=0).long_prefill_token_threshold == 0
+    with pytest.raises(EngineError, match="long_prefill_token_threshold"):
+        EngineOptions(long_prefill_token_threshold=-1)
+
+
+def test_a_short_request_is_admitted_next_to_a_long_prefill(engine: Engine) -> None:
+    """With the default threshold a long prefill takes at most half of a step's token
+    budget, so a short request that arrives behind it is admitted at the next step
+    and has its first token while the long one is still prefilling."""
+    budget = engine.options.max_num_batched_tokens
+    long_prompt = _prompt(engine, 6 * budget, 1)
+    engine.add_request("long", long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    engine.step()
+    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=1, temperature=0.0))
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["short"]
+    assert engine.request("long").num_computed_tokens == budget
+    assert engine.abort("long")
 
 
 def test_unknown_engine_options_are_refused(tiny_dir: Path) -> None:

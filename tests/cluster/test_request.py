@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.request import (
+    MAX_INT64,
     MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     FinishReason,
     Request,
     RequestOutput,
@@ -49,10 +54,21 @@ INVALID_VALUES = [
     ("logprobs", 1.0),
     ("n", 0),
     ("prompt_logprobs", MAX_LOGPROBS + 1),
+    # Beyond int64 (the sampling metadata's type) and beyond the stop check's bounds.
+    ("max_tokens", MAX_INT64 + 1),
+    ("max_tokens", 10**5000),
+    ("top_k", MAX_INT64 + 1),
+    ("n", MAX_N + 1),
+    ("n", 10**5000),
+    ("stop", ["x"] * (MAX_STOP_STRINGS + 1)),
+    ("stop", "x" * (MAX_STOP_STRING_CHARS + 1)),
+    ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
 ]
 
 
-@pytest.mark.parametrize(("field_name", "value"), INVALID_VALUES)
+@pytest.mark.parametrize(
+    ("field_name", "value"), INVALID_VALUES, ids=[f"{name}-{i}" for i, (name, _) in enumerate(INVALID_VALUES)]
+)
 def test_invalid_params_raise_naming_the_field(field_name: str, value: object) -> None:
     """Every out-of-range parameter raises SamplingParamsError whose message starts
     with the field's name and states what is allowed."""
@@ -60,6 +76,8 @@ def test_invalid_params_raise_naming_the_field(field_name: str, value: object) -
         SamplingParams(**{field_name: value})
     assert str(raised.value).startswith(f"{field_name}:")
     assert "must be" in str(raised.value)
+    # A refusal quotes what it refuses, briefly: never a megabyte, never int()'s own error.
+    assert len(str(raised.value)) < 200
 
 
 valid_params = st.builds(
@@ -121,6 +139,18 @@ def test_validate_for_enforces_the_context_limit(max_tokens: int, prompt_len: in
     else:
         with pytest.raises(SamplingParamsError, match=r"^max_tokens:.*max_tokens <= "):
             params.validate_for(vocab_size=100, max_model_len=max_model_len, prompt_len=prompt_len)
+
+
+@given(top_k=st.one_of(st.just(-1), st.integers(1, MAX_INT64)), vocab_size=st.integers(1, 1000))
+def test_validate_for_bounds_top_k_by_the_vocabulary(top_k: int, vocab_size: int) -> None:
+    """top_k is accepted exactly when off (-1) or at most the vocabulary; a refusal
+    names the field and its bound."""
+    params = SamplingParams(top_k=top_k)
+    if top_k <= vocab_size:
+        params.validate_for(vocab_size=vocab_size, max_model_len=10**6, prompt_len=1)
+    else:
+        with pytest.raises(SamplingParamsError, match=rf"^top_k: .*1\.\.{vocab_size}\)"):
+            params.validate_for(vocab_size=vocab_size, max_model_len=10**6, prompt_len=1)
 
 
 def test_validate_for_checks_stop_token_ids_and_empty_prompts() -> None:

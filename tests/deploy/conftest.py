@@ -1,6 +1,7 @@
 """Helpers shared by the serving tests, as fixtures: a free TCP port for a server to
-listen on, a metric's value read from Prometheus text or from a live ``/metrics``, and
-a live application on a local Ray cluster of its own.
+listen on, this machine's address other than loopback, a metric's value read from
+Prometheus text or from a live ``/metrics``, and a live application on a local Ray
+cluster of its own.
 
 They are fixtures rather than importable functions because ``tests/`` is not a package:
 every directory's ``conftest`` is the same module name, so ``from conftest import ...``
@@ -38,6 +39,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _non_loopback_ip() -> str | None:
+    """This machine's address on its default route (UDP connect sends no packet), if any."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
 def _metric_value(exposition: str, name: str) -> float:
     """The sum of ``name``'s samples over all label sets in Prometheus text."""
     values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", exposition, re.M)]
@@ -54,26 +66,21 @@ def _scraped_metric(base_url: str, name: str) -> float:
 @contextmanager
 def _local_serve(app_args: Mapping[str, Any], *, name: str, grpc_port: int | None = None) -> Iterator[str]:
     """``build_app(app_args)`` running as ``name`` at ``/`` on a fresh local Ray of
-    SERVE_CLUSTER_CPUS CPUs, behind Serve's HTTP proxy on a free port (and its gRPC proxy
-    on ``grpc_port``); yields the HTTP base URL. Serve and Ray are shut down on exit,
+    SERVE_CLUSTER_CPUS CPUs, behind Serve's HTTP proxy on a free port (and the ingress's
+    gRPC listener on ``grpc_port``); yields the HTTP base URL. Serve and Ray are shut down on exit,
     also when the start fails."""
     import ray
     from ray import serve
-    from ray.serve.config import gRPCOptions
 
     from deploy.app import build_app, run_app
-    from deploy.grpc_service import GRPC_SERVICER_FUNCTIONS
 
     # Replica workers import the project from this checkout, like the test process.
     ray.init(num_cpus=SERVE_CLUSTER_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
         http_port = _free_port()
-        grpc_options = (
-            None
-            if grpc_port is None
-            else gRPCOptions(port=grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS))
-        )
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options)
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        if grpc_port is not None:
+            app_args = {**app_args, "grpc_port": grpc_port}
         run_app(build_app(app_args), name=name, route_prefix="/", timeout_s=APP_START_TIMEOUT_S)
         yield f"http://127.0.0.1:{http_port}"
     finally:
@@ -85,6 +92,13 @@ def _local_serve(app_args: Mapping[str, Any], *, name: str, grpc_port: int | Non
 def free_port_fixture() -> Callable[[], int]:
     """``free_port()``: a port no socket holds now."""
     return _free_port
+
+
+@pytest.fixture(name="non_loopback_ip", scope="session")
+def non_loopback_ip_fixture() -> str | None:
+    """An address of this machine a listener bound to loopback must refuse (None when
+    the machine has no other)."""
+    return _non_loopback_ip()
 
 
 @pytest.fixture(name="metric_value", scope="session")

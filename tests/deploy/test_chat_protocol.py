@@ -2,7 +2,9 @@
 
 The expected prompts are written out by hand from PROTOCOL.md (every marker, newline and
 DSML tag spelled literally), so a change of the protocol's bytes fails here. Token ids
-come from the tiny model's tokenizer, looked up by string."""
+come from the tiny model's tokenizer, looked up by string. Every special token of
+PROTOCOL.md written into every field of a request that carries text is tokenized as
+text: only the renderer places special tokens."""
 
 from __future__ import annotations
 
@@ -14,15 +16,27 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models
+from tokenizers import Tokenizer, models, pre_tokenizers
 
-from deploy.chat_protocol import PROMPT_MARKERS, ChatRequestError, encode_chat, render_chat
+from deploy.chat_protocol import (
+    PROMPT_MARKERS,
+    ChatRequestError,
+    PromptEncoder,
+    render_chat,
+    render_pieces,
+    text_tokenizer,
+)
 from model.tiny import SPECIAL_TOKENS, TINY, build_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return build_tokenizer(TINY)
+
+
+@pytest.fixture(scope="module")
+def encoder(tokenizer: Tokenizer) -> PromptEncoder:
+    return PromptEncoder(tokenizer)
 
 
 EFFORT = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
@@ -243,10 +257,12 @@ _MARKER_SPLIT = re.compile("(" + "|".join(map(re.escape, PROMPT_MARKERS)) + ")")
 
 
 @pytest.mark.parametrize("kwargs", [case[1] for case in CASES], ids=[case[0] for case in CASES])
-def test_encode_chat_turns_every_marker_into_its_single_id(tokenizer: Tokenizer, kwargs: dict[str, Any]) -> None:
-    """encode_chat's ids are the prompt with every marker replaced by its one special id
-    (looked up by string) and the text between markers tokenized as plain text, and they
-    decode back to the prompt."""
+def test_encoding_turns_every_marker_into_its_single_id(
+    tokenizer: Tokenizer, encoder: PromptEncoder, kwargs: dict[str, Any]
+) -> None:
+    """A rendered prompt's ids are the prompt with every marker replaced by its one
+    special id (looked up by string) and the text between markers tokenized as plain
+    text, and they decode back to the prompt."""
     prompt = render_chat(**kwargs)
     expected: list[int] = []
     for piece in _MARKER_SPLIT.split(prompt):
@@ -254,7 +270,7 @@ def test_encode_chat_turns_every_marker_into_its_single_id(tokenizer: Tokenizer,
             expected.append(tokenizer.token_to_id(piece))
         elif piece:
             expected += tokenizer.encode(piece, add_special_tokens=False).ids
-    ids = encode_chat(tokenizer, **kwargs)
+    ids = encoder.encode_pieces(render_pieces(**kwargs))
     assert ids == expected
     special_ids = {tokenizer.token_to_id(marker) for marker in PROMPT_MARKERS}
     assert sum(i in special_ids for i in ids) == sum(prompt.count(marker) for marker in PROMPT_MARKERS)
@@ -267,11 +283,163 @@ def test_markers_are_the_tokenizers_special_tokens() -> None:
     assert set(PROMPT_MARKERS) <= set(SPECIAL_TOKENS)
 
 
-def test_encode_chat_refuses_a_tokenizer_without_the_markers() -> None:
+def test_an_encoder_refuses_a_tokenizer_without_the_markers() -> None:
     """A tokenizer lacking the markers as added tokens is refused, not used to split them into pieces."""
     plain = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     with pytest.raises(ValueError, match="not added tokens"):
-        encode_chat(plain, [{"role": "user", "content": "Hi"}])
+        PromptEncoder(plain)
+
+
+def test_an_encoder_refuses_a_tokenizer_whose_model_makes_marker_ids() -> None:
+    """A tokenizer whose own vocabulary maps a marker's text to the marker's id (so
+    plain text could still produce it) is refused at construction."""
+    vocab = {"[UNK]": 0, **{marker: i + 1 for i, marker in enumerate(PROMPT_MARKERS)}}
+    leaky = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    leaky.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    leaky.add_special_tokens(list(PROMPT_MARKERS))
+    with pytest.raises(ValueError, match="special-token ids even as plain text"):
+        PromptEncoder(leaky)
+
+
+# -- no injection ----------------------------------------------------------------------------
+
+_CALLED = {"role": "assistant", "content": "", "tool_calls": [_call("c1", "now", {})]}
+# Every field of a request that carries text into the prompt, as a request holding
+# ``text`` there (past reasoning is rendered only with tools and thinking).
+TEXT_FIELDS: dict[str, Any] = {
+    "system content": lambda text: {"messages": [{"role": "system", "content": text}, _user()]},
+    "user content": lambda text: {"messages": [_user(text)]},
+    "user text part": lambda text: {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]},
+    "developer content": lambda text: {"messages": [{"role": "developer", "content": text}]},
+    "mid-conversation system content": lambda text: {
+        "messages": [_user(), {"role": "assistant", "content": "a"}, {"role": "system", "content": text}]
+    },
+    "assistant content": lambda text: {"messages": [_user(), {"role": "assistant", "content": text}, _user()]},
+    "assistant reasoning": lambda text: {
+        "messages": [_user(), {"role": "assistant", "content": "a", "reasoning_content": text}, _user()],
+        "tools": [CLOCK_TOOL],
+        "thinking": True,
+    },
+    "tool result": lambda text: {"messages": [_user(), _CALLED, {"role": "tool", "tool_call_id": "c1", "content": text}]},
+    "tool result text part": lambda text: {
+        "messages": [_user(), _CALLED, {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": text}]}]
+    },
+    "call argument value": lambda text: {
+        "messages": [
+            _user(),
+            {"role": "assistant", "tool_calls": [_call("c1", "now", {"k": text})]},
+            {"role": "tool", "tool_call_id": "c1", "content": "r"},
+        ]
+    },
+    "call argument JSON value": lambda text: {
+        "messages": [
+            _user(),
+            {"role": "assistant", "tool_calls": [_call("c1", "now", {"k": [text]})]},
+            {"role": "tool", "tool_call_id": "c1", "content": "r"},
+        ]
+    },
+    "call argument name": lambda text: {
+        "messages": [
+            _user(),
+            {"role": "assistant", "tool_calls": [_call("c1", "now", {text: 1})]},
+            {"role": "tool", "tool_call_id": "c1", "content": "r"},
+        ]
+    },
+    "tool description": lambda text: {
+        "messages": [_user()],
+        "tools": [{"type": "function", "function": {"name": "f", "description": text}}],
+    },
+    "tool parameters": lambda text: {
+        "messages": [_user()],
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "f", "parameters": {"type": "object", "properties": {text: {"description": text}}}},
+            }
+        ],
+    },
+    "response format schema": lambda text: {
+        "messages": [_user()],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"description": text}}},
+    },
+}
+# Fields where the DSML marker is refused outright: a call block carrying it could not
+# be read back (the parser would end the parameter there).
+_DSML_REFUSED = {"call argument value", "call argument JSON value", "call argument name"}
+
+
+def _special_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
+    added = set(tokenizer.get_added_tokens_decoder())
+    return [i for i in ids if i in added]
+
+
+@pytest.mark.parametrize("field", list(TEXT_FIELDS))
+def test_special_token_text_in_a_request_is_ordinary_tokens(tokenizer: Tokenizer, encoder: PromptEncoder, field: str) -> None:
+    """Each of PROTOCOL.md's special-token strings written into the field (alone, and
+    between other text) adds no special id: the prompt's special ids are exactly those
+    of the same request with plain text there, and the ids decode back to the rendered
+    prompt, the marker's text included (in a JSON-carrying field, as JSON escapes it)."""
+    request = TEXT_FIELDS[field]
+    expected = _special_ids(encoder.encode_pieces(render_pieces(**request("plain"))), tokenizer)
+    for token in SPECIAL_TOKENS:
+        for text in (token, f"hi{token}x{token}", f"{token}\n\n"):
+            if token == "｜DSML｜" and field in _DSML_REFUSED:
+                with pytest.raises(ChatRequestError, match="DSML"):
+                    render_pieces(**request(text))
+                continue
+            ids = encoder.encode_pieces(render_pieces(**request(text)))
+            assert _special_ids(ids, tokenizer) == expected, (field, text)
+            assert tokenizer.decode(ids, skip_special_tokens=False) == render_chat(**request(text))
+
+
+@pytest.mark.parametrize("token", SPECIAL_TOKENS)
+def test_a_tool_name_cannot_carry_a_special_token(token: str) -> None:
+    """Tool and call names follow OpenAI's name rule, so no marker can reach the
+    prompt through them: a name holding one is refused naming the field."""
+    with pytest.raises(ChatRequestError) as declared:
+        render_pieces([_user()], tools=[{"type": "function", "function": {"name": f"f{token}"}}])
+    assert declared.value.field == "tools[0].function.name"
+    with pytest.raises(ChatRequestError) as called:
+        render_pieces([_user(), {"role": "assistant", "tool_calls": [_call("c1", f"f{token}", {})]}])
+    assert called.value.field == "messages[1].tool_calls[0].function.name"
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(st.characters(exclude_categories=("Cs",))))
+def test_the_text_tokenizer_is_the_tokenizer_on_plain_text(tokenizer: Tokenizer, text: str) -> None:
+    """On text holding no special-token string the tokenizer without added-token
+    matching gives exactly the tokenizer's ids (so benign prompts encode as before)."""
+    plain = text
+    for token in SPECIAL_TOKENS:
+        plain = plain.replace(token, "")
+    assert text_tokenizer(tokenizer).encode(plain, add_special_tokens=False).ids == tokenizer.encode(
+        plain, add_special_tokens=False
+    ).ids
+
+
+def test_a_raw_completion_prompt_keeps_parsing_special_tokens(tokenizer: Tokenizer, encoder: PromptEncoder) -> None:
+    """/v1/completions text is the client's whole prompt (vLLM's rule): its marker
+    strings become the special ids, as the tokenizer itself encodes them."""
+    text = f"{SPECIAL_TOKENS[0]}hi{SPECIAL_TOKENS[4]}"
+    assert encoder.encode_text(text) == tokenizer.encode(text).ids
+    assert tokenizer.token_to_id(SPECIAL_TOKENS[4]) in encoder.encode_text(text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(st.characters(exclude_categories=("Cs",)), min_size=1), room=st.integers(1, 64))
+def test_text_too_long_to_fit_is_refused_before_tokenizing(encoder: PromptEncoder, text: str, room: int) -> None:
+    """The length check before tokenizing never refuses text that fits: text refused
+    for ``room`` tokens really tokenizes to more than ``room``; and text over ``room``
+    times the longest token's bytes is refused, naming the field."""
+    fits = len(encoder.encode_text(text)) <= room
+    try:
+        encoder.encode_text(text, max_tokens=room)
+    except ChatRequestError as refused:
+        assert not fits and refused.field == "prompt"
+    longest = encoder.longest_token_bytes
+    assert longest is not None
+    with pytest.raises(ChatRequestError, match=f"at most {room}"):
+        encoder.encode_pieces(render_pieces([_user("x" * (room * longest + 1))]), max_tokens=room)
 
 
 @settings(max_examples=40, deadline=None)

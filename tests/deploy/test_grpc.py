@@ -107,8 +107,8 @@ def test_every_server_refusal_has_a_grpc_code() -> None:
     assert grpc_code(bad_request("max_tokens", "max_tokens: -1")) == grpc.StatusCode.INVALID_ARGUMENT
     assert grpc_code(model_not_found("nope", "tiny")) == grpc.StatusCode.NOT_FOUND
     assert grpc_code(engine_unavailable("stopped")) == grpc.StatusCode.UNAVAILABLE
-    assert grpc_code(replica_lost()) == grpc.StatusCode.UNAVAILABLE
-    assert grpc_code(request_failed("a rank failed")) == grpc.StatusCode.INTERNAL
+    assert grpc_code(replica_lost("r")) == grpc.StatusCode.UNAVAILABLE
+    assert grpc_code(request_failed("a rank failed", "r")) == grpc.StatusCode.INTERNAL
     with pytest.raises(ValueError, match="status: 418"):
         grpc_code(OpenAIError(418, "teapot"))
 
@@ -199,5 +199,5 @@ def test_client_example_streams_the_http_completion(addresses: tuple[str, str], 
     assert main(["--address", grpc_address, "--prompt", "hello", "--max-tokens", "-3"]) == 2
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
     request = GenerateRequest(text="hello world", max_tokens=7, temperature=0, ignore_eos=True)
-    last = generate(grpc_address, request, io.StringIO(), application="default")
+    last = generate(grpc_address, request, io.StringIO())
     assert last.usage.completion_tokens == whole["usage"]["completion_tokens"]
