@@ -1,15 +1,14 @@
-"""Engine-group lifecycle and the client handle of a group.
+"""The ranks of one engine group and where they run.
 
-Owns ``GroupPlacement`` (which placement group a group's actors go in, and which
-bundle each takes), ``RankGroup``: the RankActors of one replica, one bundle each,
-their rendezvous (a free TCP port on the head rank's node, every rank joining the
-process group at once), the step transport of each generation
+Owns ``GroupOptions``, ``GroupPlacement`` (which placement group a group's actors go
+in, and which bundle each takes) and ``RankGroup``: the RankActors of one replica, one
+bundle each, their rendezvous (a free TCP port on the head rank's node, every rank
+joining the process group at once), the step transport of each generation
 (``GroupOptions.transport``, one of ``actors.transport``), each step gathered with a
-deadline, health pings, and restart: when any rank dies or misses
-the deadline the whole group is torn down and started again (a process group cannot
-lose a member). And ``EngineGroup``, the context-managed client: it starts a
-``SchedulerActor`` (which owns a RankGroup) and forwards the engine interface to it,
-rebuilding each step's outputs from the deltas the actor sends (``actors.output_wire``).
+deadline, health pings, and restart: when any rank dies or misses the deadline the
+whole group is torn down and started again (a process group cannot lose a member).
+The client of a group is actors/engine_group.py's ``EngineGroup``, above the
+SchedulerActor that owns a RankGroup.
 
 Lifetimes follow Ray's ownership: the client owns the SchedulerActor, which owns the
 ranks and the OffloadActor, and an actor that is not detached dies with its owner, so
@@ -18,30 +17,25 @@ placement group outlives its creator (until the creator's job ends), so the grou
 creates one it does not remove: the placement is given (a Serve replica's own,
 created and removed by Serve with the replica) or made and removed by the EngineGroup.
 
-Must not import: deploy.
+Must not import: deploy, actors.scheduler, actors.engine_group.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-import uuid
-from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import ray
 import torch
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from tokenizers import Tokenizer
 
-from actors.output_wire import OutputReceiver
-from actors.rank import RankActor
-from actors.step_wire import StepPacker, session_packers, unpack_result
-from actors.transport import (
+from dsv41.actors.rank import RankActor
+from dsv41.actors.step_wire import StepPacker, session_packers, unpack_result
+from dsv41.actors.transport import (
     TRANSPORTS,
     RankGroupDead,
     RankGroupFailure,
@@ -49,19 +43,16 @@ from actors.transport import (
     failing_as,
     open_transport,
 )
-from cluster.batch import DPMetadata, ScheduledBatch
-from cluster.distributed import GroupSpec
-from cluster.dp_engine import DPLayout
-from cluster.engine import EngineOptions, EngineStats
-from cluster.engine import engine_options as parse_engine_options
-from cluster.offload_connector import OffloadConnector
-from cluster.request import Request, RequestOutput, SamplingParams
-from cluster.runner import StepResult
-from model.source import ModelSource
+from dsv41.cluster.batch import DPMetadata, ScheduledBatch
+from dsv41.cluster.distributed import GroupSpec
+from dsv41.cluster.dp_engine import DPLayout
+from dsv41.cluster.engine import EngineOptions
+from dsv41.cluster.offload_connector import OffloadConnector
+from dsv41.cluster.runner import StepResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineGroup", "GroupOptions", "GroupPlacement", "RankGroup", "RankGroupDead", "RankGroupFailure", "TRANSPORTS"]
+__all__ = ["GroupOptions", "GroupPlacement", "RankGroup", "RankGroupDead", "RankGroupFailure", "TRANSPORTS"]
 
 
 @dataclass(frozen=True)
@@ -331,124 +322,3 @@ class RankGroup:
         """The calls' results in order, or RankGroupFailure (see ``failing_as``)."""
         with failing_as(f"group {self.name}"):
             return ray.get(refs, timeout=timeout_s)
-
-
-class EngineGroup:
-    """Client of one engine group: ``with EngineGroup(model, dp=2) as group:``
-    starts a SchedulerActor and its ranks, and stops them on exit. ``model`` is a
-    checkpoint directory or a generated slice (``model.source.ModelSource``), which
-    every rank loads (its expert shard) on its own device.
-
-    ``name`` prefixes every Ray actor name of the group (``{name}-scheduler``,
-    ``{name}-offload``, ``{name}-g{generation}-rank{i}``): groups that share a Ray
-    namespace need distinct names (the default is a fresh one). ``placement``: the
-    placement group the group runs in, which its caller made and removes (a Serve
-    replica's own); without one the group makes its own and removes it on close."""
-
-    def __init__(
-        self,
-        model: str | Path | ModelSource,
-        *,
-        dp: int = 1,
-        expert_mode: str = "ep",
-        backend: str = "gloo",
-        group_options: GroupOptions = GroupOptions(),
-        name: str | None = None,
-        placement: GroupPlacement | None = None,
-        **engine_options: object,
-    ) -> None:
-        # actors.scheduler builds on RankGroup above: imported here, not at the top.
-        from actors.scheduler import SchedulerActor
-
-        self.name = name if name is not None else f"dsv41-{uuid.uuid4().hex[:8]}"
-        self.model = str(ModelSource.parse(model))
-        self.dp = DPLayout(dp, expert_mode, backend)
-        self.options = parse_engine_options(dict(engine_options))
-        self.group_options = group_options
-        self._given_placement = placement
-        self._own_placement: PlacementGroup | None = None
-        self._actor_class = ray.remote(SchedulerActor)
-        self.actor: Any = None
-        self._outputs = OutputReceiver()
-
-    def __enter__(self) -> "EngineGroup":
-        self._outputs = OutputReceiver()
-        placement = self._given_placement
-        if placement is None:
-            placement = GroupPlacement.create(self.name, self.dp.world, self.group_options)
-            self._own_placement = placement.placement_group
-        try:
-            self.actor = self._actor_class.options(
-                name=f"{self.name}-scheduler",
-                num_cpus=0,
-                max_concurrency=4,
-                scheduling_strategy=placement.strategy(placement.actors_bundle),
-            ).remote(self.name, self.model, self.options, self.dp, self.group_options, placement)
-            ray.get(self.actor.ready.remote())
-            self.config, tokenizer_json, self.max_model_len = ray.get(self.actor.describe.remote())
-        except BaseException:
-            self.close()
-            raise
-        self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stops the group and releases what it holds; idempotent. A scheduler that
-        died took its ranks and store along (it owned them); one that does not answer
-        within the start deadline is killed."""
-        actor, self.actor = self.actor, None
-        if actor is not None:
-            try:
-                ray.get(actor.shutdown.remote(), timeout=self.group_options.start_timeout_s)
-            except ray.exceptions.RayError as exc:
-                logger.warning("group %s: the scheduler did not shut down (%s); killing it", self.name, type(exc).__name__)
-            ray.kill(actor)
-        if self._own_placement is not None:
-            remove_placement_group(self._own_placement)
-            self._own_placement = None
-
-    async def check_alive(self) -> None:
-        """Raises RankGroupDead when the group cannot serve: its scheduler is dead or
-        gives no answer within a step's deadline (it answers without waiting for a
-        step), or its ranks could not be started again."""
-        if self.actor is None:
-            raise RankGroupDead(f"group {self.name}: closed")
-        try:
-            await asyncio.wait_for(self.actor.check_health.remote(), self.group_options.step_timeout_s)
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
-            raise RankGroupDead(f"group {self.name}: the scheduler cannot serve ({type(exc).__name__})") from exc
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
-        return ray.get(self.actor.generate.remote([list(p) for p in prompts], params))
-
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        ray.get(self.actor.add_request.remote(request_id, list(prompt_token_ids), params))
-
-    def step(self) -> list[RequestOutput]:
-        return self._outputs.outputs(ray.get(self.actor.step.remote()))
-
-    def abort(self, request_id: str) -> bool:
-        self._outputs.forget(request_id)
-        return ray.get(self.actor.abort.remote(request_id))
-
-    def has_unfinished_requests(self) -> bool:
-        return ray.get(self.actor.has_unfinished_requests.remote())
-
-    def request(self, request_id: str) -> Request | None:
-        """A snapshot of an unfinished request's record (None once finished)."""
-        return ray.get(self.actor.request.remote(request_id))
-
-    def stats(self) -> EngineStats:
-        """Requests by queue and every rank's PAGE counters (EngineFrontend.stats)."""
-        return ray.get(self.actor.engine_stats.remote())
-
-    def group_stats(self) -> dict[str, Any]:
-        """The group's life: its generation, restarts and each rank's counters."""
-        return ray.get(self.actor.stats.remote())
-
-    def rank_names(self) -> list[str]:
-        """The Ray actor names of the current ranks (``ray.get_actor`` finds them)."""
-        return ray.get(self.actor.rank_names.remote())

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import ray
 import torch
 
-from cache.offload import OffloadError, OffloadKey, TieredStore
+from dsv41.cache.offload import OffloadError, OffloadKey, TieredStore
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from cluster.request import FinishReason, RequestOutput
+from dsv41.cluster.request import FinishReason, RequestOutput
 
 # One request's delta: (request_id, new token ids, new text, new logprob entries or
 # None, new prompt logprob entries or None, finish reason value or None, stop reason).

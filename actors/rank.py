@@ -18,14 +18,14 @@ import threading
 
 import torch
 
-from actors.step_wire import StepUnpacker, pack_result
-from actors.transport import connect_to_driver, serve_connection
-from cluster.batch import ScheduledBatch
-from cluster.distributed import GroupSpec, free_port, open_process_group, tcp_store
-from cluster.dp_engine import DPLayout, DPRank
-from cluster.engine import EngineOptions
-from cluster.offload_connector import OffloadConnector
-from cluster.runner import StepResult
+from dsv41.actors.step_wire import StepUnpacker, pack_result
+from dsv41.actors.transport import connect_to_driver, serve_connection
+from dsv41.cluster.batch import ScheduledBatch
+from dsv41.cluster.distributed import GroupSpec, free_port, open_process_group, tcp_store
+from dsv41.cluster.dp_engine import DPLayout, DPRank
+from dsv41.cluster.engine import EngineOptions
+from dsv41.cluster.offload_connector import OffloadConnector
+from dsv41.cluster.runner import StepResult
 
 
 class RankActor:

@@ -31,14 +31,14 @@ from typing import Any, Sequence
 
 import ray
 
-from actors.group import GroupOptions, GroupPlacement, RankGroup, RankGroupDead, RankGroupFailure
-from actors.offload import OffloadActor, RayOffloadConnector
-from actors.output_wire import OutputFrame, OutputSender
-from cluster.dp_engine import DPEngine, DPLayout
-from cluster.engine import EngineOptions, EngineStats, RankLayout
-from cluster.request import Request, RequestOutput, SamplingParams
-from model.config import V41Config
-from model.source import ModelSource
+from dsv41.actors.group import GroupOptions, GroupPlacement, RankGroup, RankGroupDead, RankGroupFailure
+from dsv41.actors.offload import OffloadActor, RayOffloadConnector
+from dsv41.actors.output_wire import OutputFrame, OutputSender
+from dsv41.cluster.dp_engine import DPEngine, DPLayout
+from dsv41.cluster.engine import EngineOptions, EngineStats, RankLayout
+from dsv41.cluster.request import Request, RequestOutput, SamplingParams
+from dsv41.model.config import V41Config
+from dsv41.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ import secrets
 from collections import OrderedDict
 from typing import Any
 
-from cluster.batch import ScheduledBatch, ScheduledSegment
-from cluster.request import SamplingParams
-from cluster.runner import SampledToken, StepResult
+from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
+from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.runner import SampledToken, StepResult
 
 SEGMENT_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduledSegment))
 _ID_AT = SEGMENT_FIELDS.index("request_id")

@@ -8,7 +8,7 @@ batch (bf16 GEMMs whose tiling follows the row count), a near-tie in a random-we
 model's logits can flip. The same count for a DP group (bench/dp_group.py) is then read
 against this one. Prints the count and writes JSON.
 
-Usage: python3 bench/batch_invariance.py --model generated:reference-slice --device cuda
+Usage: python3 -m bench.batch_invariance --model generated:reference-slice --device cuda
        [--dtype bfloat16] [--kernel-backend triton] [--requests 12] [--out FILE]
 """
 
@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from bench.dp_group import ENGINE, GREEDY, workload  # noqa: E402
-from cluster.engine import Engine  # noqa: E402
+from bench.dp_group import ENGINE, GREEDY, workload
+from dsv41.cluster.engine import Engine
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ distinct PAGEs, so eviction is exercised. A final pass looks every prompt up aga
 the warm cache (pure lookup throughput, hashing included), and one hashes the prompts
 alone. Prints a table and writes JSON (``--out``).
 
-Usage: python3 bench/cache_ops.py [--out bench/results/cache_ops.json]
+Usage: python3 -m bench.cache_ops [--out bench/results/cache_ops.json]
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cache.block_manager import BlockManager, StateTransfer, prefix_hashes  # noqa: E402
+from dsv41.cache.block_manager import BlockManager, StateTransfer, prefix_hashes
 
 
 class Timer:

@@ -14,7 +14,7 @@ value sits at an FP8 rounding boundary that difference becomes a whole FP8 step 
 stored element, and every later row that reads it differs. One chunk has the
 reference's shapes.
 
-Usage: python3 bench/chunked_parity.py [--tokens 96] [--out bench/results/chunked_parity.json]
+Usage: python3 -m bench.chunked_parity [--tokens 96] [--out bench/results/chunked_parity.json]
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from cluster.engine import Engine, EngineOptions  # noqa: E402
-from model.config import FLASH_CONFIG_DIR, V41Config  # noqa: E402
-from model.params import ModelParams  # noqa: E402
-from model.reference import ReferenceModel  # noqa: E402
-from model.reference_slice import REFERENCE_SLICE, SMALL_SLICE, SliceModel, load_slice  # noqa: E402
+from dsv41.cluster.engine import Engine, EngineOptions
+from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
+from dsv41.model.params import ModelParams
+from dsv41.model.reference import ReferenceModel
+from dsv41.model.reference_slice import REFERENCE_SLICE, SMALL_SLICE, SliceModel, load_slice
 
 CPU_WIDTHS = {"vocab_size": 4096, "moe_intermediate_size": 256}
 SMALL_HEAD_FIELDS = ("head_dim", "qk_rope_head_dim")

@@ -13,9 +13,9 @@ head, the batch's embedding rows), the routed experts the batch actually routes 
 Engram table rows live in host memory and are left out.
 
 Prints a table and writes JSON. On the GPU machine, from the repo root:
-    PYTHONPATH=. python3 bench/decode_step.py [--experts fp4]
+    python3 -m bench.decode_step [--experts fp4]
 On a CPU (the slice's layer roles at small widths, torch backend, in seconds):
-    PYTHONPATH=. python3 bench/decode_step.py --small
+    python3 -m bench.decode_step --small
 """
 
 from __future__ import annotations
@@ -24,17 +24,15 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.ceilings import ceilings, describe_ceilings  # noqa: E402
-from bench.slice_engine import (  # noqa: E402
+from bench.ceilings import ceilings, describe_ceilings
+from bench.slice_engine import (
     EAGER_DECODE_TOK_PER_S,
     EAGER_DECODE_X_FLOOR,
     add_slice_options,
@@ -43,12 +41,12 @@ from bench.slice_engine import (  # noqa: E402
     prepare_device,
     random_prompts,
 )
-from cache.geometry import PlaneKind, PlaneSpec, V41PoolGeometry
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from model.config import LayerMode, V41Config
-from model.moe import route
-from model.params import LayerParams
+from dsv41.cache.geometry import PlaneKind, PlaneSpec, V41PoolGeometry
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.model.config import LayerMode, V41Config
+from dsv41.model.moe import route
+from dsv41.model.params import LayerParams
 
 # The issue's targets: a whole eager decode step within 1.5x of its floor at these batches.
 TARGET_X_FLOOR = 1.5

@@ -13,7 +13,7 @@ fixed output length). On GPUs each rank holds one GPU and the collectives run on
 or (``--gpus-per-rank`` below 1) ranks share GPUs and the collectives run on gloo.
 Prints a table and writes JSON.
 
-Usage: python3 bench/dp_group.py --dp 2 --device cuda [--model DIR or generated:SLICE] [--dtype bfloat16]
+Usage: python3 -m bench.dp_group --dp 2 --device cuda [--model DIR or generated:SLICE] [--dtype bfloat16]
        [--concurrency 1,16,64,256] [--gpus-per-rank 0.5] [--out FILE]
 """
 
@@ -27,23 +27,22 @@ import os
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 
-from actors.group import EngineGroup, GroupOptions  # noqa: E402
-from cluster.engine import Engine  # noqa: E402
-from cluster.request import RequestOutput, SamplingParams  # noqa: E402
-from model.source import ModelSource  # noqa: E402
-from model.tiny import make_tiny  # noqa: E402
+from dsv41.actors.engine_group import EngineGroup
+from dsv41.actors.group import GroupOptions
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import RequestOutput, SamplingParams
+from dsv41.model.source import ModelSource
+from dsv41.model.tiny import make_tiny
 
 # Two logprobs per token: the margin between the greedy token and the runner-up says
 # whether a token that differs between two runs was a near tie.

@@ -2,7 +2,7 @@
 the tiny model, and the scheduler's own time per step with 256 running requests.
 
 Prints a table and writes JSON (default bench/results/engine_cpu.json).
-Usage: python bench/engine_cpu.py [--model DIR] [--out PATH] [--prompt-len 64] [--max-tokens 32]
+Usage: python3 -m bench.engine_cpu [--model DIR] [--out PATH] [--prompt-len 64] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from deploy.cli import default_model_dir
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.deploy.cli import default_model_dir
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

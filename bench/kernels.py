@@ -10,14 +10,14 @@ its main and index row stores, and the step's window-ring stores: head_dim 512, 
 bandwidth.
 
 Prints tables and writes JSON. Usage (on the GPU machine, from the repo root):
-    python3 bench/kernels.py --out kernels.json
+    python3 -m bench.kernels --out kernels.json
 The attention/scorer table compares each kernel with the rows of a baseline JSON (by
 default bench/results/kernels.json as it was before this run: the first Triton
 baseline), and a tiling sweep at 32k context times other AttentionTiling / ScorerTiling
 choices than the defaults (GPU only; --no-sweep skips it).
 A smoke run on a CPU (small batches and contexts, the Triton kernels in their
 interpreter, no MoE section: its Flash-size expert weights are GBs):
-    TRITON_INTERPRET=1 python3 bench/kernels.py --small --out /tmp/kernels-small.json
+    TRITON_INTERPRET=1 python3 -m bench.kernels --small --out /tmp/kernels-small.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,22 +36,19 @@ import torch
 import triton.testing
 from triton.runtime.errors import OutOfResources
 
-# The repo root, so the script runs as `python3 bench/kernels.py` without PYTHONPATH.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.ceilings import ceilings  # noqa: E402
-from cache.addressing import PoolShape, SegmentSpec, build_step_addresses  # noqa: E402
-from cache.pools import PoolSize, V41Pools  # noqa: E402
-from cache.plane_io import PlaneIO  # noqa: E402
-from cluster.pool_layout import pool_geometry  # noqa: E402
-from model.config import FLASH_CONFIG_DIR, V41Config  # noqa: E402
-from model.device import move_tensors  # noqa: E402
-from model.formats import round_fp8, round_mxfp4  # noqa: E402
-from model.kernels.torch_backend import TorchKernels  # noqa: E402
-from model.kernels.triton import TritonKernels  # noqa: E402
-from model.kernels.triton.attention import AttentionTiling  # noqa: E402
-from model.kernels.triton.index_scorer import ScorerTiling  # noqa: E402
-from model.moe import ExpertWeights, route, routed_experts  # noqa: E402
+from bench.ceilings import ceilings
+from dsv41.cache.addressing import PoolShape, SegmentSpec, build_step_addresses
+from dsv41.cache.pools import PoolSize, V41Pools
+from dsv41.cache.plane_io import PlaneIO
+from dsv41.cluster.pool_layout import pool_geometry
+from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
+from dsv41.model.device import move_tensors
+from dsv41.model.formats import round_fp8, round_mxfp4
+from dsv41.model.kernels.torch_backend import TorchKernels
+from dsv41.model.kernels.triton import TritonKernels
+from dsv41.model.kernels.triton.attention import AttentionTiling
+from dsv41.model.kernels.triton.index_scorer import ScorerTiling
+from dsv41.model.moe import ExpertWeights, route, routed_expert_slots
 
 FLASH = FLASH_CONFIG_DIR
 BATCHES = (1, 8, 32, 128, 256)
@@ -253,16 +249,16 @@ def moe_benchmark(config: V41Config, ceil: dict) -> tuple[list[dict], list[dict]
                 routing = route(x, gate, bias, top_k, config.routed_scaling_factor)
                 args = (x, routing, bank, config.swiglu_limit)
                 if tokens == MOE_CHECK_TOKENS:
-                    want = torch_k.routed_experts(x, routing, torch_bank, config.swiglu_limit)
-                    got = triton_k.routed_experts(*args)
+                    want = torch_k.routed_expert_slots(x, routing, torch_bank, config.swiglu_limit)
+                    got = triton_k.routed_expert_slots(*args)
                     rel_err = float((got - want).norm() / want.norm())
                     checks.append({"format": fmt, "experts": num_experts, "tokens": tokens, "rel_err": rel_err})
                     print(f"check moe {checks[-1]}", flush=True)
-                ms = median_ms(lambda: triton_k.routed_experts(*args))
-                torch_ms = median_ms(lambda: routed_experts(x, routing, experts, config.swiglu_limit))
+                ms = median_ms(lambda: triton_k.routed_expert_slots(*args))
+                torch_ms = median_ms(lambda: routed_expert_slots(x, routing, experts, config.swiglu_limit))
                 pairs = tokens * top_k
                 hit = routing.expert_ids.unique().numel()
-                activation_bytes = tokens * hidden * 2 + pairs * (inter + hidden) * 2 * 2 + tokens * hidden * 4
+                activation_bytes = tokens * hidden * 2 + pairs * (inter + hidden) * 2 * 2 + pairs * hidden * 4
                 moe_bytes = hit * expert_bytes + activation_bytes
                 flops = 2 * pairs * 3 * hidden * inter
                 row = {

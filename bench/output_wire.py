@@ -11,7 +11,7 @@ in), and the median and p90 of the whole call (Ray's call, the actor's building 
 outputs, their serialisation, transfer and deserialisation, and for the frame the
 receiver's rebuilding) over ``--steps`` calls.
 
-Usage: python3 bench/output_wire.py [--requests 64] [--steps 100] [--out bench/results/output_wire.json]
+Usage: python3 -m bench.output_wire [--requests 64] [--steps 100] [--out bench/results/output_wire.json]
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import ray  # noqa: E402
+import ray
 
-from actors.output_wire import OutputReceiver, OutputSender  # noqa: E402
-from cluster.request import RequestOutput  # noqa: E402
+from dsv41.actors.output_wire import OutputReceiver, OutputSender
+from dsv41.cluster.request import RequestOutput
 
 LENGTHS = (16, 256, 2048, 8192)
 WIRES = ("whole", "frame")

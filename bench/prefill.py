@@ -14,9 +14,9 @@ replay (the decoder on the prompt's last sliding_window rows, the last layer's q
 and FFN on the last row), and its floor counts those rows only.
 
 Prints a table and writes JSON. On the GPU machine, from the repo root:
-    PYTHONPATH=. python3 bench/prefill.py [--experts fp4]
+    python3 -m bench.prefill [--experts fp4]
 On a CPU (the slice's layer roles at small widths, torch backend, in seconds):
-    PYTHONPATH=. python3 bench/prefill.py --small [--decoder-replay]
+    python3 -m bench.prefill --small [--decoder-replay]
 """
 
 from __future__ import annotations
@@ -25,16 +25,14 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.ceilings import ceilings, describe_ceilings  # noqa: E402
-from bench.slice_engine import (  # noqa: E402
+from bench.ceilings import ceilings, describe_ceilings
+from bench.slice_engine import (
     EAGER_PREFILL_TOK_PER_S,
     EAGER_PREFILL_X_FLOOR,
     add_slice_options,
@@ -43,10 +41,10 @@ from bench.slice_engine import (  # noqa: E402
     prepare_device,
     random_prompts,
 )
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from model.bounded_replay import tail_start
-from model.config import LayerMode, V41Config
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.model.bounded_replay import tail_start
+from dsv41.model.config import LayerMode, V41Config
 
 # The issue's target: prefill within 2x of its matmul floor.
 TARGET_X_FLOOR = 2.0

@@ -9,7 +9,7 @@ its first token), and the longest gap between the decode request's tokens while 
 long prefill ran.
 
 Prints a table and writes JSON (default bench/results/prefill_fairness.json).
-Usage: python bench/prefill_fairness.py [--model DIR] [--long 16384] [--out PATH]
+Usage: python3 -m bench.prefill_fairness [--model DIR] [--long 16384] [--out PATH]
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from deploy.cli import default_model_dir
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.deploy.cli import default_model_dir
 
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0)
 

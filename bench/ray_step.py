@@ -29,7 +29,7 @@ object), and through the step wire once the rank has seen its requests (pack and
 unpack); its StepResult the same three ways; and the DP metadata as a tensor and as
 its int words.
 
-Usage: python3 bench/ray_step.py [--steps 200] [--repeats 3] [--out bench/results/ray_step.json]
+Usage: python3 -m bench.ray_step [--steps 200] [--repeats 3] [--out bench/results/ray_step.json]
 """
 
 from __future__ import annotations
@@ -50,21 +50,20 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 
-from actors.group import GroupOptions  # noqa: E402
-from actors.transport import TRANSPORTS, StepTransport, failing_as, open_transport  # noqa: E402
-from actors.rank import RankActor  # noqa: E402
-from actors.step_wire import pack_result, session_packers, unpack_result  # noqa: E402
-from cluster.batch import ScheduledBatch  # noqa: E402
-from cluster.dp_engine import DPEngine, DPLayout  # noqa: E402
-from cluster.engine import EngineOptions, engine_options  # noqa: E402
-from cluster.request import SamplingParams  # noqa: E402
-from cluster.runner import SampledToken, StepResult  # noqa: E402
-from model.tiny import make_tiny  # noqa: E402
+from dsv41.actors.group import GroupOptions
+from dsv41.actors.transport import TRANSPORTS, StepTransport, failing_as, open_transport
+from dsv41.actors.rank import RankActor
+from dsv41.actors.step_wire import pack_result, session_packers, unpack_result
+from dsv41.cluster.batch import ScheduledBatch
+from dsv41.cluster.dp_engine import DPEngine, DPLayout
+from dsv41.cluster.engine import EngineOptions, engine_options
+from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.model.tiny import make_tiny
 
 OBJECTS = "objects"  # the reference wire: dataclasses and a tensor through Ray's serialiser
 STEP_TIMEOUT_S = 60.0

@@ -19,11 +19,11 @@ from typing import Callable
 
 import torch
 
-from cache.pools import PoolSize
-from cluster.engine import Engine, EngineOptions, RankLayout
-from model.config import FLASH_CONFIG_DIR, V41Config
-from model.params import ModelParams
-from model.reference_slice import (
+from dsv41.cache.pools import PoolSize
+from dsv41.cluster.engine import Engine, EngineOptions, RankLayout
+from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
+from dsv41.model.params import ModelParams
+from dsv41.model.reference_slice import (
     EXPERT_FORMATS,
     REFERENCE_SLICE,
     SMALL_SLICE,
@@ -31,7 +31,7 @@ from model.reference_slice import (
     SliceModel,
     load_slice,
 )
-from model.weights import checkpoint_tensors
+from dsv41.model.weights import checkpoint_tensors
 
 FLASH = FLASH_CONFIG_DIR
 

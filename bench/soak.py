@@ -16,7 +16,7 @@ memory an allocator keeps for reuse rises once and stays level.
 
 Prints the latency summary (TTFT and TPOT p50 / p99) and the RSS table; writes JSON
 (default bench/results/soak.json).
-Usage: PYTHONPATH=. python bench/soak.py [--model DIR] [--num-requests 3000] [--rounds 2] [--concurrency 1000]
+Usage: python3 -m bench.soak [--model DIR] [--num-requests 3000] [--rounds 2] [--concurrency 1000]
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from deploy.app import build_app, run_app
-from deploy.bench import HttpTarget, Workload, run_http
-from deploy.cli import default_model_dir
-from deploy.procfs import descendants, process_title, rss_bytes
+from dsv41.deploy.app import build_app, run_app
+from dsv41.deploy.bench import HttpTarget, Workload, run_http
+from dsv41.deploy.cli import default_model_dir
+from dsv41.deploy.procfs import descendants, process_title, rss_bytes
 
 def sample() -> dict[int, tuple[str, float]]:
     """pid -> (name, RSS MiB) of every process Ray started for this run (every process

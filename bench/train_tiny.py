@@ -8,7 +8,7 @@ perplexity, bits per byte, DSpark acceptance on each model's own greedy continua
 (model-level ReferenceDrafter.speculative_greedy), and the greedy continuation of the
 README's example prompt. Prints a table and writes JSON (default bench/results/train_tiny.json).
 
-Usage: python bench/train_tiny.py [--out DIR] [--minutes 12] [--seed 0] [--threads N] [--results PATH]
+Usage: python3 -m bench.train_tiny [--out DIR] [--minutes 12] [--seed 0] [--threads N] [--results PATH]
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from model.loader import TOKENIZER_FILE
-from model.params import load_model_params
-from model.reference import ReferenceModel
-from model.tiny import TINY, TRAINED_TINY_DIR, make_tiny
-from model.training import Corpus, TrainableModel, heldout_acceptance, heldout_score, train_tiny
+from dsv41.model.loader import TOKENIZER_FILE
+from dsv41.model.params import load_model_params
+from dsv41.model.reference import ReferenceModel
+from dsv41.model.tiny import TINY, TRAINED_TINY_DIR, make_tiny
+from dsv41.model.training import Corpus, TrainableModel, heldout_acceptance, heldout_score, train_tiny
 
 README_PROMPT = "hello"
 README_MAX_TOKENS = 8

@@ -28,7 +28,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from cache.block_pool import BlockManagerError, BlockPool, Kept, StateImage
+from dsv41.cache.block_pool import BlockManagerError, BlockPool, Kept, StateImage
 
 ROOT_HASH = b""
 _HASH_PERSON = b"dsv41-prefix"

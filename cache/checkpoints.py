@@ -24,9 +24,9 @@ from typing import Sequence
 
 import torch
 
-from cache.block_manager import StateImage
-from cache.geometry import CURSOR_POSITION, PlaneKind
-from cache.pools import V41Pools
+from dsv41.cache.block_manager import StateImage
+from dsv41.cache.geometry import CURSOR_POSITION, PlaneKind
+from dsv41.cache.pools import V41Pools
 
 
 class CheckpointError(ValueError):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
+from dsv41.model.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
 
 KV_CACHE_DTYPES = ("bf16", "fp4")
 INDEX_CACHE_DTYPES = ("fp8", "fp4")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.pools import V41Pools
+from dsv41.cache.pools import V41Pools
 
 COMMITTED_TAIL_ROW = 0  # the tail row a non-speculative forward leaves pending
 

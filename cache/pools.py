@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from cache.geometry import CURSOR_POSITION, DEAD_ENGRAM_ID, PlaneKind, PlaneSpec, Region, V41PoolGeometry
+from dsv41.cache.geometry import CURSOR_POSITION, DEAD_ENGRAM_ID, PlaneKind, PlaneSpec, Region, V41PoolGeometry
 
 
 class PoolError(ValueError):

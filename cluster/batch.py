@@ -18,9 +18,9 @@ from typing import Sequence
 
 import torch
 
-from cache.block_manager import StateImage
-from cluster.offload_connector import PageFill, PagePublish
-from cluster.request import SamplingParams
+from dsv41.cache.block_manager import StateImage
+from dsv41.cluster.offload_connector import PageFill, PagePublish
+from dsv41.cluster.request import SamplingParams
 
 
 @dataclass(frozen=True)

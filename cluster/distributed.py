@@ -33,13 +33,13 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from model.config import V41Config
-from model.kernels.interface import PagedKernels
-from model.kernels.torch_backend import TorchKernels
-from model.linalg import ordered_sum
-from model.moe import combine_slots, expert_ffn, route
-from model.params import LayerParams
-from model.runtime import ExpertBanks
+from dsv41.model.config import V41Config
+from dsv41.model.kernels.interface import PagedKernels
+from dsv41.model.kernels.torch_backend import TorchKernels
+from dsv41.model.linalg import ordered_sum
+from dsv41.model.moe import combine_slots, expert_ffn, route
+from dsv41.model.params import LayerParams
+from dsv41.model.runtime import ExpertBanks
 
 BACKENDS = ("gloo", "nccl")
 

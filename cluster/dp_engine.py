@@ -24,20 +24,20 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
-from cluster.batch import DPMetadata, ScheduledBatch
-from cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
-from cluster.engine import EngineFrontend, EngineOptions, RankLayout, engine_options
-from cluster.offload_connector import LocalOffload, OffloadConnector
-from cluster.placement import RankLoad, place
-from cluster.request import Request, RequestOutput, RequestStatus
-from cluster.runner import ModelRunner, StepResult, stage_rows
-from cluster.scheduler import Scheduler
-from model.config import V41Config
-from model.kernels import load_kernels
-from model.kernels.interface import PagedKernels
-from model.loader import ExpertShard
-from model.params import ModelParams
-from model.source import ModelSource
+from dsv41.cluster.batch import DPMetadata, ScheduledBatch
+from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
+from dsv41.cluster.engine import EngineFrontend, EngineOptions, RankLayout, engine_options
+from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
+from dsv41.cluster.placement import RankLoad, place
+from dsv41.cluster.request import Request, RequestOutput, RequestStatus
+from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
+from dsv41.cluster.scheduler import Scheduler
+from dsv41.model.config import V41Config
+from dsv41.model.kernels import load_kernels
+from dsv41.model.kernels.interface import PagedKernels
+from dsv41.model.loader import ExpertShard
+from dsv41.model.params import ModelParams
+from dsv41.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 

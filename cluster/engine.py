@@ -23,23 +23,23 @@ from typing import Protocol, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from cache.block_manager import BlockManager, BlockManagerStats, StateTransfer
-from cache.geometry import V41PoolGeometry
-from cache.offload import TieredStore
-from cache.pools import PoolSize
-from cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
-from cluster.offload_connector import LocalOffload, OffloadConnector
-from cluster.pool_layout import pool_geometry
-from cluster.request import Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
-from cluster.runner import ModelRunner, StepResult
-from cluster.sampler import prompt_logprobs
-from cluster.scheduler import Scheduler, SchedulerConfig
-from cluster.stopping import StopChecker
-from model.config import V41Config
-from model.kernels import KERNEL_BACKENDS, load_kernels
-from model.linalg import default_batch_invariant
-from model.params import ModelParams
-from model.source import ModelSource
+from dsv41.cache.block_manager import BlockManager, BlockManagerStats, StateTransfer
+from dsv41.cache.geometry import V41PoolGeometry
+from dsv41.cache.offload import TieredStore
+from dsv41.cache.pools import PoolSize
+from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
+from dsv41.cluster.pool_layout import pool_geometry
+from dsv41.cluster.request import Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
+from dsv41.cluster.runner import ModelRunner, StepResult
+from dsv41.cluster.sampler import prompt_logprobs
+from dsv41.cluster.scheduler import Scheduler, SchedulerConfig
+from dsv41.cluster.stopping import StopChecker
+from dsv41.model.config import V41Config
+from dsv41.model.kernels import KERNEL_BACKENDS, load_kernels
+from dsv41.model.linalg import default_batch_invariant
+from dsv41.model.params import ModelParams
+from dsv41.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from cache.offload import OffloadKey, TieredStore
+from dsv41.cache.offload import OffloadKey, TieredStore
 
 
 def _check_pages(owner: str, pages: tuple[int, ...]) -> None:

@@ -11,8 +11,8 @@ this module is the one place the two meet.
 
 from __future__ import annotations
 
-from cache.geometry import GeometryError, V41PoolGeometry
-from model.config import V41Config
+from dsv41.cache.geometry import GeometryError, V41PoolGeometry
+from dsv41.model.config import V41Config
 
 
 def pool_geometry(

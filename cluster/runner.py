@@ -21,20 +21,20 @@ from typing import Callable
 
 import torch
 
-from cache.addressing import DecoderAddresses, PoolShape, SegmentSpec, build_decoder_addresses, build_step_addresses
-from cache.checkpoints import Checkpoints
-from cache.geometry import CURSOR_POSITION, V41PoolGeometry
-from cache.plane_io import PlaneIO
-from cache.pools import PoolSize, V41Pools
-from cluster.batch import ScheduledBatch, ScheduledSegment
-from cluster.offload_connector import OffloadConnector
-from cluster.sampler import Sampler, SamplingMetadata
-from model.bounded_replay import tail_start
-from model.device import move_tensors
-from model.kernels.interface import PagedKernels
-from model.linalg import batch_invariant, cpu_threads
-from model.params import LayerParams, ModelParams
-from model.runtime import PagedRuntime
+from dsv41.cache.addressing import DecoderAddresses, PoolShape, SegmentSpec, build_decoder_addresses, build_step_addresses
+from dsv41.cache.checkpoints import Checkpoints
+from dsv41.cache.geometry import CURSOR_POSITION, V41PoolGeometry
+from dsv41.cache.plane_io import PlaneIO
+from dsv41.cache.pools import PoolSize, V41Pools
+from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
+from dsv41.cluster.offload_connector import OffloadConnector
+from dsv41.cluster.sampler import Sampler, SamplingMetadata
+from dsv41.model.bounded_replay import tail_start
+from dsv41.model.device import move_tensors
+from dsv41.model.kernels.interface import PagedKernels
+from dsv41.model.linalg import batch_invariant, cpu_threads
+from dsv41.model.params import LayerParams, ModelParams
+from dsv41.model.runtime import PagedRuntime
 
 
 class DecoderReplayError(RuntimeError):

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from cluster.request import SamplingParams
+from dsv41.cluster.request import SamplingParams
 
 _U64_MASK = (1 << 64) - 1
 

@@ -28,12 +28,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from cache.block_manager import BlockManager, PrefixHit, StateImage, StateTransfer
-from cache.offload import OffloadKey, UnitKind
-from cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
-from cluster.offload_connector import OffloadConnector, PageFill, PagePublish
-from cluster.request import Request, RequestStatus
-from model.bounded_replay import tail_start
+from dsv41.cache.block_manager import BlockManager, PrefixHit, StateImage, StateTransfer
+from dsv41.cache.offload import OffloadKey, UnitKind
+from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.offload_connector import OffloadConnector, PageFill, PagePublish
+from dsv41.cluster.request import Request, RequestStatus
+from dsv41.model.bounded_replay import tail_start
 
 
 class SchedulerError(ValueError):

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from cluster.request import Request, RequestStatus
+from dsv41.cluster.request import Request, RequestStatus
 
 _REPLACEMENT_CHARACTER = "\ufffd"
 

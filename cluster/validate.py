@@ -33,14 +33,14 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from cluster.distributed import BACKENDS
-from cluster.dp_engine import EXPERT_MODES, DPEngine, DPLayout, ThreadedRanks
-from cluster.engine import Engine, EngineStats, engine_options
-from cluster.request import Request, RequestOutput, SamplingParams
-from model.kernels import KERNEL_BACKENDS
-from model.params import ModelParams
-from model.reference import ReferenceModel
-from model.source import ModelSource
+from dsv41.cluster.distributed import BACKENDS
+from dsv41.cluster.dp_engine import EXPERT_MODES, DPEngine, DPLayout, ThreadedRanks
+from dsv41.cluster.engine import Engine, EngineStats, engine_options
+from dsv41.cluster.request import Request, RequestOutput, SamplingParams
+from dsv41.model.kernels import KERNEL_BACKENDS
+from dsv41.model.params import ModelParams
+from dsv41.model.reference import ReferenceModel
+from dsv41.model.source import ModelSource
 from tokenizers import Tokenizer
 
 PARITY_CHUNKS = (3, 1, 129, 7, 128)

@@ -66,13 +66,13 @@ from ray.serve.schema import ApplicationStatus
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from cluster.engine import EngineFrontend, engine_options
-from cluster.request import MAX_N, RequestOutput, SamplingParams
-from deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
-from deploy.chat_protocol import PromptEncoder, render_pieces
-from deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
-from deploy.metrics import METRICS_CONTENT_TYPE, ServingMetrics
-from deploy.openai_api import (
+from dsv41.cluster.engine import EngineFrontend, engine_options
+from dsv41.cluster.request import MAX_N, RequestOutput, SamplingParams
+from dsv41.deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
+from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
+from dsv41.deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
+from dsv41.deploy.metrics import METRICS_CONTENT_TYPE, ServingMetrics
+from dsv41.deploy.openai_api import (
     REFUSALS,
     SSE_DONE,
     ChatCompletionRequest,
@@ -99,9 +99,11 @@ from deploy.openai_api import (
     unsupported_media_type,
     usage,
 )
+from dsv41.model.tiny import embedded_model_dir
 
 if TYPE_CHECKING:
-    from actors.group import EngineGroup, GroupOptions
+    from dsv41.actors.engine_group import EngineGroup
+    from dsv41.actors.group import GroupOptions
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +263,7 @@ class AppArgs:
 
     def group_options(self) -> "GroupOptions":
         """``group`` as ``actors.group.GroupOptions``."""
-        from actors.group import GroupOptions
+        from dsv41.actors.group import GroupOptions
 
         unknown = sorted(set(self.group) - set(GroupOptions.__dataclass_fields__))
         if unknown:
@@ -269,9 +271,7 @@ class AppArgs:
         return GroupOptions(**self.group)
 
     def model_dir(self) -> Path:
-        from deploy.cli import default_model_dir
-
-        return Path(self.model) if self.model is not None else default_model_dir()
+        return Path(self.model) if self.model is not None else embedded_model_dir()
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits.from_dict(self.limits)
@@ -335,12 +335,13 @@ def make_engine(args: AppArgs) -> EngineFrontend:
     model_dir = args.model_dir()
     options = args.engine_options()
     if args.backend == "local":
-        from cluster.engine import Engine
+        from dsv41.cluster.engine import Engine
 
         return Engine.from_pretrained(model_dir, **options)
     import ray
 
-    from actors.group import EngineGroup, GroupPlacement
+    from dsv41.actors.engine_group import EngineGroup
+    from dsv41.actors.group import GroupPlacement
 
     placement_group = ray.util.get_current_placement_group()
     if placement_group is None:
@@ -425,7 +426,7 @@ class LLMServer:
         A group that restarts after a rank failure is healthy: it recovers in place."""
         self.engine.check_health()
         if self._group is not None:
-            from actors.group import RankGroupDead
+            from dsv41.actors.group import RankGroupDead
 
             try:
                 await self._group.check_alive()
@@ -855,7 +856,7 @@ class OpenAIIngress:
 
 
 def build_app(args: Mapping[str, Any] | AppArgs) -> serve.Application:
-    """The application (``import_path: deploy.app:build_app``): the ingress bound to
+    """The application (``import_path: dsv41.deploy.app:build_app``): the ingress bound to
     the LLM servers, each deployment with its own queue limits."""
     parsed = args if isinstance(args, AppArgs) else AppArgs.from_dict(args)
     sizing: dict[str, Any] = (

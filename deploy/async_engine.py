@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from cluster.engine import EngineError, EngineFrontend
-from cluster.request import FinishReason, RequestOutput, SamplingParams, SamplingParamsError
-from deploy.metrics import EngineLoad, ServingMetrics
+from dsv41.cluster.engine import EngineError, EngineFrontend
+from dsv41.cluster.request import FinishReason, RequestOutput, SamplingParams, SamplingParamsError
+from dsv41.deploy.metrics import EngineLoad, ServingMetrics
 
 logger = logging.getLogger(__name__)
 

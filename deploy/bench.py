@@ -52,7 +52,7 @@ import numpy as np
 if TYPE_CHECKING:
     import aiohttp
 
-    from cluster.engine import Engine
+    from dsv41.cluster.engine import Engine
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[str, ...] = ("completions", "chat")
@@ -537,7 +537,7 @@ def run_in_process(engine: "Engine", workload: Workload, progress: Progress | No
     a request is added once its arrival time has come and the concurrency cap has room,
     and its clock starts at that arrival (or at the moment a slot freed, when the cap
     held it back), as a server's queue would count it."""
-    from cluster.request import SamplingParams
+    from dsv41.cluster.request import SamplingParams
 
     prompt_ids = _engine_prompts(engine, workload.endpoint, workload.prompts())
     offsets = workload.arrival_offsets()
@@ -599,7 +599,7 @@ def _engine_prompts(engine: "Engine", endpoint: Endpoint, prompts: Sequence[Benc
     """The token ids the server would run for each prompt: ids as given; text through
     the chat template (chat) or the tokenizer alone (completions), as the server's
     ``deploy.chat_protocol.PromptEncoder`` encodes them."""
-    from deploy.chat_protocol import PromptEncoder, render_pieces
+    from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
 
     encoder = PromptEncoder(engine.tokenizer)
     ids = []
@@ -703,7 +703,7 @@ def run_bench_command(args: argparse.Namespace) -> BenchReport:
     if args.input_len is not None and vocab_size is None:
         if not args.model_dir:
             raise SystemExit("--input-len: needs --vocab-size or --model-dir (random token ids need the vocabulary)")
-        from model.config import V41Config
+        from dsv41.model.config import V41Config
 
         vocab_size = V41Config.from_pretrained(args.model_dir, text_only=True).vocab_size
     try:
@@ -732,7 +732,7 @@ def run_bench_command(args: argparse.Namespace) -> BenchReport:
             raise SystemExit("--in-process: needs --model-dir")
         if args.base_url or args.model:
             raise SystemExit("--base-url / --model: HTTP mode only (not used with --in-process)")
-        from cluster.engine import Engine
+        from dsv41.cluster.engine import Engine
 
         progress(f"bench: loading {args.model_dir} ...")
         report = run_in_process(Engine.from_pretrained(args.model_dir), workload, progress)

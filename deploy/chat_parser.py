@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from deploy.chat_protocol import (
+from dsv41.deploy.chat_protocol import (
     CALL_BLOCK_START,
     CALLS_END_TAG,
     INVOKE_END_TAG,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-from deploy import safe_json
+from dsv41.deploy import safe_json
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:
-    from cluster.validate import ReplicaFactory, ReplicaShape
-    from deploy.app import AppArgs
+    from dsv41.cluster.validate import ReplicaFactory, ReplicaShape
+    from dsv41.deploy.app import AppArgs
+
+from dsv41.model.tiny import embedded_model_dir
 
 SERVE_APP_NAME = "dsv41"
 # Seconds `dsv41 serve` waits for every replica to run: loading a large checkpoint takes
@@ -32,26 +34,22 @@ API_KEY_ENV = "DSV41_API_KEY"
 
 
 def _ray_runtime_env() -> dict[str, dict[str, str]]:
-    """Ray workers import the project from where this CLI runs, and what the
-    driver's PYTHONPATH adds (where the workers' own dependencies may live)."""
-    paths = (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", ""))
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(path for path in paths if path)}}
-
-
-def default_model_dir() -> Path:
-    """The embedded model: the trained tiny checkpoint shipped as package data."""
-    from model.tiny import TRAINED_TINY_DIR
-
-    if not (TRAINED_TINY_DIR / "config.json").is_file():
-        raise SystemExit(
-            f"the embedded model is missing from {TRAINED_TINY_DIR} (an install without package data?); "
-            "pass --model DIR, or write one with `dsv41 train-tiny DIR`"
-        )
-    return TRAINED_TINY_DIR
+    """Ray workers import what the driver's PYTHONPATH adds (where the workers' own
+    dependencies, or a checkout's dsv41, may live); dsv41 itself is installed."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"env_vars": {"PYTHONPATH": path}} if path else {}
 
 
 def _model_dir(arg: str | None) -> Path:
     return Path(arg) if arg else default_model_dir()
+
+
+def default_model_dir() -> Path:
+    """The embedded model (model/tiny.py), or the CLI's exit with why it is missing."""
+    try:
+        return embedded_model_dir()
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def _dtype(name: str):
@@ -89,7 +87,7 @@ def _chunk_sizes(text: str | None) -> tuple[int, ...] | None:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
-    from model.tiny import TINY, TINY_ALT, make_tiny
+    from dsv41.model.tiny import TINY, TINY_ALT, make_tiny
 
     spec = {"tiny": TINY, "tiny-alt": TINY_ALT}[args.preset]
     out = make_tiny(Path(args.dir), quantized=args.quantized, seed=args.seed, spec=spec)
@@ -97,7 +95,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
 
 
 def cmd_train_tiny(args: argparse.Namespace) -> None:
-    from model.training import train_tiny
+    from dsv41.model.training import train_tiny
 
     report = train_tiny(Path(args.dir), minutes=args.minutes, seed=args.seed)
     for name, phase in (("target", report.target), ("DSpark", report.dspark)):
@@ -115,14 +113,14 @@ def cmd_logits(args: argparse.Namespace) -> None:
     model_dir = _model_dir(args.model)
     out = {}
     if args.runtime == "reference":
-        from model.params import load_model_params
-        from model.reference import ReferenceModel
+        from dsv41.model.params import load_model_params
+        from dsv41.model.reference import ReferenceModel
 
         reference = ReferenceModel(load_model_params(model_dir, dtype=_dtype(args.dtype))[0])
         for name, seq in ids.items():
             out[name] = reference.forward(seq).logits.float().contiguous()
     else:
-        from cluster.engine import Engine
+        from dsv41.cluster.engine import Engine
 
         engine = Engine.from_pretrained(model_dir, dtype=_dtype(args.dtype), enable_prefix_caching=False)
         sizes = _chunk_sizes(args.chunk_sizes)
@@ -133,7 +131,7 @@ def cmd_logits(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from cluster.request import SamplingParams
+    from dsv41.cluster.request import SamplingParams
 
     if args.dp < 1:
         raise SystemExit("--dp: must be a positive integer")
@@ -142,7 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.backend == "ray":
         import ray
 
-        from actors.group import EngineGroup
+        from dsv41.actors.engine_group import EngineGroup
 
         # Workers import the project from where this CLI runs it.
         ray.init(runtime_env=_ray_runtime_env())
@@ -153,11 +151,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
             ray.shutdown()
         return
     if args.dp > 1:
-        from cluster.dp_engine import DPEngine, DPLayout
+        from dsv41.cluster.dp_engine import DPEngine, DPLayout
 
         engine = DPEngine.in_process(model_dir, DPLayout(args.dp))
     else:
-        from cluster.engine import Engine
+        from dsv41.cluster.engine import Engine
 
         engine = Engine.from_pretrained(model_dir)
     _generate(args, engine.generate, engine.tokenizer, params)
@@ -166,7 +164,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def _tokenizer(model_dir: Path):
     from tokenizers import Tokenizer
 
-    from model.loader import TOKENIZER_FILE
+    from dsv41.model.loader import TOKENIZER_FILE
 
     return Tokenizer.from_file(str(model_dir / TOKENIZER_FILE))
 
@@ -186,8 +184,8 @@ def _generate(args: argparse.Namespace, generate, tokenizer, params) -> None:
 
 
 def cmd_geometry(args: argparse.Namespace) -> None:
-    from cluster.pool_layout import pool_geometry
-    from model.config import V41Config
+    from dsv41.cluster.pool_layout import pool_geometry
+    from dsv41.model.config import V41Config
 
     config = V41Config.from_pretrained(_model_dir(args.model), text_only=True)
     geometry = pool_geometry(
@@ -201,7 +199,7 @@ def cmd_geometry(args: argparse.Namespace) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
-    from cluster.validate import ReplicaShape, ValidationError, run_validation
+    from dsv41.cluster.validate import ReplicaShape, ValidationError, run_validation
 
     model = args.model or default_model_dir()
     on_ray = args.backend == "ray"
@@ -246,7 +244,8 @@ def _ray_validation_groups(model: str | Path, shape: ReplicaShape) -> Iterator[R
 
     import ray
 
-    from actors.group import EngineGroup, GroupOptions
+    from dsv41.actors.engine_group import EngineGroup
+    from dsv41.actors.group import GroupOptions
 
     group_options = GroupOptions(rank_num_gpus=1) if shape.device == "cuda" else GroupOptions()
     groups = itertools.count()
@@ -280,7 +279,7 @@ def _ray_validation_groups(model: str | Path, shape: ReplicaShape) -> Iterator[R
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from deploy.bench import run_bench_command
+    from dsv41.deploy.bench import run_bench_command
 
     run_bench_command(args)
 
@@ -332,7 +331,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
-    from deploy.app import AppArgs, AppStartFailed, AppStartTimeout, build_app, run_app
+    from dsv41.deploy.app import AppArgs, AppStartFailed, AppStartTimeout, build_app, run_app
 
     host, port, route_prefix, app_args = _serve_settings(args)
     try:
@@ -381,7 +380,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def _print_serving(parsed: "AppArgs", host: str, port: int, route_prefix: str, grpc_address: str | None) -> None:
     """What `dsv41 serve` listens on, read back from the sockets the machine holds."""
-    from deploy.procfs import listening_addresses
+    from dsv41.deploy.procfs import listening_addresses
 
     base = f"http://{host}:{port}{route_prefix.rstrip('/')}/v1"
     bound = ", ".join(listening_addresses(port)) or "no socket found"
@@ -393,7 +392,7 @@ def _print_serving(parsed: "AppArgs", host: str, port: int, route_prefix: str, g
         grpc_port = int(grpc_address.rpartition(":")[2])
         grpc_bound = ", ".join(listening_addresses(grpc_port)) or "no socket found"
         print(f"gRPC (dsv41.GenerateService/Generate) listening on {grpc_bound}; try:", flush=True)
-        print(f"  python -m deploy.examples.grpc_client --address {grpc_address} --prompt hello", flush=True)
+        print(f"  python -m dsv41.deploy.examples.grpc_client --address {grpc_address} --prompt hello", flush=True)
     if parsed.api_key:
         public = ", ".join(parsed.public_routes) or "none"
         print(f"an API key is required (Authorization: Bearer KEY) on every route but: {public}", flush=True)
@@ -478,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenarios", help="comma-separated scenario names (default: every one the replica supports)")
     p.set_defaults(func=cmd_validate)
 
-    from deploy.bench import add_bench_arguments
+    from dsv41.deploy.bench import add_bench_arguments
 
     p = sub.add_parser("bench", help="serving benchmark: an OpenAI-compatible endpoint, or the engine in-process")
     add_bench_arguments(p)
@@ -516,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="refuse larger request bodies with 413 (default: the config's limits, else 8 MiB)",
     )
-    p.add_argument("--config", help="Serve YAML with one application of deploy.app:build_app")
+    p.add_argument("--config", help="Serve YAML with one application of dsv41.deploy.app:build_app")
     p.add_argument(
         "--start-timeout",
         type=_positive_number,
@@ -530,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    from model.config import ConfigError
+    from dsv41.model.config import ConfigError
 
     try:
         args.func(args)

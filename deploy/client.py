@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping, Sequenc
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from deploy.openai_api import OpenAIError
+from dsv41.deploy.openai_api import OpenAIError
 
 if TYPE_CHECKING:
     import pyarrow

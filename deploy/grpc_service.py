@@ -32,8 +32,8 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from deploy.openai_api import OpenAIError, bad_request, bearer_matches, internal_error, replica_lost, unauthorized
-from deploy.proto.generate_pb2 import DESCRIPTOR, GenerateRequest, GenerateResponse, Usage
+from dsv41.deploy.openai_api import OpenAIError, bad_request, bearer_matches, internal_error, replica_lost, unauthorized
+from dsv41.deploy.proto.generate_pb2 import DESCRIPTOR, GenerateRequest, GenerateResponse, Usage
 
 logger = logging.getLogger(__name__)
 

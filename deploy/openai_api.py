@@ -41,12 +41,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from cluster.engine import EngineError
-from cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError, short_repr
-from deploy import safe_json
-from deploy.async_engine import EngineDeadError, RequestFailedError
-from deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, parse_assistant_output
-from deploy.chat_protocol import ChatRequestError
+from dsv41.cluster.engine import EngineError
+from dsv41.cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError, short_repr
+from dsv41.deploy import safe_json
+from dsv41.deploy.async_engine import EngineDeadError, RequestFailedError
+from dsv41.deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, parse_assistant_output
+from dsv41.deploy.chat_protocol import ChatRequestError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from model.formats import round_fp8
-from model.linalg import grouped_linear, linear, softmax
-from model.norm import rms_norm
-from model.rope import Rope
+from dsv41.model.formats import round_fp8
+from dsv41.model.linalg import grouped_linear, linear, softmax
+from dsv41.model.norm import rms_norm
+from dsv41.model.rope import Rope
 
 
 @dataclass(frozen=True)

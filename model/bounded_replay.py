@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from model.indexer import SelectionState
+from dsv41.model.indexer import SelectionState
 
 
 def tail_start(num_prompt_tokens: int, window: int) -> int:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from model.formats import round_mxfp4, round_nvfp4
-from model.linalg import linear, small_sum
-from model.norm import rms_norm
-from model.rope import Rope
+from dsv41.model.formats import round_mxfp4, round_nvfp4
+from dsv41.model.linalg import linear, small_sum
+from dsv41.model.norm import rms_norm
+from dsv41.model.rope import Rope
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,14 @@ from typing import Sequence
 
 import torch
 
-from model.attention import output_projection, project_query, project_window_kv, query_latent, sparse_attention
-from model.config import V41Config
-from model.linalg import batch_invariant, linear, ordered_sum, pointwise
-from model.mhc import collapse, first_pre, run_site
-from model.moe import moe_forward
-from model.norm import rms_norm
-from model.params import DSparkParams, LayerParams, ModelParams
-from model.reference import ReferenceModel
+from dsv41.model.attention import output_projection, project_query, project_window_kv, query_latent, sparse_attention
+from dsv41.model.config import V41Config
+from dsv41.model.linalg import batch_invariant, linear, ordered_sum, pointwise
+from dsv41.model.mhc import collapse, first_pre, run_site
+from dsv41.model.moe import moe_forward
+from dsv41.model.norm import rms_norm
+from dsv41.model.params import DSparkParams, LayerParams, ModelParams
+from dsv41.model.reference import ReferenceModel
 
 NO_TOKEN = -1  # an unused slot of a verification's emitted tokens
 

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
-from model.config import ConfigError, V41Config
-from model.formats import FP8_BLOCK, dequantize_fp8, row_scale_groups
-from model.linalg import linear, pointwise, row_mean, row_sum
+from dsv41.model.config import ConfigError, V41Config
+from dsv41.model.formats import FP8_BLOCK, dequantize_fp8, row_scale_groups
+from dsv41.model.linalg import linear, pointwise, row_mean, row_sum
 
 DEAD: int = -1  # a history slot before the sequence start (the STATE cursor's sentinel)
 

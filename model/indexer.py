@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.config import LayerTopology, V41Config
-from model.formats import round_mxfp4
-from model.linalg import linear, ordered_sum, tiled_dots
-from model.rope import Rope
+from dsv41.model.config import LayerTopology, V41Config
+from dsv41.model.formats import round_mxfp4
+from dsv41.model.linalg import linear, ordered_sum, tiled_dots
+from dsv41.model.rope import Rope
 
 EMPTY = -1  # an unused selection slot
 

@@ -19,7 +19,8 @@ duration) each computes a row in an order fixed by the row alone:
 - on a CUDA device the projections run a fixed-tile Triton GEMM (no split over K, no
   autotuning: model/kernels/triton/gemm.py) and the row reductions a one-program-per-row
   Triton reduction, because cuBLAS and torch's CUDA reductions choose their splits
-  from the problem size.
+  from the problem size. The Triton backend registers both here when it is imported
+  (``register_gpu_kernels``): the kernels sit above this module, never below it.
 
 Elementwise arithmetic is batch-invariant but for one thing: on the CPU, ATen runs
 an elementwise op over whole vector steps and the last few elements of the tensor
@@ -31,8 +32,8 @@ range has such an end too, so the CPU mode runs on one thread (``cpu_threads``).
 Reductions over a handful of elements (the hc streams, a row's top-k slots) are
 explicit sums in a fixed order (``ordered_sum``).
 
-Must not import: cache, cluster, actors, deploy, ray; triton only inside the CUDA
-branches (it is optional).
+Must not import: cache, cluster, actors, deploy, ray, triton, model.kernels (they
+import this module).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -57,6 +59,34 @@ KEY_TILE = 32
 POINTWISE_QUANTUM = 64
 
 _mode = threading.local()
+
+
+@dataclass(frozen=True)
+class GpuKernels:
+    """The batch-invariant mode's GPU implementations: ``matmul(a [M, K], b [N, K])`` ->
+    a @ b.T with one tile walk per output tile, ``row_sum(x [..., C])`` -> [...] fp32
+    with one order per row."""
+
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    row_sum: Callable[[torch.Tensor], torch.Tensor]
+
+
+_gpu_kernels: GpuKernels | None = None
+
+
+def register_gpu_kernels(kernels: GpuKernels) -> None:
+    """Installs the GPU implementations (model/kernels/triton does, on import)."""
+    global _gpu_kernels
+    _gpu_kernels = kernels
+
+
+def _gpu() -> GpuKernels:
+    if _gpu_kernels is None:
+        raise RuntimeError(
+            "the batch-invariant mode on a GPU runs the Triton backend's GEMM and row reduction, and none is "
+            "registered: load kernel_backend 'triton' (model.kernels.load_kernels) first"
+        )
+    return _gpu_kernels
 
 
 def batch_invariant_enabled() -> bool:
@@ -121,9 +151,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     if x.is_cuda:
-        from model.kernels.triton.gemm import fixed_tile_matmul
-
-        out = fixed_tile_matmul(rows, weight)
+        out = _gpu().matmul(rows, weight)
     else:
         count = -(-rows.shape[0] // ROW_TILE)
         tiles = rows.new_zeros(count * ROW_TILE, k)
@@ -198,9 +226,7 @@ def small_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 def row_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     """The sum over the last dim of fp32 ``x``."""
     if batch_invariant_enabled() and x.is_cuda:
-        from model.kernels.triton.reduce import row_sum as triton_row_sum
-
-        out = triton_row_sum(x)
+        out = _gpu().row_sum(x)
         return out.unsqueeze(-1) if keepdim else out
     return x.sum(-1, keepdim=keepdim)
 

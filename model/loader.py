@@ -32,9 +32,9 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from model.config import ConfigError, V41Config
-from model.engram import EngramTable, build_compressed_token_map, engram_row_counts
-from model.weights import (
+from dsv41.model.config import ConfigError, V41Config
+from dsv41.model.engram import EngramTable, build_compressed_token_map, engram_row_counts
+from dsv41.model.weights import (
     SCALE_SUFFIX,
     WEIGHT_SUFFIX,
     TensorKind,

@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from model.config import V41Config
-from model.linalg import linear, ordered_sum, pointwise, row_mean, small_sum, softmax
-from model.norm import rms_norm
+from dsv41.model.config import V41Config
+from dsv41.model.linalg import linear, ordered_sum, pointwise, row_mean, small_sum, softmax
+from dsv41.model.norm import rms_norm
 
 
 @dataclass(frozen=True)

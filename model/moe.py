@@ -18,7 +18,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from model.linalg import linear, ordered_sum, pointwise, small_sum
+from dsv41.model.linalg import linear, ordered_sum, pointwise, small_sum
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from model.linalg import row_mean
+from dsv41.model.linalg import row_mean
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:

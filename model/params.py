@@ -16,16 +16,16 @@ from typing import Callable, Mapping
 
 import torch
 
-from model.attention import AttentionWeights
-from model.compressor import CompressorWeights
-from model.config import LayerMode, LayerTopology, V41Config
-from model.device import move_tensors
-from model.engram import EngramHashing, EngramTable, engram_update
-from model.indexer import IndexerWeights
-from model.loader import ExpertShard, LoadedCheckpoint, LoadProgress, load_checkpoint
-from model.mhc import HcSite
-from model.moe import ExpertWeights, MoEWeights
-from model.rope import Rope
+from dsv41.model.attention import AttentionWeights
+from dsv41.model.compressor import CompressorWeights
+from dsv41.model.config import LayerMode, LayerTopology, V41Config
+from dsv41.model.device import move_tensors
+from dsv41.model.engram import EngramHashing, EngramTable, engram_update
+from dsv41.model.indexer import IndexerWeights
+from dsv41.model.loader import ExpertShard, LoadedCheckpoint, LoadProgress, load_checkpoint
+from dsv41.model.mhc import HcSite
+from dsv41.model.moe import ExpertWeights, MoEWeights
+from dsv41.model.rope import Rope
 
 
 @dataclass(frozen=True)

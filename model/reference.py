@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.attention import output_projection, project_query, project_window_kv, query_latent, sparse_attention
-from model.bounded_replay import selection_rows, tail_start
-from model.compressor import CompressedEntries, finish_entries, pool_pairs, ratio1_latent, ratio2_projections
-from model.config import LayerMode
-from model.engram import DEAD
-from model.indexer import SelectionState, index_query, index_scores, visible_entries
-from model.linalg import batch_invariant, default_batch_invariant, linear
-from model.mhc import final_hidden, first_pre, run_site, site_input
-from model.moe import moe_forward
-from model.params import LayerParams, ModelParams
+from dsv41.model.attention import output_projection, project_query, project_window_kv, query_latent, sparse_attention
+from dsv41.model.bounded_replay import selection_rows, tail_start
+from dsv41.model.compressor import CompressedEntries, finish_entries, pool_pairs, ratio1_latent, ratio2_projections
+from dsv41.model.config import LayerMode
+from dsv41.model.engram import DEAD
+from dsv41.model.indexer import SelectionState, index_query, index_scores, visible_entries
+from dsv41.model.linalg import batch_invariant, default_batch_invariant, linear
+from dsv41.model.mhc import final_hidden, first_pre, run_site, site_input
+from dsv41.model.moe import moe_forward
+from dsv41.model.params import LayerParams, ModelParams
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ from typing import Any, Callable
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from model.config import ARCHITECTURE, MODEL_TYPE, QuantizationConfig, V41Config
-from model.engram import build_compressed_token_map, engram_row_counts
-from model.formats import MXFP4_BLOCK
-from model.loader import ExpertShard, LoadedCheckpoint, TensorPart, load_generated, tp_split_axis
-from model.tiny import PAD_TOKEN, SPECIAL_TOKENS, SYSTEM_TOKEN, init_rule
-from model.weights import TensorKind, TensorSpec, quantize
+from dsv41.model.config import ARCHITECTURE, MODEL_TYPE, QuantizationConfig, V41Config
+from dsv41.model.engram import build_compressed_token_map, engram_row_counts
+from dsv41.model.formats import MXFP4_BLOCK
+from dsv41.model.loader import ExpertShard, LoadedCheckpoint, TensorPart, load_generated, tp_split_axis
+from dsv41.model.tiny import PAD_TOKEN, SPECIAL_TOKENS, SYSTEM_TOKEN, init_rule
+from dsv41.model.weights import TensorKind, TensorSpec, quantize
 
 EXPERT_FORMATS = ("bf16", "fp4")
 # Size fields a slice may also replace (config.json names): SMALL_SLICE shrinks them.

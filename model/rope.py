@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.config import RopeScaling
-from model.linalg import pointwise
+from dsv41.model.config import RopeScaling
+from dsv41.model.linalg import pointwise
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: RopeScaling | None) -> torch.Tensor:

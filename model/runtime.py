@@ -31,17 +31,17 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from model.attention import output_projection, project_query, project_window_kv, query_latent
-from model.bounded_replay import selection_rows
-from model.compressor import finish_entries, ratio1_latent, ratio2_projections
-from model.config import LayerMode, V41Config
-from model.indexer import EMPTY, SelectionState, index_query
-from model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
-from model.kernels.torch_backend import TorchKernels
-from model.linalg import batch_invariant, linear
-from model.mhc import final_hidden, first_pre, run_site, site_input
-from model.moe import ExpertWeights, Routing, combine_slots, expert_ffn, route
-from model.params import LayerParams, ModelParams
+from dsv41.model.attention import output_projection, project_query, project_window_kv, query_latent
+from dsv41.model.bounded_replay import selection_rows
+from dsv41.model.compressor import finish_entries, ratio1_latent, ratio2_projections
+from dsv41.model.config import LayerMode, V41Config
+from dsv41.model.indexer import EMPTY, SelectionState, index_query
+from dsv41.model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
+from dsv41.model.kernels.torch_backend import TorchKernels
+from dsv41.model.linalg import batch_invariant, linear
+from dsv41.model.mhc import final_hidden, first_pre, run_site, site_input
+from dsv41.model.moe import ExpertWeights, Routing, combine_slots, expert_ffn, route
+from dsv41.model.params import LayerParams, ModelParams
 
 
 class WindowAddresses(Protocol):

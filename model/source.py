@@ -21,10 +21,10 @@ from typing import Callable
 import torch
 from tokenizers import Tokenizer
 
-from model.config import FLASH_CONFIG_DIR, V41Config
-from model.loader import ExpertShard, LoadProgress, read_tokenizer
-from model.params import ModelParams, load_model_params
-from model.reference_slice import EXPERT_FORMATS, REFERENCE_SLICE, SMALL_SLICE, SliceModel, SliceSpec, load_slice
+from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
+from dsv41.model.loader import ExpertShard, LoadProgress, read_tokenizer
+from dsv41.model.params import ModelParams, load_model_params
+from dsv41.model.reference_slice import EXPERT_FORMATS, REFERENCE_SLICE, SMALL_SLICE, SliceModel, SliceSpec, load_slice
 
 GENERATED_PREFIX = "generated:"
 SLICES: dict[str, SliceSpec] = {spec.name: spec for spec in (REFERENCE_SLICE, SMALL_SLICE)}

@@ -26,10 +26,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model.config import ARCHITECTURE, MODEL_TYPE, V41Config
-from model.engram import build_compressed_token_map, engram_row_counts
-from model.loader import INDEX_FILE, TOKENIZER_FILE
-from model.weights import SCALE_SUFFIX, TensorKind, TensorSpec, checkpoint_tensors, quantize
+from dsv41.model.config import ARCHITECTURE, MODEL_TYPE, V41Config
+from dsv41.model.engram import build_compressed_token_map, engram_row_counts
+from dsv41.model.loader import INDEX_FILE, TOKENIZER_FILE
+from dsv41.model.weights import SCALE_SUFFIX, TensorKind, TensorSpec, checkpoint_tensors, quantize
 
 # PROTOCOL.md's special tokens, with the same strings (fullwidth U+FF5C and U+2581).
 # Their order here is their id: BOS, EOS and pad at 0, 1, 2 as in the released model.
@@ -57,6 +57,16 @@ CONFIG_FILE = "config.json"
 # The trained TINY checkpoint shipped as package data: the default model of the CLI and
 # of `dsv41 serve` (bench/train_tiny.py writes it; BENCHMARKS.md records how).
 TRAINED_TINY_DIR = Path(__file__).resolve().parent / "assets" / "tiny-trained"
+
+
+def embedded_model_dir() -> Path:
+    """The embedded model: the trained tiny checkpoint shipped as package data."""
+    if not (TRAINED_TINY_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the embedded model is missing from {TRAINED_TINY_DIR} (an install without package data?); "
+            "pass --model DIR, or write one with `dsv41 train-tiny DIR`"
+        )
+    return TRAINED_TINY_DIR
 
 # Fields every V4.1 checkpoint shares with Flash whatever its size (MODEL_FACTS section 1).
 _ARCHITECTURE_FIELDS: dict[str, Any] = {

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from model import attention, compressor, indexer
-from model.config import V41Config
-from model.dspark import (
+from dsv41.model import attention, compressor, indexer
+from dsv41.model.config import V41Config
+from dsv41.model.dspark import (
     ReferenceDrafter,
     base_logits,
     block_hidden,
@@ -44,11 +44,11 @@ from model.dspark import (
     ring_window,
     target_features,
 )
-from model.engram import EngramTable, build_compressed_token_map
-from model.params import ModelParams, load_model_params
-from model.reference import ReferenceModel
-from model.tiny import EOS_TOKEN, TINY, TinySpec, random_tensors, tiny_config, train_tokenizer, write_checkpoint
-from model.weights import TensorKind, checkpoint_tensors, routed_expert
+from dsv41.model.engram import EngramTable, build_compressed_token_map
+from dsv41.model.params import ModelParams, load_model_params
+from dsv41.model.reference import ReferenceModel
+from dsv41.model.tiny import EOS_TOKEN, TINY, TinySpec, random_tensors, tiny_config, train_tokenizer, write_checkpoint
+from dsv41.model.weights import TensorKind, checkpoint_tensors, routed_expert
 
 logger = logging.getLogger(__name__)
 

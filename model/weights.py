@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model import formats
-from model.config import LayerMode, V41Config
+from dsv41.model import formats
+from dsv41.model.config import LayerMode, V41Config
 
 # "core": the target model; "mtp": the DSpark stages (optional as a whole); "vision":
 # the vision tower, whose tensors are recognised by prefix and never declared here

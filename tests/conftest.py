@@ -29,7 +29,7 @@ os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from model.tiny import TINY_ALT, TRAINED_TINY_DIR, make_tiny
+from dsv41.model.tiny import TINY_ALT, TRAINED_TINY_DIR, make_tiny
 
 # One intra-op thread: results then do not depend on how a matmul of a given shape is
 # split across threads, so equivalence tests compare arithmetic, not scheduling noise

@@ -6,7 +6,7 @@ ray or the rest of the project. Start a server with a gRPC port (``dsv41 serve``
 one, 9000 by default; from Python, ``build_app({..., "grpc_port": 9000})``), and from
 the repository root run::
 
-    python -m deploy.examples.grpc_client --address 127.0.0.1:9000 --prompt "hello" \\
+    python -m dsv41.deploy.examples.grpc_client --address 127.0.0.1:9000 --prompt "hello" \\
         --max-tokens 32 --temperature 0
 
 With a server that has an API key, pass ``--api-key KEY`` (or set ``DSV41_API_KEY``).
@@ -24,8 +24,8 @@ from typing import Sequence, TextIO
 
 import grpc
 
-from deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, TokenIds
-from deploy.proto.generate_pb2_grpc import GenerateServiceStub
+from dsv41.deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, TokenIds
+from dsv41.deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
 
 def generate(

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from deploy.proto import generate_pb2 as deploy_dot_proto_dot_generate__pb2
+from dsv41.deploy.proto import generate_pb2 as deploy_dot_proto_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-from model.kernels.interface import PagedKernels
+from dsv41.model.kernels.interface import PagedKernels
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +25,13 @@ class KernelBackendError(ValueError):
 
 def load_kernels(name: str) -> PagedKernels:
     if name == "torch":
-        from model.kernels.torch_backend import TorchKernels
+        from dsv41.model.kernels.torch_backend import TorchKernels
 
         kernels: PagedKernels = TorchKernels()
     elif name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise KernelBackendError("kernel_backend: 'triton' needs the triton package (pip install 'dsv41[gpu]')")
-        from model.kernels.triton import TritonKernels
+        from dsv41.model.kernels.triton import TritonKernels
 
         kernels = TritonKernels()
     elif name == "aiter":

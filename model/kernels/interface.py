@@ -19,8 +19,8 @@ from typing import Mapping, Protocol
 
 import torch
 
-from model.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
-from model.moe import ExpertWeights, Routing
+from dsv41.model.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
+from dsv41.model.moe import ExpertWeights, Routing
 
 PLANE_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 # The quantised grids a write can round to, and the channels one scale covers in each.

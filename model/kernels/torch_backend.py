@@ -17,9 +17,9 @@ from typing import Mapping
 
 import torch
 
-from model.attention import sparse_attention
-from model.compressor import pool_pairs
-from model.formats import (
+from dsv41.model.attention import sparse_attention
+from dsv41.model.compressor import pool_pairs
+from dsv41.model.formats import (
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
@@ -30,9 +30,9 @@ from model.formats import (
     round_mxfp4,
     round_nvfp4,
 )
-from model.indexer import index_scores
-from model.kernels.interface import EXPERT_WEIGHT_FORMATS, ExpertBank, PairAddresses, PlaneView, check_row_write
-from model.moe import ExpertWeights, Routing, routed_expert_slots
+from dsv41.model.indexer import index_scores
+from dsv41.model.kernels.interface import EXPERT_WEIGHT_FORMATS, ExpertBank, PairAddresses, PlaneView, check_row_write
+from dsv41.model.moe import ExpertWeights, Routing, routed_expert_slots
 
 
 QUANTIZERS = {"fp8": quantize_fp8, "nvfp4": quantize_nvfp4, "mxfp4": quantize_mxfp4}

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import ray
 
-from actors.group import EngineGroup, GroupOptions
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from deploy.async_engine import AsyncEngine
-from deploy.metrics import ServingMetrics
+from dsv41.actors.engine_group import EngineGroup
+from dsv41.actors.group import GroupOptions
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.deploy.async_engine import AsyncEngine
+from dsv41.deploy.metrics import ServingMetrics
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 OPTIONS = dict(block_size=32, state_transfer="copy", max_num_seqs=4, max_num_batched_tokens=64)

@@ -23,9 +23,10 @@ import ray
 from ray._private import state
 from ray.util import placement_group_table
 
-from actors.group import EngineGroup, GroupOptions, RankGroupDead
-from cluster.engine import Engine
-from cluster.request import SamplingParams
+from dsv41.actors.engine_group import EngineGroup
+from dsv41.actors.group import GroupOptions, RankGroupDead
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # The shared module cluster has 4 CPUs: two ranks of 2 CPUs each fill it, so a group

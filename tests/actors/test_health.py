@@ -19,15 +19,16 @@ from typing import Any
 import pytest
 import ray
 
-from actors.group import EngineGroup, GroupOptions
-from actors.transport import TRANSPORTS, RankGroupFailure, open_transport
-from actors.rank import RankActor
-from actors.step_wire import session_packers, unpack_result
-from cluster.batch import DPMetadata, ScheduledBatch
-from cluster.dp_engine import DPLayout
-from cluster.engine import Engine, EngineOptions
-from cluster.request import SamplingParams
-from cluster.runner import SampledToken, StepResult
+from dsv41.actors.engine_group import EngineGroup
+from dsv41.actors.group import GroupOptions
+from dsv41.actors.transport import TRANSPORTS, RankGroupFailure, open_transport
+from dsv41.actors.rank import RankActor
+from dsv41.actors.step_wire import session_packers, unpack_result
+from dsv41.cluster.batch import DPMetadata, ScheduledBatch
+from dsv41.cluster.dp_engine import DPLayout
+from dsv41.cluster.engine import Engine, EngineOptions
+from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.runner import SampledToken, StepResult
 
 STEP_OK, STEP_RAISES, STEP_HANGS = 1, 2, 3
 FAULTY_RANK = 1

@@ -12,8 +12,8 @@ import pytest
 import ray
 import torch
 
-from actors.offload import OffloadActor, RayOffloadConnector
-from cache.offload import OffloadError, OffloadKey, UnitKind
+from dsv41.actors.offload import OffloadActor, RayOffloadConnector
+from dsv41.cache.offload import OffloadError, OffloadKey, UnitKind
 
 
 def test_offload_actor_round_trips_and_refuses_other_layouts(ray_cluster: None) -> None:

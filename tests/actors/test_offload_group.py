@@ -11,9 +11,10 @@ from pathlib import Path
 
 import ray
 
-from actors.group import EngineGroup, GroupOptions
-from cluster.engine import Engine
-from cluster.request import SamplingParams
+from dsv41.actors.engine_group import EngineGroup
+from dsv41.actors.group import GroupOptions
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # 12 PAGEs of 32 tokens: a second and third prompt of 4 PAGEs each push the first one's

@@ -18,10 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.step_wire import StepPacker, StepUnpacker, StepWireError, pack_result, session_packers, unpack_result
-from cluster.batch import ScheduledBatch, ScheduledSegment
-from cluster.request import SamplingParams
-from cluster.runner import SampledToken, StepResult
+from dsv41.actors.step_wire import StepPacker, StepUnpacker, StepWireError, pack_result, session_packers, unpack_result
+from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
+from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.runner import SampledToken, StepResult
 
 REQUEST_IDS = [f"req-{i}" for i in range(6)]
 PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=3), SamplingParams(max_tokens=4)]

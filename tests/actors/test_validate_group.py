@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from deploy.cli import main
+from dsv41.deploy.cli import main
 
 # The cheap scenarios: each starts its own group, which costs ~10 s on the 2-core box.
 RAY_SCENARIOS = ("chunked_reordered", "prefix_forks", "preemption", "cancellation")

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import pytest
 
-from cache.geometry import V41PoolGeometry
+from dsv41.cache.geometry import V41PoolGeometry
 
 # Two Full owners (ratio 2 then ratio 1), four target layers, one DSpark stage.
 # PAGE: owner 1 (16 rows): 2048 + 512 + 16 -> 2576 aligned; owner 3 (32 rows):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.block_manager import (
+from dsv41.cache.block_manager import (
     BlockManager,
     BlockManagerError,
     PrefixHit,

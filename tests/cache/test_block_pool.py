@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from cache.block_pool import BlockManagerError, BlockPool, Kept, StateImage
+from dsv41.cache.block_pool import BlockManagerError, BlockPool, Kept, StateImage
 
 
 @pytest.mark.parametrize("seed", range(40))

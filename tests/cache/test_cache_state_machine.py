@@ -23,10 +23,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from cache.block_manager import BlockManager, StateImage, StateTransfer, prefix_hashes
-from cache.checkpoints import CheckpointError, Checkpoints
-from cache.geometry import DEAD_ENGRAM_ID, PlaneKind, V41PoolGeometry
-from cache.pools import PoolSize, V41Pools
+from dsv41.cache.block_manager import BlockManager, StateImage, StateTransfer, prefix_hashes
+from dsv41.cache.checkpoints import CheckpointError, Checkpoints
+from dsv41.cache.geometry import DEAD_ENGRAM_ID, PlaneKind, V41PoolGeometry
+from dsv41.cache.pools import PoolSize, V41Pools
 
 MakeGeometry = Callable[..., V41PoolGeometry]
 NUM_PAGES = 32

@@ -9,10 +9,10 @@ from typing import Callable
 import pytest
 import torch
 
-from cache.block_manager import StateImage
-from cache.checkpoints import CheckpointError, Checkpoints
-from cache.geometry import V41PoolGeometry
-from cache.pools import PoolSize, V41Pools
+from dsv41.cache.block_manager import StateImage
+from dsv41.cache.checkpoints import CheckpointError, Checkpoints
+from dsv41.cache.geometry import V41PoolGeometry
+from dsv41.cache.pools import PoolSize, V41Pools
 
 MakeGeometry = Callable[..., V41PoolGeometry]
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.geometry import V41PoolGeometry
-from cache.pools import PoolSize, V41Pools
-from model.formats import (
+from dsv41.cache.geometry import V41PoolGeometry
+from dsv41.cache.pools import PoolSize, V41Pools
+from dsv41.model.formats import (
     E2M1_GRID,
     FormatError,
     dequantize_fp8,

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.geometry import (
+from dsv41.cache.geometry import (
     DEAD_ENGRAM_ID,
     PLANE_ALIGNMENT,
     GeometryError,
@@ -20,8 +20,8 @@ from cache.geometry import (
     Region,
     V41PoolGeometry,
 )
-from cluster.pool_layout import pool_geometry
-from model.config import FLASH_CONFIG_DIR, V41Config
+from dsv41.cluster.pool_layout import pool_geometry
+from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 
 REPO = Path(__file__).resolve().parents[2]
 FLASH = FLASH_CONFIG_DIR

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.offload import OffloadError, OffloadKey, TieredStore, UnitKind
+from dsv41.cache.offload import OffloadError, OffloadKey, TieredStore, UnitKind
 
 PAGE = 16
 LAYOUT = "layout-a"

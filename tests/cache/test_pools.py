@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.geometry import DEAD_ENGRAM_ID, GeometryError, PlaneKind, PlaneSpec, Region, V41PoolGeometry
-from cache.pools import PoolError, PoolSize, V41Pools
+from dsv41.cache.geometry import DEAD_ENGRAM_ID, GeometryError, PlaneKind, PlaneSpec, Region, V41PoolGeometry
+from dsv41.cache.pools import PoolError, PoolSize, V41Pools
 
 MakeGeometry = Callable[..., V41PoolGeometry]
 

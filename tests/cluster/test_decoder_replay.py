@@ -23,15 +23,15 @@ from typing import Sequence
 import pytest
 import torch
 
-from cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
-from cluster.dp_engine import DPEngine, DPLayout
-from cluster.engine import Engine
-from cluster.request import RequestOutput, SamplingParams
-from cluster.runner import DecoderReplayError, ModelRunner
-from model.indexer import EMPTY
-from model.kernels.torch_backend import gather_plane_rows
-from model.reference import ReferenceModel, ReferenceOutput
-from model.runtime import StepOutput
+from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.dp_engine import DPEngine, DPLayout
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import RequestOutput, SamplingParams
+from dsv41.cluster.runner import DecoderReplayError, ModelRunner
+from dsv41.model.indexer import EMPTY
+from dsv41.model.kernels.torch_backend import gather_plane_rows
+from dsv41.model.reference import ReferenceModel, ReferenceOutput
+from dsv41.model.runtime import StepOutput
 
 REPLAY = dict(block_size=32, enable_prefix_caching=False, max_num_seqs=4, decoder_swa_bounded_replay=True)
 RAGGED = ((3, 1, 129, 7, 128), (3, 1, 29, 7))

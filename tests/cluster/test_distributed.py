@@ -22,16 +22,16 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.batch import DP_METADATA_LAYOUT, DPMetadata, DPMetadataError, RankStepInfo
-from cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
-from cluster.dp_engine import DPEngine, DPLayout
-from cluster.engine import Engine
-from cluster.placement import RankLoad, place
-from cluster.request import SamplingParams
-from model.linalg import batch_invariant
-from model.loader import ExpertShard
-from model.moe import moe_forward
-from model.params import load_model_params
+from dsv41.cluster.batch import DP_METADATA_LAYOUT, DPMetadata, DPMetadataError, RankStepInfo
+from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
+from dsv41.cluster.dp_engine import DPEngine, DPLayout
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.placement import RankLoad, place
+from dsv41.cluster.request import SamplingParams
+from dsv41.model.linalg import batch_invariant
+from dsv41.model.loader import ExpertShard
+from dsv41.model.moe import moe_forward
+from dsv41.model.params import load_model_params
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
 OPTIONS = dict(block_size=32, state_transfer="copy", max_num_seqs=4, max_num_batched_tokens=64)

@@ -13,9 +13,9 @@ import random
 
 import pytest
 
-from cluster.dp_engine import DPEngine, DPLayout
-from cluster.engine import Engine
-from cluster.request import SamplingParams
+from dsv41.cluster.dp_engine import DPEngine, DPLayout
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
 
 SOURCE = "generated:small-slice,experts=bf16,seed=7"
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engine import CPU_DEFAULT_MAX_MODEL_LEN, Engine, EngineError, EngineOptions
-from cluster.request import MAX_INT64, MAX_N, SamplingParams, SamplingParamsError
-from model.reference import ReferenceModel
+from dsv41.cluster.engine import CPU_DEFAULT_MAX_MODEL_LEN, Engine, EngineError, EngineOptions
+from dsv41.cluster.request import MAX_INT64, MAX_N, SamplingParams, SamplingParamsError
+from dsv41.model.reference import ReferenceModel
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -42,15 +42,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from cluster.batch import ScheduledBatch, ScheduledSegment
-from cluster.dp_engine import DPEngine, DPLayout
-from cluster.engine import Engine, EngineError, RankExecutor, RankLayout, engine_options
-from cluster.request import SamplingParams
-from cluster.runner import SampledToken, StepResult
-from model.config import V41Config
-from model.params import ModelParams
-from model.source import ModelSource
-from model.tiny import TINY_ALT, make_tiny
+from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
+from dsv41.cluster.dp_engine import DPEngine, DPLayout
+from dsv41.cluster.engine import Engine, EngineError, RankExecutor, RankLayout, engine_options
+from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.model.config import V41Config
+from dsv41.model.params import ModelParams
+from dsv41.model.source import ModelSource
+from dsv41.model.tiny import TINY_ALT, make_tiny
 
 # The checkpoint of issue 13: twelve layers, window 64 (a STATE image of 8 PAGEs of 32).
 WINDOW64 = dataclasses.replace(TINY_ALT, sliding_window=64)

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.offload import OffloadKey, TieredStore, UnitKind
-from cluster.dp_engine import DPEngine, DPLayout
-from cluster.engine import Engine, EngineError
-from cluster.offload_connector import LocalOffload
-from cluster.request import SamplingParams
-from cluster.scheduler import SchedulerError
+from dsv41.cache.offload import OffloadKey, TieredStore, UnitKind
+from dsv41.cluster.dp_engine import DPEngine, DPLayout
+from dsv41.cluster.engine import Engine, EngineError
+from dsv41.cluster.offload_connector import LocalOffload
+from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.scheduler import SchedulerError
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 BLOCK = 32

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from cache.geometry import GeometryError, PlaneKind
-from cluster.pool_layout import pool_geometry
-from model.config import FLASH_CONFIG_DIR, LayerMode, V41Config
+from dsv41.cache.geometry import GeometryError, PlaneKind
+from dsv41.cluster.pool_layout import pool_geometry
+from dsv41.model.config import FLASH_CONFIG_DIR, LayerMode, V41Config
 
 FLASH = FLASH_CONFIG_DIR
 

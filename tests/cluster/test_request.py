@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.request import (
+from dsv41.cluster.request import (
     MAX_INT64,
     MAX_LOGPROBS,
     MAX_N,

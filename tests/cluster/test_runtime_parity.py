@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from model.reference import ReferenceModel
-from model.tiny import TINY, make_tiny
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.model.reference import ReferenceModel
+from dsv41.model.tiny import TINY, make_tiny
 
 EVERY_CHUNKING = ((1,), (2,), (3,), (5,), (16,), (3, 1, 29, 7), (3, 1, 129, 7, 128), None)
 RAGGED = ((3, 1, 29, 7), (3, 1, 129, 7, 128))

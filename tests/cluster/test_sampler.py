@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.request import SamplingParams
-from cluster.sampler import (
+from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampler import (
     Sampler,
     SamplerError,
     SamplingMetadata,

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cluster.request import Request, RequestOutput, SamplingParams
-from cluster.stopping import StopChecker
+from dsv41.cluster.request import Request, RequestOutput, SamplingParams
+from dsv41.cluster.stopping import StopChecker
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL_TOKENS = [BOS, EOS, "<｜▁pad▁｜>", "<think>", "</think>", "｜DSML｜"]

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-import cluster.dp_engine
-from cluster.placement import RankLoad
-from cluster.validate import ReplicaShape, ValidationError, run_validation
-from deploy.cli import main
+import dsv41.cluster.dp_engine
+from dsv41.cluster.placement import RankLoad
+from dsv41.cluster.validate import ReplicaShape, ValidationError, run_validation
+from dsv41.deploy.cli import main
 
 
 SCENARIOS = {
@@ -140,7 +140,7 @@ def test_dp_prefix_checks_fail_when_placement_ignores_the_prefix(tiny_dir: Path,
     def away_from_the_prefix(loads: list[RankLoad], max_num_seqs: int) -> int:
         return min(range(len(loads)), key=lambda r: (loads[r].cached_prefix_tokens, loads[r].unfinished, r))
 
-    monkeypatch.setattr(cluster.dp_engine, "place", away_from_the_prefix)
+    monkeypatch.setattr(dsv41.cluster.dp_engine, "place", away_from_the_prefix)
     report = run_validation(
         tiny_dir, shape=ReplicaShape(kind="threads", dp=2), scenarios=["prefix_forks", "replay_from_missing_image"]
     )

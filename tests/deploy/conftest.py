@@ -72,7 +72,7 @@ def _local_serve(app_args: Mapping[str, Any], *, name: str, grpc_port: int | Non
     import ray
     from ray import serve
 
-    from deploy.app import build_app, run_app
+    from dsv41.deploy.app import build_app, run_app
 
     # Replica workers import the project from this checkout, like the test process.
     ray.init(num_cpus=SERVE_CLUSTER_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})

@@ -14,8 +14,8 @@ import openai
 import pytest
 from ray import serve
 
-from cluster.engine import Engine
-from cluster.request import SamplingParams
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
 
 APP_NAME = "autoscaled"
 LLM_SERVER = "LLMServer"

@@ -21,7 +21,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy.bench import (
+from dsv41.deploy.bench import (
     BenchError,
     HttpTarget,
     LatencyStats,
@@ -31,7 +31,7 @@ from deploy.bench import (
     run_in_process,
     summarize,
 )
-from deploy.cli import main
+from dsv41.deploy.cli import main
 
 FIRST_TOKEN_S = 0.05
 TOKEN_GAP_S = 0.02
@@ -352,7 +352,7 @@ def test_in_process_reports_the_same_metrics(tiny_dir: Path) -> None:
     """Driving the engine directly: every request gets output_len tokens (ignore_eos),
     one token event per step, so ITL has output_len - 1 gaps per request; input tokens
     are the prompts' lengths; TTFT counts from the request's arrival."""
-    from cluster.engine import Engine
+    from dsv41.cluster.engine import Engine
 
     engine = Engine.from_pretrained(tiny_dir)
     workload = _workload(num_prompts=3, input_len=8, output_len=4, vocab_size=engine.config.vocab_size)

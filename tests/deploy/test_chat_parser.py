@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, ToolCall, parse_assistant_output
-from deploy.chat_protocol import render_chat
+from dsv41.deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, ToolCall, parse_assistant_output
+from dsv41.deploy.chat_protocol import render_chat
 
 CallTuple = tuple[str, str]  # (name, arguments): a call without its generated id
 

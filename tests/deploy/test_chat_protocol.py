@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from deploy.chat_protocol import (
+from dsv41.deploy.chat_protocol import (
     PROMPT_MARKERS,
     ChatRequestError,
     PromptEncoder,
@@ -26,7 +26,7 @@ from deploy.chat_protocol import (
     render_pieces,
     text_tokenizer,
 )
-from model.tiny import SPECIAL_TOKENS, TINY, build_tokenizer
+from dsv41.model.tiny import SPECIAL_TOKENS, TINY, build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from deploy.cli import default_model_dir, main
-from model.config import FLASH_CONFIG_DIR
-from model.params import load_model_params
-from model.reference import ReferenceModel
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.deploy.cli import default_model_dir, main
+from dsv41.model.config import FLASH_CONFIG_DIR
+from dsv41.model.params import load_model_params
+from dsv41.model.reference import ReferenceModel
 
 FLASH = FLASH_CONFIG_DIR
 
@@ -57,7 +57,7 @@ def test_every_command_works_on_a_transformers_written_checkpoint(
     engine generates the same tokens."""
     from ray import serve
 
-    from deploy.app import AppArgs, build_app, make_engine
+    from dsv41.deploy.app import AppArgs, build_app, make_engine
 
     ids = {"p": list(range(3, 60))}
     (tmp_path / "ids.json").write_text(json.dumps(ids))

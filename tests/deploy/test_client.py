@@ -15,9 +15,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from tokenizers import Tokenizer
 
-from deploy.app import build_app
-from deploy.client import complete_dataset, generate, llm_handle, stream
-from deploy.openai_api import OpenAIError
+from dsv41.deploy.app import build_app
+from dsv41.deploy.client import complete_dataset, generate, llm_handle, stream
+from dsv41.deploy.openai_api import OpenAIError
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_NAME = "batch"

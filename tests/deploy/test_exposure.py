@@ -21,9 +21,9 @@ import pytest
 import ray
 import requests
 
-from deploy.procfs import listening_addresses
-from deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse
-from deploy.proto.generate_pb2_grpc import GenerateServiceStub
+from dsv41.deploy.procfs import listening_addresses
+from dsv41.deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse
+from dsv41.deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
 API_KEY = "test-key-0123456789"
 APP = "exposure"

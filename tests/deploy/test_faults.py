@@ -39,9 +39,9 @@ from ray import serve
 from ray._private import state
 from ray.util import placement_group_table
 
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from deploy.app import AppArgs, build_app, llm_server_placement, run_app
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.deploy.app import AppArgs, build_app, llm_server_placement, run_app
 
 APP_NAME = "faults"
 REQUEST_TIMEOUT_S = 60

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deploy.examples.grpc_client import generate, main
-from deploy.grpc_service import grpc_code, request_body, response_for
-from deploy.openai_api import OpenAIError, bad_request, engine_unavailable, model_not_found, replica_lost, request_failed
-from deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, TokenIds
-from deploy.proto.generate_pb2_grpc import GenerateServiceStub
+from dsv41.deploy.examples.grpc_client import generate, main
+from dsv41.deploy.grpc_service import grpc_code, request_body, response_for
+from dsv41.deploy.openai_api import OpenAIError, bad_request, engine_unavailable, model_not_found, replica_lost, request_failed
+from dsv41.deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, TokenIds
+from dsv41.deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
 MAX_MODEL_LEN = 256
 

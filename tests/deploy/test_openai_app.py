@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from cluster.engine import EngineError
-from cluster.request import FinishReason, RequestOutput, SamplingParamsError
-from deploy.async_engine import REQUEST_FAILED_MESSAGE, EngineDeadError, RequestFailedError
-from deploy.chat_protocol import ChatRequestError, PromptEncoder, format_call_block, render_pieces
-from deploy.openai_api import (
+from dsv41.cluster.engine import EngineError
+from dsv41.cluster.request import FinishReason, RequestOutput, SamplingParamsError
+from dsv41.deploy.async_engine import REQUEST_FAILED_MESSAGE, EngineDeadError, RequestFailedError
+from dsv41.deploy.chat_protocol import ChatRequestError, PromptEncoder, format_call_block, render_pieces
+from dsv41.deploy.openai_api import (
     REFUSALS,
     ChatCompletionRequest,
     ChatStreamWriter,

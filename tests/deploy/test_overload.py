@@ -21,7 +21,7 @@ import pytest
 import ray
 from ray import serve
 
-from deploy.app import AppArgs, AppStartFailed, AppStartTimeout, LLMServer, run_app
+from dsv41.deploy.app import AppArgs, AppStartFailed, AppStartTimeout, LLMServer, run_app
 
 REQUEST_TIMEOUT_S = 60
 LLM_SERVER_CPUS = 1

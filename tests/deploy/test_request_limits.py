@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy import safe_json
-from deploy.app import AppArgs, _is_json
-from deploy.openai_api import OpenAIError, RequestLimits, bearer_matches, parse_body
+from dsv41.deploy import safe_json
+from dsv41.deploy.app import AppArgs, _is_json
+from dsv41.deploy.openai_api import OpenAIError, RequestLimits, bearer_matches, parse_body
 
 _JSON = st.recursive(
     st.none()

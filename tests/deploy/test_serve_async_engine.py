@@ -9,11 +9,11 @@ from typing import Iterator
 
 import pytest
 
-from cluster.dp_engine import DPEngine, DPLayout
-from cluster.engine import Engine
-from cluster.request import RequestOutput, SamplingParams, SamplingParamsError
-from deploy.async_engine import REQUEST_FAILED_MESSAGE, AsyncEngine, EngineDeadError, RequestFailedError
-from deploy.metrics import ServingMetrics
+from dsv41.cluster.dp_engine import DPEngine, DPLayout
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import RequestOutput, SamplingParams, SamplingParamsError
+from dsv41.deploy.async_engine import REQUEST_FAILED_MESSAGE, AsyncEngine, EngineDeadError, RequestFailedError
+from dsv41.deploy.metrics import ServingMetrics
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 200, 17, 3], [40, 41, 42], list(range(60, 100))]

@@ -26,12 +26,12 @@ import pytest
 import ray
 from ray import serve
 
-import deploy.app
-from deploy.app import AppStartTimeout
-from deploy.cli import API_KEY_ENV, DEFAULT_GRPC_PORT, DEFAULT_START_TIMEOUT_S, _serve_settings, build_parser, main
-from deploy.procfs import descendants
-from deploy.proto.generate_pb2 import GenerateRequest
-from deploy.proto.generate_pb2_grpc import GenerateServiceStub
+import dsv41.deploy.app
+from dsv41.deploy.app import AppStartTimeout
+from dsv41.deploy.cli import API_KEY_ENV, DEFAULT_GRPC_PORT, DEFAULT_START_TIMEOUT_S, _serve_settings, build_parser, main
+from dsv41.deploy.procfs import descendants
+from dsv41.deploy.proto.generate_pb2 import GenerateRequest
+from dsv41.deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,7 @@ def test_serve_cli_serves_the_tiny_yaml_and_ctrl_c_leaves_nothing(
     handler must not deadlock on the second) the command exits 0 and every process it
     started (Ray's included) is gone. SIGTERM takes the same handler."""
     port, grpc_port = free_port(), free_port()
-    command = [sys.executable, "-m", "deploy.cli", "serve", "--config", "deploy/configs/tiny-cpu.yaml",
+    command = [sys.executable, "-m", "dsv41.deploy.cli", "serve", "--config", "deploy/configs/tiny-cpu.yaml",
                "--port", str(port), "--grpc-port", str(grpc_port), "--model", str(tiny_dir)]
     key = "serve-cli-key"
     env = {**os.environ, "PYTHONPATH": str(ROOT), API_KEY_ENV: key}
@@ -128,7 +128,7 @@ def test_a_start_past_the_deadline_exits_with_the_reason(
         calls.append(f"run_app {name} {route_prefix} {timeout_s}")
         raise AppStartTimeout(f"application {name!r} not running after {timeout_s} s: LLMServer pending")
 
-    monkeypatch.setattr(deploy.app, "run_app", run_app)
+    monkeypatch.setattr(dsv41.deploy.app, "run_app", run_app)
     message = _serve(tiny_dir, *options)
     assert message == f"dsv41 serve: application 'dsv41' not running after {deadline} s: LLMServer pending"
     assert calls == ["ray.init", "serve.start", f"run_app dsv41 / {deadline}", "serve.shutdown", "ray.shutdown"]
@@ -153,7 +153,7 @@ def test_a_signal_while_starting_stops_the_start_and_shuts_down(
         os.kill(os.getpid(), signum)
         calls.append("serve.shutdown")
 
-    monkeypatch.setattr(deploy.app, "run_app", run_app)
+    monkeypatch.setattr(dsv41.deploy.app, "run_app", run_app)
     monkeypatch.setattr(serve, "shutdown", serve_shutdown)
     message = _serve(tiny_dir, "--start-timeout", "60")
     assert message == f"dsv41 serve: {signum.name} before the application was running"
@@ -170,7 +170,7 @@ def _settings(tmp_path: Path, config: dict[str, Any] | None, *flags: str) -> tup
 
 
 def _config(http: dict[str, Any] | None = None, **app: Any) -> dict[str, Any]:
-    config: dict[str, Any] = {"applications": [{"name": "a", "import_path": "deploy.app:build_app", "args": app}]}
+    config: dict[str, Any] = {"applications": [{"name": "a", "import_path": "dsv41.deploy.app:build_app", "args": app}]}
     if http is not None:
         config["http_options"] = http
     return config

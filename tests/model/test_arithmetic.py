@@ -6,11 +6,11 @@ import math
 
 import torch
 
-from model.attention import sparse_attention
-from model.config import RopeScaling
-from model.indexer import EMPTY, candidate_mask, select_topk
-from model.mhc import HcMix, collapse, expand, first_pre, hc_mix, sinkhorn
-from model.moe import (
+from dsv41.model.attention import sparse_attention
+from dsv41.model.config import RopeScaling
+from dsv41.model.indexer import EMPTY, candidate_mask, select_topk
+from dsv41.model.mhc import HcMix, collapse, expand, first_pre, hc_mix, sinkhorn
+from dsv41.model.moe import (
     ExpertWeights,
     MoEWeights,
     combine_slots,
@@ -20,8 +20,8 @@ from model.moe import (
     routed_expert_slots,
     routed_experts,
 )
-from model.norm import rms_norm
-from model.rope import Rope, rope_inv_freq
+from dsv41.model.norm import rms_norm
+from dsv41.model.rope import Rope, rope_inv_freq
 
 
 def test_sinkhorn_is_doubly_stochastic() -> None:

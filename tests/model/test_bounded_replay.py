@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.bounded_replay import tail_start
-from model.params import load_model_params
-from model.reference import ReferenceModel, ReferenceOutput
+from dsv41.model.bounded_replay import tail_start
+from dsv41.model.params import load_model_params
+from dsv41.model.reference import ReferenceModel, ReferenceOutput
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import pytest
 
-from model.config import FLASH_CONFIG_DIR, PRETRAINED_CONFIG_FIELDS, ConfigError, LayerMode, V41Config
+from dsv41.model.config import FLASH_CONFIG_DIR, PRETRAINED_CONFIG_FIELDS, ConfigError, LayerMode, V41Config
 
 FLASH = FLASH_CONFIG_DIR
 
@@ -115,7 +115,7 @@ def _released_quantized() -> dict:
 
 
 def _config_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "model.config" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "dsv41.model.config" and r.levelno == logging.WARNING]
 
 
 def test_the_declared_generic_fields_are_exactly_what_transformers_writes() -> None:
@@ -141,7 +141,7 @@ def test_a_transformers_written_config_is_the_released_one(
     want = V41Config.from_dict(raw)
     written = transformers_written(raw, transformers_version, layout)
     assert set(PRETRAINED_CONFIG_FIELDS) & set(written["text_config"] if layout == "nested" else written)
-    with caplog.at_level(logging.WARNING, logger="model.config"):
+    with caplog.at_level(logging.WARNING, logger="dsv41.model.config"):
         assert V41Config.from_dict(written) == want
     assert _config_warnings(caplog) == []
     assert want.quantization is not None and want.quantization.activation_scheme == "dynamic"
@@ -198,7 +198,7 @@ def test_unknown_fields_are_warned_about_once_by_name(
     written["text_config"]["frobnicate_layers"] = [3]
     written["quantization_config"]["frobnicate_scale"] = "x"
     (tmp_path / "config.json").write_text(json.dumps(written))
-    with caplog.at_level(logging.WARNING, logger="model.config"):
+    with caplog.at_level(logging.WARNING, logger="dsv41.model.config"):
         config = V41Config.from_pretrained(tmp_path)
         assert V41Config.from_pretrained(tmp_path) == config
     assert config == V41Config.from_dict(_released_quantized())

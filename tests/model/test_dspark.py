@@ -14,15 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2
 
-from cluster.sampler import gumbel_noise
-from model.config import LayerMode
-from model.dspark import NO_TOKEN, ReferenceDrafter, verify_greedy, verify_stochastic
-from model.formats import round_fp8
-from model.mhc import first_pre, run_site
-from model.moe import moe_forward
-from model.params import ModelParams, load_model_params
-from model.reference import ReferenceModel
-from model.rope import Rope
+from dsv41.cluster.sampler import gumbel_noise
+from dsv41.model.config import LayerMode
+from dsv41.model.dspark import NO_TOKEN, ReferenceDrafter, verify_greedy, verify_stochastic
+from dsv41.model.formats import round_fp8
+from dsv41.model.mhc import first_pre, run_site
+from dsv41.model.moe import moe_forward
+from dsv41.model.params import ModelParams, load_model_params
+from dsv41.model.reference import ReferenceModel
+from dsv41.model.rope import Rope
 
 
 @pytest.fixture(scope="module")

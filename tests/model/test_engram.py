@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from model.config import FLASH_CONFIG_DIR, ConfigError, V41Config
-from model.engram import (
+from dsv41.model.config import FLASH_CONFIG_DIR, ConfigError, V41Config
+from dsv41.model.engram import (
     DEAD,
     EngramHashing,
     EngramTable,
@@ -25,7 +25,7 @@ from model.engram import (
     engram_row_counts,
     engram_update,
 )
-from model.formats import dequantize_fp8, quantize_fp8
+from dsv41.model.formats import dequantize_fp8, quantize_fp8
 
 FLASH_DIR = FLASH_CONFIG_DIR
 INT64_MIN = -(2**63)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from model.reference import ReferenceModel
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.model.reference import ReferenceModel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -64,7 +64,7 @@ def test_fixed_tile_gemm_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> N
     """The batch-invariant GEMM on the GPU: a row of a call of any size, at any
     position, equals that row projected alone; the product is the matmul's to the
     dtype's rounding."""
-    from model.kernels.triton.gemm import fixed_tile_matmul
+    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
 
     g = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(1000, 4096, generator=g, device="cuda").to(dtype)
@@ -82,7 +82,7 @@ def test_fixed_tile_gemm_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> N
 def test_row_sum_rows_do_not_depend_on_the_call() -> None:
     """The batch-invariant row reduction on the GPU: a row's sum is the same in a call
     of 1 row or 4096, and is the sum to fp32 rounding."""
-    from model.kernels.triton.reduce import row_sum
+    from dsv41.model.kernels.triton.reduce import row_sum
 
     x = torch.randn(4096, 16384, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
     whole = row_sum(x)

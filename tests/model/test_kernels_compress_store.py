@@ -19,21 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.addressing import NO_ROW, CompressionPlan, PoolShape, SegmentSpec, build_step_addresses
-from cache.plane_io import PlaneIO, PlaneView
-from cache.pools import PoolSize, V41Pools
-from cluster.engine import Engine, InProcessExecutor, RankLayout, engine_options
-from cluster.pool_layout import pool_geometry
-from cluster.runner import ModelRunner
-from model.config import V41Config
-from model.device import move_tensors
-from model.kernels.interface import SCALE_GROUPS
-from model.kernels.torch_backend import TorchKernels
-from model.params import load_model_params
+from dsv41.cache.addressing import NO_ROW, CompressionPlan, PoolShape, SegmentSpec, build_step_addresses
+from dsv41.cache.plane_io import PlaneIO, PlaneView
+from dsv41.cache.pools import PoolSize, V41Pools
+from dsv41.cluster.engine import Engine, InProcessExecutor, RankLayout, engine_options
+from dsv41.cluster.pool_layout import pool_geometry
+from dsv41.cluster.runner import ModelRunner
+from dsv41.model.config import V41Config
+from dsv41.model.device import move_tensors
+from dsv41.model.kernels.interface import SCALE_GROUPS
+from dsv41.model.kernels.torch_backend import TorchKernels
+from dsv41.model.params import load_model_params
 
 pytest.importorskip("triton")
 
-from model.kernels.triton import TritonKernels  # noqa: E402  (needs triton)
+from dsv41.model.kernels.triton import TritonKernels  # noqa: E402  (needs triton)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The pooled rows' bound, in float32 ulps of |v1| p1 + |v2| p2: numpy's float32 exp is

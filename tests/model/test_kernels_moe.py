@@ -22,19 +22,19 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
-from cluster.engine import Engine
-from cluster.request import SamplingParams
-from model.formats import round_mxfp4
-from model.kernels.interface import ExpertBank
-from model.loader import ExpertShard
-from model.moe import ExpertWeights, Routing, combine_slots, moe_forward, routed_expert_slots
-from model.params import load_model_params
+from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.request import SamplingParams
+from dsv41.model.formats import round_mxfp4
+from dsv41.model.kernels.interface import ExpertBank
+from dsv41.model.loader import ExpertShard
+from dsv41.model.moe import ExpertWeights, Routing, combine_slots, moe_forward, routed_expert_slots
+from dsv41.model.params import load_model_params
 
 pytest.importorskip("triton")
 
-from model.kernels.triton import TritonKernels  # noqa: E402
-from model.kernels.triton.moe import TritonExpertBank, align_pairs  # noqa: E402
+from dsv41.model.kernels.triton import TritonKernels  # noqa: E402
+from dsv41.model.kernels.triton.moe import TritonExpertBank, align_pairs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LIMIT = 1.5  # small enough that the clamps of w1 x and w3 x bind on some values

@@ -18,23 +18,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.plane_io import PlaneIO
-from cache.pools import PoolSize, V41Pools
-from cluster.engine import Engine
-from cluster.pool_layout import pool_geometry
-from cluster.request import SamplingParams
-from model.config import FLASH_CONFIG_DIR, V41Config
-from model.formats import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4, round_fp8, round_mxfp4
-from model.kernels.torch_backend import TorchKernels
+from dsv41.cache.plane_io import PlaneIO
+from dsv41.cache.pools import PoolSize, V41Pools
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.pool_layout import pool_geometry
+from dsv41.cluster.request import SamplingParams
+from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
+from dsv41.model.formats import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4, round_fp8, round_mxfp4
+from dsv41.model.kernels.torch_backend import TorchKernels
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from model.kernels.interface import SCALE_GROUPS  # noqa: E402
-from model.kernels.triton import FORMAT_CODES, TritonKernels  # noqa: E402
-from model.kernels.triton.attention import AttentionTiling, plan_key_split  # noqa: E402
-from model.kernels.triton.decode import load_rows  # noqa: E402
-from model.kernels.triton.index_scorer import ScorerTiling, plan_entry_span  # noqa: E402
+from dsv41.model.kernels.interface import SCALE_GROUPS  # noqa: E402
+from dsv41.model.kernels.triton import FORMAT_CODES, TritonKernels  # noqa: E402
+from dsv41.model.kernels.triton.attention import AttentionTiling, plan_key_split  # noqa: E402
+from dsv41.model.kernels.triton.decode import load_rows  # noqa: E402
+from dsv41.model.kernels.triton.index_scorer import ScorerTiling, plan_entry_span  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLASH = FLASH_CONFIG_DIR

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.linalg import (
+from dsv41.model.linalg import (
     KEY_TILE,
     ROW_TILE,
     batch_invariant,
@@ -126,7 +126,7 @@ def test_triton_fixed_tile_gemm_is_the_matmul() -> None:
     GPU's dot instructions, not of the interpreter's numpy dots: tests/model/
     test_gpu_runtime.py checks it on a GPU.)"""
     pytest.importorskip("triton")
-    from model.kernels.triton.gemm import fixed_tile_matmul
+    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
 
     weight = torch.randn(70, 48, generator=_generator(10))
     rows = torch.randn(40, 48, generator=_generator(11))
@@ -139,7 +139,7 @@ def test_triton_row_sum_rows_do_not_depend_on_the_call() -> None:
     """The GPU mode's row reduction (interpreted here): a row's sum is the same in a
     call of any size, and is the sum to fp32 rounding."""
     pytest.importorskip("triton")
-    from model.kernels.triton.reduce import row_sum
+    from dsv41.model.kernels.triton.reduce import row_sum
 
     x = torch.randn(9, 2500, generator=_generator(12))
     whole = row_sum(x)

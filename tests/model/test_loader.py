@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import model.loader as loader
-from model.config import FLASH_CONFIG_DIR, ConfigError, LayerMode, V41Config
-from model.loader import (
+import dsv41.model.loader as loader
+from dsv41.model.config import FLASH_CONFIG_DIR, ConfigError, LayerMode, V41Config
+from dsv41.model.loader import (
     CheckpointError,
     ExpertShard,
     LoadedCheckpoint,
@@ -27,8 +27,8 @@ from model.loader import (
     load_checkpoint,
     read_safetensors_header,
 )
-from model.tiny import TINY, make_tiny
-from model.weights import TensorKind, TensorSpec, checkpoint_tensors, routed_expert
+from dsv41.model.tiny import TINY, make_tiny
+from dsv41.model.weights import TensorKind, TensorSpec, checkpoint_tensors, routed_expert
 
 Tensors = dict[str, torch.Tensor]
 
@@ -442,7 +442,7 @@ def test_a_transformers_written_checkpoint_loads_like_the_released_one(
     raw = json.loads((extended / "config.json").read_text())
     raw["text_config"]["frobnicate_layers"] = 3
     (extended / "config.json").write_text(json.dumps(raw))
-    with caplog.at_level(logging.WARNING, logger="model.config"):
+    with caplog.at_level(logging.WARNING, logger="dsv41.model.config"):
         assert load_checkpoint(extended).config == full_quantized.config
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(messages) == 1 and messages[0].count("frobnicate_layers") == 1

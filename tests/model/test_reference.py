@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.params import load_model_params
-from model.reference import ReferenceModel
+from dsv41.model.params import load_model_params
+from dsv41.model.reference import ReferenceModel
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cluster.engine import Engine, EngineOptions
-from cluster.request import SamplingParams
-from model.config import FLASH_CONFIG_DIR, LayerMode, V41Config
-from model.loader import (
+from dsv41.cluster.engine import Engine, EngineOptions
+from dsv41.cluster.request import SamplingParams
+from dsv41.model.config import FLASH_CONFIG_DIR, LayerMode, V41Config
+from dsv41.model.loader import (
     SINGLE_FILE,
     TOKENIZER_FILE,
     CheckpointError,
@@ -25,10 +25,10 @@ from model.loader import (
     load_checkpoint,
     load_generated,
 )
-from model.params import ModelParams
-from model.reference_slice import REFERENCE_SLICE, SMALL_SLICE, SliceModel, SliceWeights, load_slice
-from model.tiny import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-from model.weights import checkpoint_tensors
+from dsv41.model.params import ModelParams
+from dsv41.model.reference_slice import REFERENCE_SLICE, SMALL_SLICE, SliceModel, SliceWeights, load_slice
+from dsv41.model.tiny import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+from dsv41.model.weights import checkpoint_tensors
 
 FLASH = FLASH_CONFIG_DIR
 

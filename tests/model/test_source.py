@@ -15,10 +15,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from model.config import FLASH_CONFIG_DIR, V41Config
-from model.params import load_model_params
-from model.reference_slice import EXPERT_FORMATS, SMALL_SLICE, SliceModel
-from model.source import SLICES, ModelSource, ModelSourceError
+from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
+from dsv41.model.params import load_model_params
+from dsv41.model.reference_slice import EXPERT_FORMATS, SMALL_SLICE, SliceModel
+from dsv41.model.source import SLICES, ModelSource, ModelSourceError
 
 
 @given(

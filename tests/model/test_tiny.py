@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from model.config import ConfigError, LayerMode, V41Config
-from model.loader import ExpertShard, load_checkpoint
-from model.params import ModelParams
-from model.reference import ReferenceModel
-from model.tiny import SHARD_FILES, TINY, make_tiny, tiny_config
-from model.weights import checkpoint_tensors, quantize
+from dsv41.model.config import ConfigError, LayerMode, V41Config
+from dsv41.model.loader import ExpertShard, load_checkpoint
+from dsv41.model.params import ModelParams
+from dsv41.model.reference import ReferenceModel
+from dsv41.model.tiny import SHARD_FILES, TINY, make_tiny, tiny_config
+from dsv41.model.weights import checkpoint_tensors, quantize
 
 # PROTOCOL.md's strings, spelled with escapes so the fullwidth U+FF5C and U+2581 are explicit.
 PROTOCOL_SPECIAL_TOKENS = {

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from model.reference import ReferenceModel
-from model.tiny import TINY, build_tokenizer
-from model.training import HELDOUT_EVERY, Corpus, TrainableModel, straight_through_roundings, target_loss
+from dsv41.model.reference import ReferenceModel
+from dsv41.model.tiny import TINY, build_tokenizer
+from dsv41.model.training import HELDOUT_EVERY, Corpus, TrainableModel, straight_through_roundings, target_loss
 
 
 def test_straight_through_roundings_change_no_value_and_let_gradients_through() -> None:

@@ -22,9 +22,9 @@ from typing import Any, Mapping
 import torch
 import triton
 
-from model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
-from model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresses, PlaneView, check_row_write
-from model.kernels.triton.attention import (
+from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
+from dsv41.model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresses, PlaneView, check_row_write
+from dsv41.model.kernels.triton.attention import (
     LOG2E,
     AttentionTiling,
     fixed_key_split,
@@ -32,12 +32,14 @@ from model.kernels.triton.attention import (
     plan_key_split,
     sparse_attention_kernel,
 )
-from model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
-from model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
-from model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
-from model.kernels.triton.store import store_rows_kernel
-from model.linalg import batch_invariant_enabled
-from model.moe import ExpertWeights, Routing
+from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
+from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
+from dsv41.model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
+from dsv41.model.kernels.triton.store import store_rows_kernel
+from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+from dsv41.model.kernels.triton.reduce import row_sum
+from dsv41.model.linalg import GpuKernels, batch_invariant_enabled, register_gpu_kernels
+from dsv41.model.moe import ExpertWeights, Routing
 
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
 DEFAULT_LOGITS_BUDGET_BYTES = 2048 << 20
@@ -51,6 +53,7 @@ VALUES_PER_PROGRAM = 4096
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 logger = logging.getLogger(__name__)
+register_gpu_kernels(GpuKernels(matmul=fixed_tile_matmul, row_sum=row_sum))
 if INTERPRETED:
     logger.info("triton kernels: interpreter mode, fp32 dot operands, tl.exp in the pair softmax")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from model.kernels.triton.decode import load_rows
+from dsv41.model.kernels.triton.decode import load_rows
 
 # Logits are kept in log2 units (exp2 is the hardware's exponential).
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.triton.moe import TL_DTYPES
+from dsv41.model.kernels.triton.moe import TL_DTYPES
 
 # Triton's CPU interpreter computes bf16 dots wrongly (model/kernels/triton/__init__.py),
 # so under it bf16 operands are lifted to fp32, which holds them exactly.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from model.kernels.triton.decode import load_rows
+from dsv41.model.kernels.triton.decode import load_rows
 
 
 @dataclass(frozen=True)

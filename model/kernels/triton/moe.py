@@ -28,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from model.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
-from model.linalg import batch_invariant_enabled
-from model.kernels.interface import EXPERT_WEIGHT_FORMATS
-from model.kernels.triton.decode import e2m1_to_f32, e8m0_to_f32
-from model.moe import ExpertWeights, Routing
+from dsv41.model.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
+from dsv41.model.linalg import batch_invariant_enabled
+from dsv41.model.kernels.interface import EXPERT_WEIGHT_FORMATS
+from dsv41.model.kernels.triton.decode import e2m1_to_f32, e8m0_to_f32
+from dsv41.model.moe import ExpertWeights, Routing
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 PROJECTIONS = ("w1", "w3", "w2")

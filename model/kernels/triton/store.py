@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from model.kernels.triton.decode import e2m1_to_f32, e4m3_to_f32
+from dsv41.model.kernels.triton.decode import e2m1_to_f32, e4m3_to_f32
 
 
 @triton.jit
