@@ -2,8 +2,8 @@
 
 Owns ``EngineGroup``, the context-managed client: it starts a ``SchedulerActor``
 (actors/scheduler.py, which owns the group's RankGroup) in the group's placement, and
-forwards the engine interface to it, rebuilding each step's outputs from the deltas the
-actor sends (``actors.output_wire``).
+forwards the engine interface to it; each step's outputs (the engine's deltas) come back
+in a numbered frame (``actors.output_wire``).
 
 Lifetimes follow Ray's ownership: the client owns the SchedulerActor, which owns the
 ranks and the OffloadActor, and an actor that is not detached dies with its owner, so
@@ -134,7 +134,6 @@ class EngineGroup:
         return self._outputs.outputs(ray.get(self.actor.step.remote()))
 
     def abort(self, request_id: str) -> bool:
-        self._outputs.forget(request_id)
         return ray.get(self.actor.abort.remote(request_id))
 
     def has_unfinished_requests(self) -> bool:

@@ -117,7 +117,6 @@ class SchedulerActor:
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
-            self._output_sender.forget(request_id)
             return self.engine.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:

@@ -337,7 +337,7 @@ class DPEngine(EngineFrontend):
         for request in list(self._requests.values()):
             if not request.is_finished:
                 request.finish(RequestStatus.FINISHED_ERROR)
-                outputs.append(request.to_output())
+                outputs.append(request.take_output())
         self._requests.clear()
         self._children.clear()
         self._rank_of.clear()

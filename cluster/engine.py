@@ -30,7 +30,14 @@ from dsv41.cache.pools import PoolSize
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
 from dsv41.cluster.pool_layout import pool_geometry
-from dsv41.cluster.request import Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
+from dsv41.cluster.request import (
+    CumulativeOutputs,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    SeedSource,
+)
 from dsv41.cluster.runner import ModelRunner, StepResult
 from dsv41.cluster.sampler import prompt_logprobs
 from dsv41.cluster.scheduler import Scheduler, SchedulerConfig
@@ -409,7 +416,7 @@ class EngineFrontend(abc.ABC):
                 if self.stop_checker.check_stop(request):
                     scheduler.finish(request)
                     self._forget(request)
-                outputs.append(request.to_output())
+                outputs.append(request.take_output())
         return outputs
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
@@ -422,11 +429,14 @@ class EngineFrontend(abc.ABC):
             self.add_request(rid, prompt, params)
             order.extend(self._children.get(rid, (rid,)))
         wanted = set(order)
+        whole = CumulativeOutputs()
         final: dict[str, RequestOutput] = {}
         while len(final) < len(order):
             for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
+                if out.request_id in wanted:
+                    cumulative = whole.add(out)
+                    if out.finished:
+                        final[out.request_id] = cumulative
         return [final[rid] for rid in order]
 
     def _forget(self, request: Request) -> None:

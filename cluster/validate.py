@@ -36,7 +36,7 @@ import torch
 from dsv41.cluster.distributed import BACKENDS
 from dsv41.cluster.dp_engine import EXPERT_MODES, DPEngine, DPLayout, ThreadedRanks
 from dsv41.cluster.engine import Engine, EngineStats, engine_options
-from dsv41.cluster.request import Request, RequestOutput, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, SamplingParams
 from dsv41.model.kernels import KERNEL_BACKENDS
 from dsv41.model.params import ModelParams
 from dsv41.model.reference import ReferenceModel
@@ -182,24 +182,33 @@ class _Run:
         return sum(r.hit_tokens for r in self.stats.ranks)
 
 
-def _step(replica: Replica, finished: dict[str, RequestOutput]) -> None:
-    """One step of ``replica``; keeps the outputs of the requests it finished."""
-    for out in replica.step():
-        if out.finished:
-            finished[out.request_id] = out
+class _Finished(dict[str, RequestOutput]):
+    """The whole outputs of the requests a run finished, by id, added up from each
+    step's deltas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._whole = CumulativeOutputs()
+
+    def step(self, replica: Replica) -> None:
+        """One step of ``replica``; keeps the outputs of the requests it finished."""
+        for out in replica.step():
+            whole = self._whole.add(out)
+            if out.finished:
+                self[out.request_id] = whole
 
 
 def _run(replica: Replica, arrivals: list[tuple[int, str, list[int]]]) -> _Run:
     """Adds each (step, name, prompt) when the step loop reaches its step; runs all
     to completion."""
     pending = sorted(arrivals, key=lambda a: a[0])
-    finished: dict[str, RequestOutput] = {}
+    finished = _Finished()
     step = 0
     while pending or replica.has_unfinished_requests():
         while pending and pending[0][0] <= step:
             _, name, prompt = pending.pop(0)
             replica.add_request(name, prompt, GREEDY)
-        _step(replica, finished)
+        finished.step(replica)
         step += 1
     return _Run(finished, replica.stats())
 
@@ -340,12 +349,12 @@ def _tight_mixed(v: _Validation) -> None:
     prompts = v.prompts
     largest = max(len(p) for p in prompts.values()) + GREEDY.max_tokens
     pages = -(-largest // v.block_size) + 1
-    got: dict[str, RequestOutput] = {}
+    got = _Finished()
     with v.replica(max_num_batched_tokens=32, num_pages=pages, enable_prefix_caching=False) as replica:
         for name, prompt in prompts.items():
             replica.add_request(name, prompt, GREEDY)
         while replica.has_unfinished_requests():
-            _step(replica, got)
+            got.step(replica)
             if "mid" not in got:
                 mid = replica.request("mid")
                 if mid is not None and mid.num_output_tokens:
@@ -368,7 +377,7 @@ def _cancellation(v: _Validation) -> None:
     }
     survivors = ["fork-b", "fork-c"]
     aborted_at: dict[str, bool] = {}
-    finished: dict[str, RequestOutput] = {}
+    finished = _Finished()
     with v.replica(max_num_batched_tokens=32, max_num_seqs=3) as replica:
         for name in survivors:
             replica.add_request(name, prompts[name], GREEDY)
@@ -376,7 +385,7 @@ def _cancellation(v: _Validation) -> None:
             replica.add_request(f"x-{name}", prompt, GREEDY)
         aborted_at["waiting"] = replica.abort("x-waiting")
         while replica.has_unfinished_requests():
-            _step(replica, finished)
+            finished.step(replica)
             mid = replica.request("x-mid-prefill")
             if mid is not None and 0 < mid.num_computed_tokens < mid.num_prompt_tokens and "mid-prefill" not in aborted_at:
                 aborted_at["mid-prefill"] = replica.abort("x-mid-prefill")

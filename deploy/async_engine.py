@@ -3,8 +3,8 @@
 Owns :class:`AsyncEngine`: the only thread that ever calls the wrapped engine (an
 ``EngineFrontend``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
 ``request``), the thread-safe command queue that carries adds and aborts to it, and
-the per-request asyncio queues its ``RequestOutput`` snapshots are delivered to with
-``loop.call_soon_threadsafe``. A consumer that stops early (cancellation, a client
+the per-request asyncio queues its ``RequestOutput`` deltas (what each sample gained in a
+step) are delivered to with ``loop.call_soon_threadsafe``. A consumer that stops early (cancellation, a client
 disconnect, ``aclose``) aborts its request, which frees its PAGEs and STATE slot. An
 exception from ``step`` ends every in-flight request with :class:`EngineDeadError` and
 marks the engine dead for good (a replica's health check then fails and Serve replaces
@@ -60,7 +60,6 @@ _END = _End()
 
 @dataclass
 class _SampleTiming:
-    num_tokens: int = 0
     last_token_time: float | None = None
 
 
@@ -130,8 +129,8 @@ def engine_load(engine: EngineFrontend) -> EngineLoad:
 class AsyncEngine:
     """An EngineFrontend for asyncio callers (see the module docstring).
 
-    ``generate`` yields cumulative ``RequestOutput`` snapshots of every sample of the
-    request (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished.
+    ``generate`` yields the ``RequestOutput`` deltas of every sample of the request
+    (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished.
     A request the engine refuses raises its ``EngineError`` / ``SamplingParamsError``
     from the first iteration, with nothing queued."""
 
@@ -246,15 +245,13 @@ class AsyncEngine:
             if stream is None:
                 continue
             timing = stream.samples.setdefault(output.request_id, _SampleTiming())
-            new_tokens = len(output.token_ids) - timing.num_tokens
-            if new_tokens > 0:
+            if output.token_ids:
                 first = timing.last_token_time is None
                 self.metrics.observe_tokens(
-                    new_tokens,
+                    len(output.token_ids),
                     first_token_latency=now - stream.arrival_time if first else None,
                     gap=None if timing.last_token_time is None else now - timing.last_token_time,
                 )
-                timing.num_tokens = len(output.token_ids)
                 timing.last_token_time = now
             if output.finish_reason == FinishReason.ERROR:
                 self._fail(request_id, stream)

@@ -26,7 +26,7 @@ import torch
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.dp_engine import DPEngine, DPLayout
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import RequestOutput, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams
 from dsv41.cluster.runner import DecoderReplayError, ModelRunner
 from dsv41.model.indexer import EMPTY
 from dsv41.model.kernels.torch_backend import gather_plane_rows
@@ -216,13 +216,19 @@ def test_generation_equals_the_oracle_through_the_scheduler(engine: Engine) -> N
     prompts = {f"r{i}": _prompt(vocab, n, 20 + i) for i, n in enumerate((150, 20, 77, 33))}
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
     finished: dict[str, RequestOutput] = {}
+    whole = CumulativeOutputs()
+
+    def step() -> None:
+        for out in engine.step():
+            cumulative = whole.add(out)
+            if out.finished:
+                finished[out.request_id] = cumulative
+
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+        step()
     while engine.has_unfinished_requests():
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        step()
     reference = ReferenceModel(engine.params)
     for rid, prompt in prompts.items():
         out = finished[rid]
@@ -263,11 +269,15 @@ def test_threaded_dp2_with_replay_equals_one_rank(tiny_dir: Path) -> None:
     want = dict(zip(prompts, engine.generate(list(prompts.values()), params)))
     dp = DPEngine.in_process(tiny_dir, DPLayout(2, "ep"), **options)
     got: dict[int, RequestOutput] = {}
+    whole = CumulativeOutputs()
     step = 0
     while step <= max(arrivals) or dp.has_unfinished_requests():
         if step in prompts:
             dp.add_request(f"r{step}", prompts[step], params)
-        got.update((int(out.request_id[1:]), out) for out in dp.step() if out.finished)
+        for out in dp.step():
+            cumulative = whole.add(out)
+            if out.finished:
+                got[int(out.request_id[1:])] = cumulative
         step += 1
     assert {k: (o.token_ids, o.logprobs) for k, o in got.items()} == {
         k: (o.token_ids, o.logprobs) for k, o in want.items()

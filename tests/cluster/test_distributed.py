@@ -27,7 +27,7 @@ from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_
 from dsv41.cluster.dp_engine import DPEngine, DPLayout
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.placement import RankLoad, place
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, SamplingParams
 from dsv41.model.linalg import batch_invariant
 from dsv41.model.loader import ExpertShard
 from dsv41.model.moe import moe_forward
@@ -179,13 +179,15 @@ def _staggered(dp: DPEngine, prompts: list[list[int]], order: list[int]) -> dict
     """Adds prompts[order[0]] at step 0, the next one per step; returns each prompt's
     finished output."""
     got: dict[int, object] = {}
+    whole = CumulativeOutputs()
     step = 0
     while dp.has_unfinished_requests() or step < len(order):
         if step < len(order):
             dp.add_request(f"r{order[step]}", prompts[order[step]], GREEDY)
         for out in dp.step():
+            cumulative = whole.add(out)
             if out.finished:
-                got[int(out.request_id[1:])] = out
+                got[int(out.request_id[1:])] = cumulative
         step += 1
     for scheduler in dp.schedulers:
         stats = scheduler.block_manager.stats()

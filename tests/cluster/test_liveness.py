@@ -45,7 +45,7 @@ from tokenizers import Tokenizer
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
 from dsv41.cluster.dp_engine import DPEngine, DPLayout
 from dsv41.cluster.engine import Engine, EngineError, RankExecutor, RankLayout, engine_options
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, SamplingParams
 from dsv41.cluster.runner import SampledToken, StepResult
 from dsv41.model.config import V41Config
 from dsv41.model.params import ModelParams
@@ -109,6 +109,7 @@ def _drive(engine: Engine, recorder: _Recorder, arrivals: list[_Arrival]) -> dic
     returns the tokens of every request that finished (not aborted)."""
     bm = engine.block_manager
     finals: dict[str, tuple[int, ...]] = {}
+    whole = CumulativeOutputs()
     max_steps = 4 * sum(a.n * (len(a.prompt) + a.max_tokens) for a in arrivals)
     step = idle = 0
     last_arrival = max(a.step for a in arrivals)
@@ -121,8 +122,9 @@ def _drive(engine: Engine, recorder: _Recorder, arrivals: list[_Arrival]) -> dic
         unfinished = engine.has_unfinished_requests()
         before = recorder.batches
         for out in engine.step():
+            cumulative = whole.add(out)
             if out.finished:
-                finals[out.request_id] = out.token_ids
+                finals[out.request_id] = cumulative.token_ids
         idle = idle + 1 if unfinished and recorder.batches == before else 0
         stats = engine.stats()
         assert idle <= 1, f"step {step}: nothing ran for {idle} steps; {stats}"
