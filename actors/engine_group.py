@@ -30,16 +30,16 @@ from tokenizers import Tokenizer
 from dsv41.actors.group import GroupOptions, GroupPlacement, RankGroupDead
 from dsv41.actors.output_wire import OutputReceiver
 from dsv41.actors.scheduler import SchedulerActor
-from dsv41.cluster.dp_engine import DPLayout
-from dsv41.cluster.engine import EngineStats
-from dsv41.cluster.engine import engine_options as parse_engine_options
+from dsv41.cluster.interface import EngineClient, EngineStats
+from dsv41.cluster.options import engine_options as parse_engine_options
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import Request, RequestOutput, SamplingParams
 from dsv41.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
 
-class EngineGroup:
+class EngineGroup(EngineClient):
     """Client of one engine group: ``with EngineGroup(model, dp=2) as group:``
     starts a SchedulerActor and its ranks, and stops them on exit. ``model`` is a
     checkpoint directory or a generated slice (``model.source.ModelSource``), which
@@ -144,7 +144,7 @@ class EngineGroup:
         return ray.get(self.actor.request.remote(request_id))
 
     def stats(self) -> EngineStats:
-        """Requests by queue and every rank's PAGE counters (EngineFrontend.stats)."""
+        """Requests by queue and every rank's PAGE counters (EngineClient.stats)."""
         return ray.get(self.actor.engine_stats.remote())
 
     def group_stats(self) -> dict[str, Any]:

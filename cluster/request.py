@@ -251,7 +251,7 @@ class RequestOutput:
 class CumulativeOutputs:
     """Adds up each request's deltas: ``add`` returns the request's whole output so far
     (every token, text and logprob entry in one RequestOutput), built only for the
-    callers that ask (``EngineFrontend.generate``, validation, tests). A finished
+    callers that ask (``EngineClient.generate``, validation, tests). A finished
     request is dropped once its last output is built."""
 
     def __init__(self) -> None:

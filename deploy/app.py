@@ -66,7 +66,9 @@ from ray.serve.schema import ApplicationStatus
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from dsv41.cluster.engine import EngineFrontend, engine_options
+from dsv41.cluster.interface import EngineClient
+
+from dsv41.cluster.options import engine_options
 from dsv41.cluster.request import MAX_N, CumulativeOutputs, RequestOutput, SamplingParams
 from dsv41.deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
@@ -327,7 +329,7 @@ def llm_server_placement(args: AppArgs) -> dict[str, Any]:
     }
 
 
-def make_engine(args: AppArgs) -> EngineFrontend:
+def make_engine(args: AppArgs) -> EngineClient:
     """The engine of this replica: ``local`` loads it in this process; ``ray`` (inside
     a Serve replica deployed with :func:`llm_server_placement`) starts an engine group
     in the replica's placement group, its actors named after the replica

@@ -1,7 +1,7 @@
 """The engine of one replica driven for asyncio: one step-loop thread, one stream per request.
 
 Owns :class:`AsyncEngine`: the only thread that ever calls the wrapped engine (an
-``EngineFrontend``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
+``EngineClient``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
 ``request``), the thread-safe command queue that carries adds and aborts to it, and
 the per-request asyncio queues its ``RequestOutput`` deltas (what each sample gained in a
 step) are delivered to with ``loop.call_soon_threadsafe``. A consumer that stops early (cancellation, a client
@@ -29,13 +29,15 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from dsv41.cluster.engine import EngineError, EngineFrontend
+from dsv41.cluster.interface import EngineClient
+
+from dsv41.cluster.options import EngineError
 from dsv41.cluster.request import FinishReason, RequestOutput, SamplingParams, SamplingParamsError
 from dsv41.deploy.metrics import EngineLoad, ServingMetrics
 
 logger = logging.getLogger(__name__)
 
-# Sample ids of an ``n`` > 1 request are ``{request_id}#{i}`` (EngineFrontend.add_request).
+# Sample ids of an ``n`` > 1 request are ``{request_id}#{i}`` (EngineClient.add_request).
 SAMPLE_ID_SEPARATOR = "#"
 
 
@@ -112,7 +114,7 @@ def parent_request_id(sample_id: str) -> str:
     return parent if separator else sample_id
 
 
-def engine_load(engine: EngineFrontend) -> EngineLoad:
+def engine_load(engine: EngineClient) -> EngineLoad:
     """What the engine holds now, summed over its DP ranks. Runs on the engine thread."""
     stats = engine.stats()
     return EngineLoad(
@@ -127,14 +129,14 @@ def engine_load(engine: EngineFrontend) -> EngineLoad:
 
 
 class AsyncEngine:
-    """An EngineFrontend for asyncio callers (see the module docstring).
+    """An EngineClient for asyncio callers (see the module docstring).
 
     ``generate`` yields the ``RequestOutput`` deltas of every sample of the request
     (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished.
     A request the engine refuses raises its ``EngineError`` / ``SamplingParamsError``
     from the first iteration, with nothing queued."""
 
-    def __init__(self, engine: EngineFrontend, metrics: ServingMetrics, *, name: str = "dsv41-engine") -> None:
+    def __init__(self, engine: EngineClient, metrics: ServingMetrics, *, name: str = "dsv41-engine") -> None:
         self.engine = engine
         self.metrics = metrics
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from dsv41.cluster.engine import EngineError
+from dsv41.cluster.options import EngineError
 from dsv41.cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError, short_repr
 from dsv41.deploy import safe_json
 from dsv41.deploy.async_engine import EngineDeadError, RequestFailedError

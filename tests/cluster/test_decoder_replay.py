@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
 from dsv41.cluster.engine import Engine
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams
 from dsv41.cluster.runner import DecoderReplayError, ModelRunner
 from dsv41.model.indexer import EMPTY
@@ -49,7 +49,7 @@ def engine(tiny_dir: Path) -> Engine:
 
 
 def _runner(engine: Engine) -> ModelRunner:
-    return engine.executor.runner  # type: ignore[attr-defined]
+    return engine.runner
 
 
 def _prefill(engine: Engine, prompt: list[int], chunks: Sequence[int] | None) -> tuple[list[StepOutput], int]:
@@ -90,7 +90,7 @@ def _prefill(engine: Engine, prompt: list[int], chunks: Sequence[int] | None) ->
                 reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
                 num_prompt_tokens=len(prompt),
             )
-            engine.executor.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
+            engine.runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
             start = end
     finally:
         del runner.runtime.forward
@@ -167,7 +167,7 @@ def test_a_fresh_slot_resuming_above_the_tail_is_refused(engine: Engine) -> None
     )
     try:
         with pytest.raises(DecoderReplayError, match=rf"\[{start - 4}, {start}\)"):
-            engine.executor.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
+            engine.runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
     finally:
         bm.free("above-tail")
 
@@ -267,7 +267,7 @@ def test_threaded_dp2_with_replay_equals_one_rank(tiny_dir: Path) -> None:
     prompts = {step: _prompt(vocab, n, 40 + step) for step, n in arrivals.items()}
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)
     want = dict(zip(prompts, engine.generate(list(prompts.values()), params)))
-    dp = DPEngine.in_process(tiny_dir, DPLayout(2, "ep"), **options)
+    dp = Engine.in_process(tiny_dir, DPLayout(2, "ep"), **options)
     got: dict[int, RequestOutput] = {}
     whole = CumulativeOutputs()
     step = 0

@@ -9,8 +9,8 @@ from typing import Iterator
 
 import pytest
 
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
 from dsv41.cluster.engine import Engine
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams, SamplingParamsError
 from dsv41.deploy.async_engine import REQUEST_FAILED_MESSAGE, AsyncEngine, EngineDeadError, RequestFailedError
 from dsv41.deploy.metrics import ServingMetrics
@@ -140,7 +140,7 @@ def test_engine_death_ends_every_request_and_fails_health(tiny_dir: Path) -> Non
     engine.shutdown()
 
 
-class _RankLosingEngine(DPEngine):
+class _RankLosingEngine(Engine):
     """A one-rank DP engine (its rank a thread) that loses its rank at its third step:
     as after a rank failure, every request in flight ends with finish reason "error"
     (``fail_all``, what ``recover`` does before restarting the ranks)."""
