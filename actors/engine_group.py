@@ -2,8 +2,8 @@
 
 Owns ``EngineGroup``, the context-managed client: it starts a ``SchedulerActor``
 (actors/scheduler.py, which owns the group's RankGroup) in the group's placement, and
-forwards the engine interface to it, rebuilding each step's outputs from the deltas the
-actor sends (``actors.output_wire``).
+forwards the engine interface to it; each step's outputs (the engine's deltas) come back
+in a numbered frame (``actors.output_wire``).
 
 Lifetimes follow Ray's ownership: the client owns the SchedulerActor, which owns the
 ranks and the OffloadActor, and an actor that is not detached dies with its owner, so
@@ -30,16 +30,16 @@ from tokenizers import Tokenizer
 from dsv41.actors.group import GroupOptions, GroupPlacement, RankGroupDead
 from dsv41.actors.output_wire import OutputReceiver
 from dsv41.actors.scheduler import SchedulerActor
-from dsv41.cluster.dp_engine import DPLayout
-from dsv41.cluster.engine import EngineStats
-from dsv41.cluster.engine import engine_options as parse_engine_options
+from dsv41.cluster.interface import EngineClient, EngineStats
+from dsv41.cluster.options import engine_options as parse_engine_options
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import Request, RequestOutput, SamplingParams
 from dsv41.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
 
-class EngineGroup:
+class EngineGroup(EngineClient):
     """Client of one engine group: ``with EngineGroup(model, dp=2) as group:``
     starts a SchedulerActor and its ranks, and stops them on exit. ``model`` is a
     checkpoint directory or a generated slice (``model.source.ModelSource``), which
@@ -134,7 +134,6 @@ class EngineGroup:
         return self._outputs.outputs(ray.get(self.actor.step.remote()))
 
     def abort(self, request_id: str) -> bool:
-        self._outputs.forget(request_id)
         return ray.get(self.actor.abort.remote(request_id))
 
     def has_unfinished_requests(self) -> bool:
@@ -145,7 +144,7 @@ class EngineGroup:
         return ray.get(self.actor.request.remote(request_id))
 
     def stats(self) -> EngineStats:
-        """Requests by queue and every rank's PAGE counters (EngineFrontend.stats)."""
+        """Requests by queue and every rank's PAGE counters (EngineClient.stats)."""
         return ray.get(self.actor.engine_stats.remote())
 
     def group_stats(self) -> dict[str, Any]:

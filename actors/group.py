@@ -45,9 +45,9 @@ from dsv41.actors.transport import (
 )
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch
 from dsv41.cluster.distributed import GroupSpec
-from dsv41.cluster.dp_engine import DPLayout
-from dsv41.cluster.engine import EngineOptions
 from dsv41.cluster.offload_connector import OffloadConnector
+from dsv41.cluster.options import EngineOptions
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.runner import StepResult
 
 logger = logging.getLogger(__name__)

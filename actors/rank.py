@@ -4,7 +4,7 @@ Owns the process side of a rank: joining the group's process group (the head ran
 serves the rendezvous store at a port free on its node), loading its ``DPRank`` (TP1
 attention, embeddings, head, its own pools, one routed-expert shard; the group's
 offload connector) and running its batch of each step. Everything it computes is
-``cluster.dp_engine.DPRank``'s. Its step comes in as bytes (``execute_packed``: the
+``cluster.ranks.DPRank``'s. Its step comes in as bytes (``execute_packed``: the
 rank's end of ``actors.step_wire``), through whichever transport of ``actors.transport``
 the group runs (``serve_steps`` opens the socket one).
 
@@ -22,9 +22,9 @@ from dsv41.actors.step_wire import StepUnpacker, pack_result
 from dsv41.actors.transport import connect_to_driver, serve_connection
 from dsv41.cluster.batch import ScheduledBatch
 from dsv41.cluster.distributed import GroupSpec, free_port, open_process_group, tcp_store
-from dsv41.cluster.dp_engine import DPLayout, DPRank
-from dsv41.cluster.engine import EngineOptions
 from dsv41.cluster.offload_connector import OffloadConnector
+from dsv41.cluster.options import EngineOptions
+from dsv41.cluster.ranks import DPLayout, DPRank
 from dsv41.cluster.runner import StepResult
 
 

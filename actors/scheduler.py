@@ -1,6 +1,6 @@
 """SchedulerActor: the central scheduler of one engine group.
 
-Owns the group's step loop in one Ray actor: a ``DPEngine`` (a scheduler and block
+Owns the group's step loop in one Ray actor: a ``Engine`` (a scheduler and block
 manager per DP rank, placement of each request on a rank) whose executor is the
 group's ``RankGroup`` (each step every rank's ScheduledBatch and the packed DP
 metadata, through the group's transport), and the group's health loop: while no step
@@ -34,8 +34,10 @@ import ray
 from dsv41.actors.group import GroupOptions, GroupPlacement, RankGroup, RankGroupDead, RankGroupFailure
 from dsv41.actors.offload import OffloadActor, RayOffloadConnector
 from dsv41.actors.output_wire import OutputFrame, OutputSender
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
-from dsv41.cluster.engine import EngineOptions, EngineStats, RankLayout
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.interface import EngineStats
+from dsv41.cluster.options import EngineOptions, RankLayout
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import Request, RequestOutput, SamplingParams
 from dsv41.model.config import V41Config
 from dsv41.model.source import ModelSource
@@ -78,7 +80,7 @@ class SchedulerActor:
             ray.get(self.offload_actor.ping.remote(), timeout=group_options.start_timeout_s)
         self.ranks = RankGroup(name, model, options, dp, group_options, placement, self.offload)
         self.ranks.start()
-        self.engine = DPEngine.over(model, dp, self.ranks, options, self.offload)
+        self.engine = Engine.over(model, dp, self.ranks, options, self.offload)
         self.num_health_checks = 0
         self._lock = threading.Lock()
         self._undelivered: list[RequestOutput] = []
@@ -117,7 +119,6 @@ class SchedulerActor:
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
-            self._output_sender.forget(request_id)
             return self.engine.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:

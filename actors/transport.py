@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
-from dsv41.cluster.dp_engine import RankFailure
+from dsv41.cluster.ranks import RankFailure
 
 logger = logging.getLogger(__name__)
 

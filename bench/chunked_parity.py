@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 import torch
 
-from dsv41.cluster.engine import Engine, EngineOptions
+from dsv41.cluster.engine import Engine
+
+from dsv41.cluster.options import EngineOptions
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.params import ModelParams
 from dsv41.model.reference import ReferenceModel
@@ -60,7 +62,7 @@ def compare(params: ModelParams, model: SliceModel, prompt: list[int], chunks: t
     options = EngineOptions(
         block_size=BLOCK_SIZE, state_transfer="copy", enable_prefix_caching=False, num_pages=16, max_num_seqs=2
     )
-    paged = Engine(params, model.tokenizer, options).prompt_logits(prompt, chunk_sizes=chunks)
+    paged = Engine.from_params(params, model.tokenizer, options).prompt_logits(prompt, chunk_sizes=chunks)
     per_row = (paged.logits - reference.logits).abs().max(dim=1).values
     off = (per_row > OFF).nonzero().flatten().tolist()
     return {

@@ -137,7 +137,7 @@ def distinct_experts_per_step(engine: Engine, steps: int) -> float:
     """Runs ``steps`` decode steps with the MoE hook counting the distinct routed
     experts of every layer (routing recomputed by model/moe.route on the same rows);
     returns their sum over layers, averaged over the steps."""
-    runtime = engine.executor.runner.runtime
+    runtime = engine.runner.runtime
     config = engine.config
     original = runtime.moe
     counted: list[int] = []

@@ -40,7 +40,7 @@ import torch
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import RequestOutput, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams
 from dsv41.model.source import ModelSource
 from dsv41.model.tiny import make_tiny
 
@@ -59,15 +59,17 @@ def staggered(group: EngineGroup, prompts: list[list[int]]) -> dict[str, Request
     """Adds a prompt every other step, steps until all finish; outputs by request id."""
     pending = list(enumerate(prompts))
     done: dict[str, RequestOutput] = {}
+    whole = CumulativeOutputs()
     step = 0
     while pending or len(done) < len(prompts):
         if pending and step % 2 == 0:
             i, prompt = pending.pop(0)
             group.add_request(f"r{i}", prompt, GREEDY)
         for out in group.step():
+            cumulative = whole.add(out)
             if out.finished:
                 assert out.finish_reason == "length", f"{out.request_id}: {out.finish_reason}"
-                done[out.request_id] = out
+                done[out.request_id] = cumulative
         step += 1
     return done
 
@@ -113,7 +115,7 @@ def throughput(group: EngineGroup, vocab: int, concurrency: int, output_len: int
         t0 = time.perf_counter()
         outs = group.step()
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        generated += len(outs)
+        generated += sum(len(o.token_ids) for o in outs)
         if outs and first_token is None:
             first_token = time.perf_counter() - start
     wall = time.perf_counter() - start

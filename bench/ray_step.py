@@ -1,6 +1,6 @@
 """Benchmark of the Ray overhead of one engine-group step, per step transport.
 
-The step path of ``actors/``: a DPEngine schedules every rank's batch and packs the DP
+The step path of ``actors/``: a Engine schedules every rank's batch and packs the DP
 metadata; each rank's ``actors.step_wire.StepPacker`` turns its share into bytes; the
 group's transport (``actors.transport.open_transport``: ``sockets``, the default,
 ``compiled`` or ``calls``) carries them to the ranks' ``execute_packed`` and their packed
@@ -55,12 +55,13 @@ import ray
 import torch
 
 from dsv41.actors.group import GroupOptions
-from dsv41.actors.transport import TRANSPORTS, StepTransport, failing_as, open_transport
 from dsv41.actors.rank import RankActor
 from dsv41.actors.step_wire import pack_result, session_packers, unpack_result
+from dsv41.actors.transport import TRANSPORTS, StepTransport, failing_as, open_transport
 from dsv41.cluster.batch import ScheduledBatch
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
-from dsv41.cluster.engine import EngineOptions, engine_options
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.options import EngineOptions, engine_options
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.runner import SampledToken, StepResult
 from dsv41.model.tiny import make_tiny
@@ -151,12 +152,12 @@ class TimedExecutor:
             self.transport.close()
 
 
-def decoding_engine(model_dir: Path, executor: Any, world: int, running: int, steps: int) -> DPEngine:
+def decoding_engine(model_dir: Path, executor: Any, world: int, running: int, steps: int) -> Engine:
     """An engine over ``executor`` whose ``running`` requests decode for ``steps`` more
     steps after their prefill and a warm-up. Each request has its own SamplingParams,
     as requests from clients do."""
     options = engine_options(dict(block_size=32, max_num_seqs=64, max_num_batched_tokens=2048))
-    engine = DPEngine.over(model_dir, DPLayout(world), executor, options)
+    engine = Engine.over(model_dir, DPLayout(world), executor, options)
     for i in range(running):
         params = SamplingParams(max_tokens=steps + 10, temperature=0.0, ignore_eos=True, seed=i)
         engine.add_request(f"r{i}", list(range(3, 19)), params)

@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 from dsv41.cache.pools import PoolSize
-from dsv41.cluster.engine import Engine, EngineOptions, RankLayout
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.options import EngineOptions, RankLayout
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.params import ModelParams
 from dsv41.model.reference_slice import (
@@ -123,7 +124,7 @@ def build_slice_engine(
     num_pages = max_num_seqs * -(-tokens_per_request // options.block_size) + 1
     budget = PoolSize(num_pages=num_pages, num_slots=max_num_seqs).nbytes(geometry)
     options = dataclasses.replace(options, num_pages=num_pages, cache_memory_bytes=budget)
-    engine = Engine(params, checkpoint.tokenizer, options)
+    engine = Engine.from_params(params, checkpoint.tokenizer, options)
     print(
         f"engine: {backend} kernels on {device}, {num_pages} PAGEs x {options.block_size} tokens, "
         f"{max_num_seqs} STATE slots, pools {budget / 2**30:.2f} GiB",

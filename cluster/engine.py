@@ -1,60 +1,52 @@
-"""The engine: the step loop of one model replica over pluggable rank executors.
+"""The engine: the one step loop of a model replica, over however many DP ranks.
 
-Owns the public Python interface of DESIGN.md — ``Engine.from_pretrained``,
-``add_request``, ``step``, ``abort``, ``generate`` — and what joins its parts: request
-validation (nothing is queued for a bad request), the scheduler and block manager
-(where every request lives), the rank executor that runs each ScheduledBatch (in
-process here; Ray actors implement the same ``RankExecutor``), stop checking and the
-outputs handed back.
+Owns ``Engine``, the public Python interface of DESIGN.md (``from_pretrained``,
+``add_request``, ``step``, ``abort``, ``generate``; cluster/interface.py's
+``EngineClient``) and what joins its parts: request validation (nothing is queued for a
+bad request), a scheduler and block manager per DP rank (where every request lives),
+the placement of each request on one rank, one step of every rank at a time through a
+``DPStepExecutor`` (cluster/ranks.py: the one rank in this thread, ranks in threads, or
+Ray actors), stop checking and the delta outputs handed back, and the restart after a
+lost rank. A replica of one rank is this same loop with one scheduler; it also offers
+``prompt_logits``, the parity path of ``dsv41 logits``.
 
 Must not import: actors, deploy, ray.
 """
 
 from __future__ import annotations
 
-import abc
 import itertools
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 from tokenizers import Tokenizer
 
-from dsv41.cache.block_manager import BlockManager, BlockManagerStats, StateTransfer
+from dsv41.cache.block_manager import BlockManager
 from dsv41.cache.geometry import V41PoolGeometry
-from dsv41.cache.offload import TieredStore
 from dsv41.cache.pools import PoolSize
-from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.batch import DPMetadata, ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
-from dsv41.cluster.pool_layout import pool_geometry
-from dsv41.cluster.request import Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
-from dsv41.cluster.runner import ModelRunner, StepResult
+from dsv41.cluster.options import EngineError, EngineOptions, RankLayout, default_max_model_len, engine_options
+from dsv41.cluster.placement import RankLoad, place
+from dsv41.cluster.ranks import DPError, DPLayout, DPRank, DPStepExecutor, LocalRank, RankFailure, ThreadedRanks
+from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
+from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
 from dsv41.cluster.sampler import prompt_logprobs
-from dsv41.cluster.scheduler import Scheduler, SchedulerConfig
+from dsv41.cluster.scheduler import Scheduler
 from dsv41.cluster.stopping import StopChecker
 from dsv41.model.config import V41Config
-from dsv41.model.kernels import KERNEL_BACKENDS, load_kernels
-from dsv41.model.linalg import default_batch_invariant
+from dsv41.model.kernels import load_kernels
 from dsv41.model.params import ModelParams
 from dsv41.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CACHE_BYTES = 512 << 20
-# The context a CPU replica gets unless max_model_len says otherwise. A prefill's cost
-# grows faster than its length on the CPU (the tiny model, one core of a shared 2-core
-# box: 2k tokens in about 2.2 s, 16k in 159 s; BENCHMARKS.md, prefill_fairness), so the
-# model's own limit (1,048,576 positions) would admit requests that run for hours;
-# 4,096 tokens prefill in seconds.
-CPU_DEFAULT_MAX_MODEL_LEN = 4096
 PARITY_REQUEST_ID = "__prompt_logits__"
-
-
-class EngineError(ValueError):
-    """A request or option the engine refuses; nothing was queued or changed."""
 
 
 @dataclass(frozen=True)
@@ -66,267 +58,138 @@ class PromptScores:
     selections: dict[int, torch.Tensor]
 
 
-class RankExecutor(Protocol):
-    """Runs one ScheduledBatch on the ranks of a replica and returns its samples."""
+class Engine(EngineClient):
+    """One replica over ``world`` DP ranks: a scheduler and block manager per rank,
+    placement of each request on one rank, and one step of every rank at a time."""
 
-    def execute(self, batch: ScheduledBatch) -> StepResult: ...
-
-
-class InProcessExecutor:
-    """One rank in this process."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        return self.runner.execute(batch)
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How a replica runs; every field is checked before any weight is read."""
-
-    dtype: torch.dtype = torch.float32
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    # A request's prefill tokens per step (0: off, only the step budget bounds them).
-    # None: half of max_num_batched_tokens, so that a long prefill leaves room in every
-    # step for new requests' prefills and running decodes (see default_prefill_threshold).
-    long_prefill_token_threshold: int | None = None
-    block_size: int = 128
-    num_pages: int | None = None  # cap on PAGEs (tests force preemption with it)
-    num_state_slots: int | None = None  # default: max_num_seqs
-    cache_memory_bytes: int = DEFAULT_CACHE_BYTES
-    kv_cache_dtype: str = "bf16"
-    index_cache_dtype: str = "fp8"
-    state_transfer: str = "replay"
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None  # default: default_max_model_len
-    seed: int = 0
-    kernel_backend: str = "torch"  # "torch" (reference, anywhere) | "triton" (GPU) | "aiter" (ROCm)
-    device: str = "cpu"  # where weights, pools and the forward live ("cuda", "cuda:1", ...)
-    # Every row computed in an order that does not depend on the step's other rows
-    # (model/linalg.py), so a scheduled run is token for token an uninterrupted one.
-    # None: on for the CPU, off on a GPU (it costs GEMM throughput there).
-    batch_invariant: bool | None = None
-    # Decoder SWA bounded replay (model/bounded_replay.py; the spec's default): the
-    # decoder runs a prompt's last sliding_window rows and the rows after, with windows
-    # cut at that tail, and only the logit rows reach the last layer's attention and
-    # FFN. It changes a prompt's last logits from a full prefill's (the spec's
-    # accuracy note); prompt logits and prompt logprobs always run the full prefill.
-    decoder_swa_bounded_replay: bool = True
-    # Offload store of PAGE units and STATE images (0: none): host bytes, then an
-    # optional disk tier.
-    offload_host_bytes: int = 0
-    offload_disk_dir: str | None = None
-    offload_disk_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if self.dtype not in (torch.float32, torch.bfloat16):
-            raise EngineError(f"dtype: {self.dtype} (allowed: torch.float32, torch.bfloat16)")
-        if self.kv_cache_dtype not in ("bf16", "fp4"):
-            raise EngineError(f"kv_cache_dtype: {self.kv_cache_dtype!r} (allowed: 'bf16', 'fp4')")
-        if self.index_cache_dtype not in ("fp8", "fp4"):
-            raise EngineError(f"index_cache_dtype: {self.index_cache_dtype!r} (allowed: 'fp8', 'fp4')")
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            raise EngineError(f"kernel_backend: {self.kernel_backend!r} (allowed: {', '.join(KERNEL_BACKENDS)})")
-        if self.state_transfer not in ("replay", "copy"):
-            raise EngineError(f"state_transfer: {self.state_transfer!r} (allowed: 'replay', 'copy')")
-        if self.offload_host_bytes < 0 or self.offload_disk_bytes < 0:
-            raise EngineError(
-                f"offload_host_bytes / offload_disk_bytes: {self.offload_host_bytes} / {self.offload_disk_bytes} "
-                "(allowed: >= 0)"
-            )
-        if (self.offload_disk_dir is not None or self.offload_disk_bytes) and not self.offload_host_bytes:
-            raise EngineError(
-                "offload_disk_dir / offload_disk_bytes: set without offload_host_bytes (allowed: a disk tier behind a host tier)"
-            )
-        if (self.offload_disk_dir is None) != (self.offload_disk_bytes == 0):
-            raise EngineError(
-                f"offload_disk_dir / offload_disk_bytes: {self.offload_disk_dir!r} / {self.offload_disk_bytes} "
-                "(allowed: both set, or neither)"
-            )
-        if self.offload_host_bytes and not self.enable_prefix_caching:
-            raise EngineError("offload_host_bytes: needs enable_prefix_caching (offloaded units are prefix-cache PAGEs)")
-        if self.batch_invariant is None:
-            object.__setattr__(self, "batch_invariant", default_batch_invariant(self.device))
-        if self.batch_invariant and self.kernel_backend == "torch" and not self.device.startswith("cpu"):
-            raise EngineError(
-                f"batch_invariant: True with kernel_backend 'torch' on {self.device!r} (allowed: kernel_backend "
-                "'triton' on a GPU, or the CPU: the torch backend's attention there runs cuBLAS batched GEMMs, "
-                "whose algorithm follows the batch)"
-            )
-        for name in ("num_pages", "num_state_slots", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise EngineError(f"{name}: {value!r} (allowed: None or a positive integer)")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise EngineError(f"{name}: {value!r} (allowed: a positive integer)")
-        threshold = self.long_prefill_token_threshold
-        if threshold is None:
-            object.__setattr__(self, "long_prefill_token_threshold", default_prefill_threshold(self.max_num_batched_tokens))
-        elif not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
-            raise EngineError(f"long_prefill_token_threshold: {threshold!r} (allowed: None, 0 = off, or a positive integer)")
-
-
-def default_prefill_threshold(max_num_batched_tokens: int) -> int:
-    """The per-request prefill cap of a step when none is given: half the step's token
-    budget. vLLM's V1 scheduler applies the same cap (a request's new tokens per step
-    cut to ``long_prefill_token_threshold`` when that is > 0) but defaults it to 0,
-    setting 4% of max_model_len only when ``max_num_partial_prefills`` > 1; a cap tied
-    to max_model_len does nothing once it exceeds the step budget, so this one is tied
-    to the budget: one long prefill takes at most half of every step, and a request
-    that arrives behind it is admitted at the next step instead of after it."""
-    return max(max_num_batched_tokens // 2, 1)
-
-
-def default_max_model_len(config: V41Config, options: EngineOptions, pool_tokens: int) -> int:
-    """A replica's context limit: ``options.max_model_len`` if given, else the model's
-    ``max_position_embeddings`` (on a CPU device at most CPU_DEFAULT_MAX_MODEL_LEN),
-    never more than the pools hold (one sequence may fill them)."""
-    if options.max_model_len is not None:
-        return min(options.max_model_len, pool_tokens)
-    limit = config.max_position_embeddings
-    if torch.device(options.device).type == "cpu":
-        limit = min(limit, CPU_DEFAULT_MAX_MODEL_LEN)
-    return min(limit, pool_tokens)
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """The pools one rank allocates under ``options`` and the scheduler over them: the
-    geometry and pool size every process of a replica derives identically, so a
-    scheduler in one process and the pools of its rank in another agree on every
-    PAGE and slot id."""
-
-    geometry: V41PoolGeometry
-    pool_size: PoolSize
-    num_slots: int
-
-    @classmethod
-    def build(cls, config: V41Config, options: EngineOptions) -> "RankLayout":
-        geometry = pool_geometry(
-            config,
-            block_size=options.block_size,
-            kv_cache_dtype=options.kv_cache_dtype,
-            index_cache_dtype=options.index_cache_dtype,
-            encoder_replay=options.state_transfer == "replay",
-        )
-        slots = options.num_state_slots or options.max_num_seqs
-        pool_size = PoolSize.from_budget(
-            geometry, options.cache_memory_bytes, num_slots=slots, max_num_pages=options.num_pages
-        )
-        return cls(geometry=geometry, pool_size=pool_size, num_slots=slots)
-
-    def offload_store(self, options: EngineOptions) -> TieredStore | None:
-        """The offload store ``options`` ask for (None: no offload), serving this
-        layout."""
-        if not options.offload_host_bytes:
-            return None
-        return TieredStore(
-            self.geometry.layout_id,
-            self.geometry.page_bytes,
-            options.offload_host_bytes,
-            disk_dir=options.offload_disk_dir,
-            disk_budget_bytes=options.offload_disk_bytes,
-        )
-
-    def scheduler(self, config: V41Config, options: EngineOptions, offload: OffloadConnector | None = None) -> Scheduler:
-        """A fresh scheduler over a fresh block manager of these pools."""
-        block_manager = BlockManager(
-            num_pages=self.pool_size.num_pages,
-            num_slots=self.num_slots,
-            block_size=options.block_size,
-            state_transfer=StateTransfer(options.state_transfer),
-            enable_prefix_caching=options.enable_prefix_caching,
-        )
-        return Scheduler(
-            SchedulerConfig(
-                max_num_seqs=options.max_num_seqs,
-                max_num_batched_tokens=options.max_num_batched_tokens,
-                long_prefill_token_threshold=options.long_prefill_token_threshold,
-                block_size=options.block_size,
-                state_transfer=StateTransfer(options.state_transfer),
-                enable_prefix_caching=options.enable_prefix_caching,
-                engram_history=config.engram_max_ngram_size - 1,
-                decoder_replay_window=config.sliding_window if options.decoder_swa_bounded_replay else None,
-            ),
-            block_manager,
-            layout_id=self.geometry.layout_id,
-            image_pages=self.geometry.image_pages,
-            image_bytes=self.geometry.image_bytes,
-            offload=offload,
-        )
-
-
-def engine_options(options: dict[str, object]) -> EngineOptions:
-    """EngineOptions from keyword options; unknown ones are refused."""
-    known = set(EngineOptions.__dataclass_fields__)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise EngineError(f"options: unknown {unknown} (allowed: {sorted(known)})")
-    return EngineOptions(**options)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of what a replica holds: requests by queue, and each rank's PAGE
-    and prefix-cache counters and how many requests its scheduler preempted (both in
-    rank order)."""
-
-    requests_running: int
-    requests_waiting: int
-    ranks: tuple[BlockManagerStats, ...]
-    preemptions: tuple[int, ...]
-
-
-class EngineFrontend(abc.ABC):
-    """What every replica shape shares: request validation and bookkeeping, applying
-    a rank's step result (commit, stop checks, outputs), abort and generate. A
-    subclass says where a request is queued and how a step runs."""
-
-    def __init__(self, config: V41Config, tokenizer: Tokenizer, options: EngineOptions, layout: RankLayout) -> None:
+    def __init__(
+        self,
+        config: V41Config,
+        tokenizer: Tokenizer,
+        options: EngineOptions,
+        world: int,
+        executor: DPStepExecutor,
+        offload: OffloadConnector | None = None,
+    ) -> None:
+        if not isinstance(world, int) or world < 1:
+            raise DPError(f"world: {world!r} (allowed: an int >= 1)")
         self.config = config
         self.tokenizer = tokenizer
         self.options = options
+        self.layout = RankLayout.build(config, options)
+        self.world = world
+        self.executor = executor
+        self.offload = offload
         self.stop_checker = StopChecker(tokenizer, config.eos_token_id)
         self.seeds = SeedSource(options.seed)
-        self.pool_pages = layout.pool_size.num_pages
-        pool_tokens = self.pool_pages * options.block_size
-        self.max_model_len = default_max_model_len(config, options, pool_tokens)
+        self.max_model_len = default_max_model_len(
+            config, options, self.layout.pool_size.num_pages * options.block_size
+        )
+        self.schedulers = self._fresh_schedulers()
         self._requests: dict[str, Request] = {}
         self._children: dict[str, tuple[str, ...]] = {}
-
-    @abc.abstractmethod
-    def _enqueue(self, request: Request) -> None:
-        """Queues a validated request on the scheduler that will run it."""
-
-    @abc.abstractmethod
-    def _scheduler_of(self, request_id: str) -> Scheduler:
-        """The scheduler holding an unfinished request."""
-
-    @abc.abstractmethod
-    def _all_schedulers(self) -> Sequence[Scheduler]:
-        """Every scheduler of the replica (one per DP rank)."""
-
-    def has_unfinished_requests(self) -> bool:
-        return any(s.has_unfinished() for s in self._all_schedulers())
-
-    def stats(self) -> EngineStats:
-        schedulers = self._all_schedulers()
-        return EngineStats(
-            requests_running=sum(len(s.running) for s in schedulers),
-            requests_waiting=sum(len(s.waiting) for s in schedulers),
-            ranks=tuple(s.block_manager.stats() for s in schedulers),
-            preemptions=tuple(s.num_preemptions for s in schedulers),
+        self._rank_of: dict[str, int] = {}
+        self._step_id = 0
+        self.num_restarts = 0
+        logger.info(
+            "engine: %d rank(s), %d PAGEs x %d tokens, %d STATE slots per rank, layout %s",
+            world,
+            self.layout.pool_size.num_pages,
+            options.block_size,
+            self.layout.num_slots,
+            self.layout.geometry.layout_id,
         )
 
-    @abc.abstractmethod
-    def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns the requests that got a token or
-        finished in it."""
+    # -- building ---------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path | ModelSource, **options: object) -> "Engine":
+        """Loads ``model`` (a checkpoint directory in the official format, or a
+        generated slice: model/source.py) into a replica of one rank in this thread.
+        Options are EngineOptions' fields; unknown ones are refused."""
+        parsed = engine_options(options)
+        params, tokenizer = ModelSource.parse(model).load_params(dtype=parsed.dtype, device=parsed.device)
+        return cls.from_params(params, tokenizer, parsed)
+
+    @classmethod
+    def from_params(cls, params: ModelParams, tokenizer: Tokenizer, options: EngineOptions) -> "Engine":
+        """A replica of one rank in this thread over loaded weights (moved to
+        ``options.device``), with its own offload store when ``offload_host_bytes`` asks."""
+        layout = RankLayout.build(params.config, options)
+        store = layout.offload_store(options)
+        offload = LocalOffload(store) if store is not None else None
+        rank = DPRank(
+            params.to(options.device),
+            layout,
+            0,
+            None,
+            device=options.device,
+            kernels=load_kernels(options.kernel_backend),
+            offload=offload,
+            batch_invariant=bool(options.batch_invariant),
+            decoder_replay=options.decoder_swa_bounded_replay,
+        )
+        return cls(params.config, tokenizer, options, 1, LocalRank(rank), offload)
+
+    @classmethod
+    def over(
+        cls,
+        model: str | Path | ModelSource,
+        dp: DPLayout,
+        executor: DPStepExecutor,
+        options: EngineOptions,
+        offload: OffloadConnector | None = None,
+    ) -> "Engine":
+        """The engine of ranks already running ``model`` under ``dp`` (with
+        ``offload``, the store its ranks publish to); it reads the config and
+        tokenizer only, never a weight."""
+        source = ModelSource.parse(model)
+        return cls(source.config(), source.tokenizer(), options, dp.world, executor, offload)
+
+    @classmethod
+    def in_process(cls, model: str | Path | ModelSource, dp: DPLayout, **options: object) -> "Engine":
+        """A replica whose ranks are threads of this process (tests, one-box runs),
+        sharing one in-process offload store when ``offload_host_bytes`` asks."""
+        parsed = engine_options(options)
+        source = ModelSource.parse(model)
+        store = RankLayout.build(source.config(), parsed).offload_store(parsed)
+        offload = LocalOffload(store) if store is not None else None
+        return cls.over(source, dp, ThreadedRanks(source, parsed, dp, offload), parsed, offload)
+
+    def _fresh_schedulers(self) -> list[Scheduler]:
+        return [self.layout.scheduler(self.config, self.options, self.offload) for _ in range(self.world)]
+
+    # -- a replica of one rank --------------------------------------------------------
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The ModelRunner of a replica of one rank in this thread."""
+        if not isinstance(self.executor, LocalRank):
+            raise EngineError(f"runner: the engine's ranks are a {type(self.executor).__name__} (allowed: one local rank)")
+        return self.executor.runner
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler of a replica of one rank."""
+        if self.world != 1:
+            raise EngineError(f"scheduler: the engine has {self.world} ranks (allowed: one; see schedulers)")
+        return self.schedulers[0]
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    @property
+    def params(self) -> ModelParams:
+        return self.runner.params
+
+    @property
+    def geometry(self) -> V41PoolGeometry:
+        return self.layout.geometry
+
+    @property
+    def pool_size(self) -> PoolSize:
+        return self.layout.pool_size
 
     # -- requests -----------------------------------------------------------------------
 
@@ -357,20 +220,36 @@ class EngineFrontend(abc.ABC):
         for rid, seed in zip(ids, seeds):
             request = Request(rid, prompt, params, sampling_seed=seed, arrival_time=now)
             self._requests[rid] = request
-            self._enqueue(request)
+            self._place(request)
         if params.n > 1:
             self._children[request_id] = ids
 
     def _check_fits_pool(self, request_id: str, prompt_len: int, params: SamplingParams) -> None:
         block_size = self.options.block_size
+        pages = self.layout.pool_size.num_pages
         tokens = prompt_len + params.max_tokens
-        if tokens > self.pool_pages * block_size:
+        if tokens > pages * block_size:
             raise EngineError(
                 f"request {request_id!r}: prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {tokens} "
                 f"tokens need {-(-tokens // block_size)} PAGEs of {block_size} tokens, and the pools hold "
-                f"{self.pool_pages} PAGEs ({self.pool_pages * block_size} tokens) (allowed: prompt + max_tokens "
-                f"<= {self.pool_pages * block_size})"
+                f"{pages} PAGEs ({pages * block_size} tokens) (allowed: prompt + max_tokens <= {pages * block_size})"
             )
+
+    def _place(self, request: Request) -> None:
+        """Queues a validated request on the rank with the longest cached prefix of it,
+        then the least loaded (cluster/placement.py)."""
+        rank = 0
+        if self.world > 1:
+            loads = [
+                RankLoad(
+                    unfinished=len(s.running) + len(s.waiting),
+                    cached_prefix_tokens=s.block_manager.cached_prefix_tokens(request.all_token_ids),
+                )
+                for s in self.schedulers
+            ]
+            rank = place(loads, self.options.max_num_seqs)
+        self._rank_of[request.request_id] = rank
+        self.schedulers[rank].add(request)
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request (all its samples) wherever it is; its PAGEs and slot are
@@ -379,10 +258,11 @@ class EngineFrontend(abc.ABC):
         aborted = False
         for rid in ids:
             request = self._requests.pop(rid, None)
-            if request is None or request.is_finished:
+            rank = self._rank_of.pop(rid, None)
+            if request is None or request.is_finished or rank is None:
                 continue
             request.finish(RequestStatus.FINISHED_ABORTED)
-            self._scheduler_of(rid).finish(request)
+            self.schedulers[rank].finish(request)
             aborted = True
         return aborted
 
@@ -390,7 +270,41 @@ class EngineFrontend(abc.ABC):
         """The live record of an unfinished request (None once finished or unknown)."""
         return self._requests.get(request_id)
 
+    def has_unfinished_requests(self) -> bool:
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            requests_running=sum(len(s.running) for s in self.schedulers),
+            requests_waiting=sum(len(s.waiting) for s in self.schedulers),
+            ranks=tuple(s.block_manager.stats() for s in self.schedulers),
+            preemptions=tuple(s.num_preemptions for s in self.schedulers),
+        )
+
     # -- the step loop --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step of every rank; returns the delta outputs of the
+        requests that got a token or finished in it (after a lost rank: every request
+        in flight, ended in error, and the ranks restarted)."""
+        batches = tuple(s.schedule()[0] for s in self.schedulers)
+        if all(b.is_empty for b in batches):
+            return []
+        self._step_id += 1
+        metadata = None
+        if self.world > 1:
+            stages = None
+            if self.options.decoder_swa_bounded_replay:
+                stages = [stage_rows(b, self.config.sliding_window) for b in batches]
+            metadata = DPMetadata.of(self._step_id, batches, stages).to_wire()
+        try:
+            results = self.executor.execute(batches, metadata)
+        except RankFailure as exc:
+            return self.recover(f"a rank failed: {exc}")
+        outputs: list[RequestOutput] = []
+        for scheduler, batch, result in zip(self.schedulers, batches, results):
+            outputs.extend(self._apply(scheduler, batch, result))
+        return outputs
 
     def _apply(self, scheduler: Scheduler, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Commits a batch's forward on its scheduler; returns the requests that got a
@@ -409,12 +323,36 @@ class EngineFrontend(abc.ABC):
                 if self.stop_checker.check_stop(request):
                     scheduler.finish(request)
                     self._forget(request)
-                outputs.append(request.to_output())
+                outputs.append(request.take_output())
+        return outputs
+
+    def recover(self, reason: str) -> list[RequestOutput]:
+        """After a rank failure: ends every unfinished request (``fail_all``), counts
+        the restart and restarts the ranks. Returns the ended requests' outputs."""
+        outputs = self.fail_all(reason)
+        self.num_restarts += 1
+        self.executor.restart()
+        return outputs
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Ends every unfinished request with finish_reason "error" and starts every
+        rank's bookkeeping afresh (the ranks' pools are gone with them: nothing they
+        cached can be hit again). Returns the ended requests' final outputs."""
+        logger.error("engine: ending %d request(s): %s", len(self._requests), reason)
+        outputs = []
+        for request in list(self._requests.values()):
+            if not request.is_finished:
+                request.finish(RequestStatus.FINISHED_ERROR)
+                outputs.append(request.take_output())
+        self._requests.clear()
+        self._children.clear()
+        self._rank_of.clear()
+        self.schedulers = self._fresh_schedulers()
         return outputs
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
-        """Runs prompts to completion; one output per prompt (per sample when n > 1),
-        in prompt order."""
+        """Runs prompts to completion; one whole output per prompt (per sample when
+        n > 1), in prompt order."""
         prefix = f"generate-{next(_generate_ids)}"
         order: list[str] = []
         for i, prompt in enumerate(prompts):
@@ -422,15 +360,19 @@ class EngineFrontend(abc.ABC):
             self.add_request(rid, prompt, params)
             order.extend(self._children.get(rid, (rid,)))
         wanted = set(order)
+        whole = CumulativeOutputs()
         final: dict[str, RequestOutput] = {}
         while len(final) < len(order):
             for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
+                if out.request_id in wanted:
+                    cumulative = whole.add(out)
+                    if out.finished:
+                        final[out.request_id] = cumulative
         return [final[rid] for rid in order]
 
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
+        self._rank_of.pop(request.request_id, None)
         parent = request.request_id.rpartition("#")[0]
         if parent in self._children and all(rid not in self._requests for rid in self._children[parent]):
             del self._children[parent]
@@ -447,78 +389,14 @@ class EngineFrontend(abc.ABC):
             if target == len(entries) and target < len(prompt):
                 entries.extend(prompt_logprobs(logits[i : i + 1], [prompt[target]], request.params.prompt_logprobs))
 
-class Engine(EngineFrontend):
-    """One replica: a scheduler over one rank executor."""
-
-    def __init__(
-        self,
-        params: ModelParams,
-        tokenizer: Tokenizer,
-        options: EngineOptions,
-        executor: RankExecutor | None = None,
-    ) -> None:
-        layout = RankLayout.build(params.config, options)
-        super().__init__(params.config, tokenizer, options, layout)
-        params = params.to(options.device)
-        self.params = params
-        self.geometry = layout.geometry
-        self.pool_size = layout.pool_size
-        store = layout.offload_store(options)
-        self.offload = LocalOffload(store) if store is not None else None
-        self.scheduler = layout.scheduler(params.config, options, self.offload)
-        self.block_manager = self.scheduler.block_manager
-        self.executor = executor or InProcessExecutor(
-            ModelRunner(
-                params,
-                self.geometry,
-                self.pool_size,
-                device=options.device,
-                kernels=load_kernels(options.kernel_backend),
-                offload=self.offload,
-                batch_invariant=bool(options.batch_invariant),
-                decoder_replay=options.decoder_swa_bounded_replay,
-            )
-        )
-        logger.info(
-            "engine: %d PAGEs x %d tokens, %d STATE slots, layout %s",
-            self.pool_size.num_pages,
-            options.block_size,
-            layout.num_slots,
-            self.geometry.layout_id,
-        )
-
-    @classmethod
-    def from_pretrained(cls, model: str | Path | ModelSource, **options: object) -> "Engine":
-        """Loads ``model`` (a checkpoint directory in the official format, or a
-        generated slice: model/source.py) into an in-process replica. Options are
-        EngineOptions' fields; unknown ones are refused."""
-        parsed = engine_options(options)
-        params, tokenizer = ModelSource.parse(model).load_params(dtype=parsed.dtype, device=parsed.device)
-        return cls(params, tokenizer, parsed)
-
-    def _enqueue(self, request: Request) -> None:
-        self.scheduler.add(request)
-
-    def _scheduler_of(self, request_id: str) -> Scheduler:
-        return self.scheduler
-
-    def _all_schedulers(self) -> Sequence[Scheduler]:
-        return (self.scheduler,)
-
-    def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns the requests that got a token or
-        finished in it."""
-        batch, _ = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
-        return self._apply(self.scheduler, batch, self.executor.execute(batch))
-
     # -- arithmetic checks ----------------------------------------------------------------
 
     def prompt_logits(self, token_ids: Sequence[int], chunk_sizes: Sequence[int] | None = None) -> PromptScores:
         """Logits and selections of every position of one prompt, fed to the paged
-        runtime in ``chunk_sizes`` (cycling; default: one chunk) outside the scheduler.
-        The engine must be idle; nothing of the run stays cached."""
+        runtime of a replica of one local rank in ``chunk_sizes`` (cycling; default:
+        one chunk) outside the scheduler. The engine must be idle; nothing of the run
+        stays cached."""
+        runner = self.runner
         if self.scheduler.has_unfinished():
             raise EngineError("prompt_logits: the engine is serving requests (allowed only when idle)")
         prompt = tuple(token_ids)
@@ -549,7 +427,7 @@ class Engine(EngineFrontend):
                     reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
                     want_prompt_logits=True,
                 )
-                result = self.executor.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
+                result = runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
                 rows.append(result.row_logits[PARITY_REQUEST_ID])
                 selections.append(result.row_selections[PARITY_REQUEST_ID])
                 start = end

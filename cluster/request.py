@@ -205,23 +205,28 @@ _FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A snapshot of one request for the caller.
+    """What one request gained in one step (vLLM's ``RequestOutputKind.DELTA``): the
+    engine's step hands these back, so a step's work per request does not grow with the
+    request's output.
 
-    ``token_ids`` are all tokens generated so far (not a delta). ``logprobs`` has one
-    ``{token_id: logprob}`` per generated token (the chosen token plus the top
-    ``params.logprobs``), ``prompt_logprobs`` one per prompt token (``None`` for the
-    first, which nothing predicts). ``text`` is the decoded output so far: while the
-    request runs it ends before any incomplete character and before the last
-    ``len(longest stop string) - 1`` characters (they may yet start a stop string), so
-    each snapshot's text is a prefix of the next; once finished it is the whole text,
-    cut before a matched stop string. ``stop_reason`` is the stop string or stop token
-    id that ended the request (``None`` for EOS, length, abort and error).
+    ``token_ids`` are the tokens generated in this step, ``logprobs`` their entries
+    (``{token_id: logprob}``: the chosen token plus the top ``params.logprobs``),
+    ``prompt_logprobs`` the prompt entries computed since the last output (the whole
+    prompt, ``None`` first, in a request's first output; ``None`` when not asked for).
+    ``text`` is the text gained: while the request runs, decoded text is handed out only
+    up to its last complete character and before the last ``len(longest stop string) -
+    1`` characters (they may yet start a stop string), so a finished request's texts add
+    up to its whole text, cut before a matched stop string. ``num_output_tokens`` counts
+    every token generated so far. ``stop_reason`` is the stop string or stop token id
+    that ended the request (``None`` for EOS, length, abort and error).
+    ``CumulativeOutputs`` adds deltas up where a caller wants the whole output so far.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     finished: bool
     finish_reason: FinishReason | None
+    num_output_tokens: int
     logprobs: tuple[dict[int, float], ...] | None = None
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
     text: str = ""
@@ -235,8 +240,62 @@ class RequestOutput:
             )
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError(
-                f"logprobs: one entry per generated token, got {len(self.logprobs)} for {len(self.token_ids)} tokens"
+                f"logprobs: one entry per new token, got {len(self.logprobs)} for {len(self.token_ids)} tokens"
             )
+        if self.num_output_tokens < len(self.token_ids):
+            raise ValueError(
+                f"num_output_tokens: {self.num_output_tokens} is fewer than this output's {len(self.token_ids)} tokens"
+            )
+
+
+class CumulativeOutputs:
+    """Adds up each request's deltas: ``add`` returns the request's whole output so far
+    (every token, text and logprob entry in one RequestOutput), built only for the
+    callers that ask (``EngineClient.generate``, validation, tests). A finished
+    request is dropped once its last output is built."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, _HeldOutput] = {}
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        held = self._held.setdefault(delta.request_id, _HeldOutput())
+        held.token_ids.extend(delta.token_ids)
+        held.texts.append(delta.text)
+        held.logprobs = _extended(held.logprobs, delta.logprobs)
+        held.prompt_logprobs = _extended(held.prompt_logprobs, delta.prompt_logprobs)
+        if delta.finished:
+            del self._held[delta.request_id]
+        return RequestOutput(
+            request_id=delta.request_id,
+            token_ids=tuple(held.token_ids),
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            num_output_tokens=delta.num_output_tokens,
+            logprobs=None if held.logprobs is None else tuple(held.logprobs),
+            prompt_logprobs=None if held.prompt_logprobs is None else tuple(held.prompt_logprobs),
+            text="".join(held.texts),
+            stop_reason=delta.stop_reason,
+        )
+
+    def forget(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+
+@dataclass
+class _HeldOutput:
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def _extended(held: list | None, new: tuple | None) -> list | None:
+    if new is None:
+        return held
+    if held is None:
+        return list(new)
+    held.extend(new)
+    return held
 
 
 @dataclass(eq=False)
@@ -265,6 +324,10 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
     text_prefix_offset: int = field(init=False)
     text_read_offset: int = field(init=False)
+    # What take_output has handed out: output tokens, text characters, prompt entries.
+    _sent_tokens: int = field(init=False, default=0, repr=False)
+    _sent_text: int = field(init=False, default=0, repr=False)
+    _sent_prompt_logprobs: int = field(init=False, default=0, repr=False)
     # One list of prompt + output ids, appended in step with output_token_ids, so the
     # detokeniser and the runner read a window of it without concatenating per step.
     _all_token_ids: list[int] = field(init=False, repr=False)
@@ -328,22 +391,36 @@ class Request:
         self.status = status
         self.stop_reason = stop_reason
 
-    def to_output(self) -> RequestOutput:
+    def take_output(self) -> RequestOutput:
+        """What the request gained since its last output (``RequestOutput``), handed
+        out now: O(what it gained), whatever its length."""
         finished = self.is_finished
-        text = self.output_text
+        visible = len(self.output_text)
         if not finished:
-            held_back = max(self.params.max_stop_length - 1, 0)
-            text = text[: max(len(text) - held_back, 0)]
-        return RequestOutput(
+            visible = max(visible - max(self.params.max_stop_length - 1, 0), 0)
+        if visible < self._sent_text:
+            raise RuntimeError(
+                f"request {self.request_id!r}: text shrank below what was handed out ({visible} < {self._sent_text})"
+            )
+        tokens = self.output_token_ids[self._sent_tokens :]
+        output = RequestOutput(
             request_id=self.request_id,
-            token_ids=tuple(self.output_token_ids),
+            token_ids=tuple(tokens),
             finished=finished,
             finish_reason=self.status.finish_reason,
-            logprobs=None if self.logprobs is None else tuple(self.logprobs),
-            prompt_logprobs=None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
-            text=text,
+            num_output_tokens=len(self.output_token_ids),
+            logprobs=None if self.logprobs is None else tuple(self.logprobs[self._sent_tokens :]),
+            prompt_logprobs=(
+                None if self.prompt_logprobs is None else tuple(self.prompt_logprobs[self._sent_prompt_logprobs :])
+            ),
+            text=self.output_text[self._sent_text : visible],
             stop_reason=self.stop_reason,
         )
+        self._sent_tokens = len(self.output_token_ids)
+        self._sent_text = visible
+        if self.prompt_logprobs is not None:
+            self._sent_prompt_logprobs = len(self.prompt_logprobs)
+        return output
 
 
 class SeedSource:

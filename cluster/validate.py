@@ -1,7 +1,7 @@
 """Runtime validation: scheduled runs finish with the tokens of uninterrupted ones.
 
 Owns the scenarios of the spec's "Scheduler acceptance" on any replica shape — the
-one-rank in-process ``Engine``, a ``DPEngine`` whose ranks are threads of this
+one-rank in-process ``Engine``, a ``Engine`` whose ranks are threads of this
 process, or whatever a caller's ``ReplicaFactory`` builds (``deploy`` builds the Ray
 engine group's): chunked and reordered batches, prefix forks, replay from a missing
 image, preemption, cancellation at every point, slot recycling, and, on the one-rank
@@ -29,14 +29,16 @@ import random
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from dsv41.cluster.distributed import BACKENDS
-from dsv41.cluster.dp_engine import EXPERT_MODES, DPEngine, DPLayout, ThreadedRanks
-from dsv41.cluster.engine import Engine, EngineStats, engine_options
-from dsv41.cluster.request import Request, RequestOutput, SamplingParams
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.interface import EngineClient, EngineStats
+from dsv41.cluster.options import engine_options
+from dsv41.cluster.ranks import EXPERT_MODES, DPLayout, ThreadedRanks
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams
 from dsv41.model.kernels import KERNEL_BACKENDS
 from dsv41.model.params import ModelParams
 from dsv41.model.reference import ReferenceModel
@@ -63,7 +65,7 @@ class ValidationError(ValueError):
 @dataclass(frozen=True)
 class ReplicaShape:
     """The replica under test: ``kind`` "engine" (the one-rank in-process Engine),
-    "threads" (a DPEngine whose ranks are threads of this process, gloo among them)
+    "threads" (a Engine whose ranks are threads of this process, gloo among them)
     or "ray" (an engine group; its factory comes from the caller), over ``dp`` ranks
     with experts split ``expert_mode``, collectives on ``backend``, on ``device``, with
     the ``kernel_backend``'s kernels, in the batch-invariant mode unless
@@ -111,26 +113,9 @@ class ReplicaShape:
         return DPLayout(self.dp, self.expert_mode, self.backend)
 
 
-class Replica(Protocol):
-    """What the scenarios drive: the interface ``EngineFrontend`` and the Ray
-    ``EngineGroup`` share."""
-
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def abort(self, request_id: str) -> bool: ...
-
-    def request(self, request_id: str) -> Request | None: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def stats(self) -> EngineStats: ...
-
-
 # Given a scenario's EngineOptions fields, a fresh replica (empty pools) for the
 # scenario; leaving the context stops it.
-ReplicaFactory = Callable[[dict[str, object]], AbstractContextManager[Replica]]
+ReplicaFactory = Callable[[dict[str, object]], AbstractContextManager[EngineClient]]
 
 
 @dataclass(frozen=True)
@@ -182,24 +167,33 @@ class _Run:
         return sum(r.hit_tokens for r in self.stats.ranks)
 
 
-def _step(replica: Replica, finished: dict[str, RequestOutput]) -> None:
-    """One step of ``replica``; keeps the outputs of the requests it finished."""
-    for out in replica.step():
-        if out.finished:
-            finished[out.request_id] = out
+class _Finished(dict[str, RequestOutput]):
+    """The whole outputs of the requests a run finished, by id, added up from each
+    step's deltas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._whole = CumulativeOutputs()
+
+    def step(self, replica: EngineClient) -> None:
+        """One step of ``replica``; keeps the outputs of the requests it finished."""
+        for out in replica.step():
+            whole = self._whole.add(out)
+            if out.finished:
+                self[out.request_id] = whole
 
 
-def _run(replica: Replica, arrivals: list[tuple[int, str, list[int]]]) -> _Run:
+def _run(replica: EngineClient, arrivals: list[tuple[int, str, list[int]]]) -> _Run:
     """Adds each (step, name, prompt) when the step loop reaches its step; runs all
     to completion."""
     pending = sorted(arrivals, key=lambda a: a[0])
-    finished: dict[str, RequestOutput] = {}
+    finished = _Finished()
     step = 0
     while pending or replica.has_unfinished_requests():
         while pending and pending[0][0] <= step:
             _, name, prompt = pending.pop(0)
             replica.add_request(name, prompt, GREEDY)
-        _step(replica, finished)
+        finished.step(replica)
         step += 1
     return _Run(finished, replica.stats())
 
@@ -262,9 +256,9 @@ class _Validation:
         """The one-rank in-process Engine over the loaded weights."""
         if self.params is None or self.tokenizer is None:
             raise ValidationError(f"the one-rank engine: replica kind {self.shape.kind!r} loads no weights here")
-        return Engine(self.params, self.tokenizer, engine_options(self.settings(**options)))
+        return Engine.from_params(self.params, self.tokenizer, engine_options(self.settings(**options)))
 
-    def replica(self, **options: object) -> AbstractContextManager[Replica]:
+    def replica(self, **options: object) -> AbstractContextManager[EngineClient]:
         return self.factory(self.settings(**options))
 
     def compute_expected(self) -> None:
@@ -340,12 +334,12 @@ def _tight_mixed(v: _Validation) -> None:
     prompts = v.prompts
     largest = max(len(p) for p in prompts.values()) + GREEDY.max_tokens
     pages = -(-largest // v.block_size) + 1
-    got: dict[str, RequestOutput] = {}
+    got = _Finished()
     with v.replica(max_num_batched_tokens=32, num_pages=pages, enable_prefix_caching=False) as replica:
         for name, prompt in prompts.items():
             replica.add_request(name, prompt, GREEDY)
         while replica.has_unfinished_requests():
-            _step(replica, got)
+            got.step(replica)
             if "mid" not in got:
                 mid = replica.request("mid")
                 if mid is not None and mid.num_output_tokens:
@@ -368,7 +362,7 @@ def _cancellation(v: _Validation) -> None:
     }
     survivors = ["fork-b", "fork-c"]
     aborted_at: dict[str, bool] = {}
-    finished: dict[str, RequestOutput] = {}
+    finished = _Finished()
     with v.replica(max_num_batched_tokens=32, max_num_seqs=3) as replica:
         for name in survivors:
             replica.add_request(name, prompts[name], GREEDY)
@@ -376,7 +370,7 @@ def _cancellation(v: _Validation) -> None:
             replica.add_request(f"x-{name}", prompt, GREEDY)
         aborted_at["waiting"] = replica.abort("x-waiting")
         while replica.has_unfinished_requests():
-            _step(replica, finished)
+            finished.step(replica)
             mid = replica.request("x-mid-prefill")
             if mid is not None and 0 < mid.num_computed_tokens < mid.num_prompt_tokens and "mid-prefill" not in aborted_at:
                 aborted_at["mid-prefill"] = replica.abort("x-mid-prefill")
@@ -470,12 +464,12 @@ PARITY_NEEDS_ENGINE = (
 
 
 @contextmanager
-def _threaded_replica(source: ModelSource, layout: DPLayout, settings: dict[str, object]) -> Iterator[DPEngine]:
-    """A DPEngine whose ranks are threads of this process; leaving stops the threads."""
+def _threaded_replica(source: ModelSource, layout: DPLayout, settings: dict[str, object]) -> Iterator[Engine]:
+    """A Engine whose ranks are threads of this process; leaving stops the threads."""
     options = engine_options(settings)
     ranks = ThreadedRanks(source, options, layout)
     try:
-        yield DPEngine.over(source, layout, ranks, options)
+        yield Engine.over(source, layout, ranks, options)
     finally:
         ranks.close()
 
@@ -487,7 +481,7 @@ def _local_factory(
     weights, else "threads"."""
     if shape.kind == "engine":
         assert params is not None and tokenizer is not None
-        return lambda settings: nullcontext(Engine(params, tokenizer, engine_options(settings)))
+        return lambda settings: nullcontext(Engine.from_params(params, tokenizer, engine_options(settings)))
     return lambda settings: _threaded_replica(source, shape.layout, settings)
 
 

@@ -66,8 +66,10 @@ from ray.serve.schema import ApplicationStatus
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from dsv41.cluster.engine import EngineFrontend, engine_options
-from dsv41.cluster.request import MAX_N, RequestOutput, SamplingParams
+from dsv41.cluster.interface import EngineClient
+
+from dsv41.cluster.options import engine_options
+from dsv41.cluster.request import MAX_N, CumulativeOutputs, RequestOutput, SamplingParams
 from dsv41.deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
 from dsv41.deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
@@ -327,7 +329,7 @@ def llm_server_placement(args: AppArgs) -> dict[str, Any]:
     }
 
 
-def make_engine(args: AppArgs) -> EngineFrontend:
+def make_engine(args: AppArgs) -> EngineClient:
     """The engine of this replica: ``local`` loads it in this process; ``ray`` (inside
     a Serve replica deployed with :func:`llm_server_placement`) starts an engine group
     in the replica's placement group, its actors named after the replica
@@ -388,6 +390,17 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _whole_outputs(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
+    """Each choice's whole output, its deltas added up (a non-streaming answer)."""
+    whole = CumulativeOutputs()
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in outputs:
+        cumulative = whole.add(output)
+        if output.finished:
+            finals[index] = cumulative
+    return finals
 
 
 def _sample_index(output: RequestOutput) -> int:
@@ -459,10 +472,7 @@ class LLMServer:
     async def completions(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any] | OpenAIError:
         try:
             request, prompts, params = self._completion_request(body)
-            finals: dict[int, RequestOutput] = {}
-            async for index, output in self._run(prompts, params):
-                if output.finished:
-                    finals[index] = output
+            finals = await _whole_outputs(self._run(prompts, params))
         except REFUSALS as exc:
             return error_for(exc, request_id)
         choices = []
@@ -493,19 +503,18 @@ class LLMServer:
         sent_tokens: dict[int, int] = {}
         try:
             async for index, output in _starting_with(first, outputs):
-                text_from, tokens_from = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                delta = output.text[text_from:]
-                new_tokens = output.token_ids[tokens_from:]
-                sent_text[index], sent_tokens[index] = len(output.text), len(output.token_ids)
-                if not delta and not output.finished and not (new_tokens and output.logprobs is not None):
+                text_from = sent_text.get(index, 0)
+                sent_text[index] = text_from + len(output.text)
+                sent_tokens[index] = sent_tokens.get(index, 0) + len(output.token_ids)
+                if not output.text and not output.finished and not (output.token_ids and output.logprobs is not None):
                     continue
                 logprobs = (
                     None
                     if output.logprobs is None
-                    else completion_logprobs(self.tokenizer, new_tokens, output.logprobs[tokens_from:], text_from)
+                    else completion_logprobs(self.tokenizer, output.token_ids, output.logprobs, text_from)
                 )
                 finish = None if output.finish_reason is None else output.finish_reason.value
-                choice = completion_choice(index, delta, logprobs, finish)
+                choice = completion_choice(index, output.text, logprobs, finish)
                 yield chunk("text_completion", response_id, self.model_name, created, [choice])
         except REFUSALS as exc:
             # The status line is already sent: the error ends the stream as an event.
@@ -537,18 +546,15 @@ class LLMServer:
         except REFUSALS as exc:
             yield error_for(exc, request_id)
             return
-        sent_text = sent_tokens = 0
         try:
             async for _, output in _starting_with(first, outputs):
-                new_tokens, delta = output.token_ids[sent_tokens:], output.text[sent_text:]
-                sent_tokens, sent_text = len(output.token_ids), len(output.text)
-                if not new_tokens and not delta and not output.finished:
+                if not output.token_ids and not output.text and not output.finished:
                     continue
                 yield {
-                    "token_ids": list(new_tokens),
-                    "text": delta,
+                    "token_ids": list(output.token_ids),
+                    "text": output.text,
                     "finish_reason": None if output.finish_reason is None else output.finish_reason.value,
-                    "usage": usage(len(prompts[0]), sent_tokens) if output.finished else None,
+                    "usage": usage(len(prompts[0]), output.num_output_tokens) if output.finished else None,
                 }
         except REFUSALS as exc:
             yield error_for(exc, request_id)
@@ -556,10 +562,7 @@ class LLMServer:
     async def chat(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any] | OpenAIError:
         try:
             request, prompt, params = self._chat_request(body)
-            finals: dict[int, RequestOutput] = {}
-            async for index, output in self._run([prompt], params):
-                if output.finished:
-                    finals[index] = output
+            finals = await _whole_outputs(self._run([prompt], params))
         except REFUSALS as exc:
             return error_for(exc, request_id)
         return chat_completion_response(

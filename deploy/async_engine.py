@@ -1,10 +1,10 @@
 """The engine of one replica driven for asyncio: one step-loop thread, one stream per request.
 
 Owns :class:`AsyncEngine`: the only thread that ever calls the wrapped engine (an
-``EngineFrontend``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
+``EngineClient``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
 ``request``), the thread-safe command queue that carries adds and aborts to it, and
-the per-request asyncio queues its ``RequestOutput`` snapshots are delivered to with
-``loop.call_soon_threadsafe``. A consumer that stops early (cancellation, a client
+the per-request asyncio queues its ``RequestOutput`` deltas (what each sample gained in a
+step) are delivered to with ``loop.call_soon_threadsafe``. A consumer that stops early (cancellation, a client
 disconnect, ``aclose``) aborts its request, which frees its PAGEs and STATE slot. An
 exception from ``step`` ends every in-flight request with :class:`EngineDeadError` and
 marks the engine dead for good (a replica's health check then fails and Serve replaces
@@ -29,13 +29,15 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from dsv41.cluster.engine import EngineError, EngineFrontend
+from dsv41.cluster.interface import EngineClient
+
+from dsv41.cluster.options import EngineError
 from dsv41.cluster.request import FinishReason, RequestOutput, SamplingParams, SamplingParamsError
 from dsv41.deploy.metrics import EngineLoad, ServingMetrics
 
 logger = logging.getLogger(__name__)
 
-# Sample ids of an ``n`` > 1 request are ``{request_id}#{i}`` (EngineFrontend.add_request).
+# Sample ids of an ``n`` > 1 request are ``{request_id}#{i}`` (EngineClient.add_request).
 SAMPLE_ID_SEPARATOR = "#"
 
 
@@ -60,7 +62,6 @@ _END = _End()
 
 @dataclass
 class _SampleTiming:
-    num_tokens: int = 0
     last_token_time: float | None = None
 
 
@@ -113,7 +114,7 @@ def parent_request_id(sample_id: str) -> str:
     return parent if separator else sample_id
 
 
-def engine_load(engine: EngineFrontend) -> EngineLoad:
+def engine_load(engine: EngineClient) -> EngineLoad:
     """What the engine holds now, summed over its DP ranks. Runs on the engine thread."""
     stats = engine.stats()
     return EngineLoad(
@@ -128,14 +129,14 @@ def engine_load(engine: EngineFrontend) -> EngineLoad:
 
 
 class AsyncEngine:
-    """An EngineFrontend for asyncio callers (see the module docstring).
+    """An EngineClient for asyncio callers (see the module docstring).
 
-    ``generate`` yields cumulative ``RequestOutput`` snapshots of every sample of the
-    request (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished.
+    ``generate`` yields the ``RequestOutput`` deltas of every sample of the request
+    (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished.
     A request the engine refuses raises its ``EngineError`` / ``SamplingParamsError``
     from the first iteration, with nothing queued."""
 
-    def __init__(self, engine: EngineFrontend, metrics: ServingMetrics, *, name: str = "dsv41-engine") -> None:
+    def __init__(self, engine: EngineClient, metrics: ServingMetrics, *, name: str = "dsv41-engine") -> None:
         self.engine = engine
         self.metrics = metrics
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -246,15 +247,13 @@ class AsyncEngine:
             if stream is None:
                 continue
             timing = stream.samples.setdefault(output.request_id, _SampleTiming())
-            new_tokens = len(output.token_ids) - timing.num_tokens
-            if new_tokens > 0:
+            if output.token_ids:
                 first = timing.last_token_time is None
                 self.metrics.observe_tokens(
-                    new_tokens,
+                    len(output.token_ids),
                     first_token_latency=now - stream.arrival_time if first else None,
                     gap=None if timing.last_token_time is None else now - timing.last_token_time,
                 )
-                timing.num_tokens = len(output.token_ids)
                 timing.last_token_time = now
             if output.finish_reason == FinishReason.ERROR:
                 self._fail(request_id, stream)

@@ -623,9 +623,9 @@ class _EngineRequest:
         self.num_tokens = 0
         self.token_times: list[float] = []
 
-    def take(self, num_tokens: int, now: float) -> None:
-        if num_tokens > self.num_tokens:
-            self.num_tokens = num_tokens
+    def take(self, new_tokens: int, now: float) -> None:
+        if new_tokens:
+            self.num_tokens += new_tokens
             self.token_times.append(now)
 
     def record(self, start: float, end: float, finish_reason: str) -> RequestRecord:

@@ -151,9 +151,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
             ray.shutdown()
         return
     if args.dp > 1:
-        from dsv41.cluster.dp_engine import DPEngine, DPLayout
+        from dsv41.cluster.engine import Engine
+        from dsv41.cluster.ranks import DPLayout
 
-        engine = DPEngine.in_process(model_dir, DPLayout(args.dp))
+        engine = Engine.in_process(model_dir, DPLayout(args.dp))
     else:
         from dsv41.cluster.engine import Engine
 

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from dsv41.cluster.engine import EngineError
+from dsv41.cluster.options import EngineError
 from dsv41.cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError, short_repr
 from dsv41.deploy import safe_json
 from dsv41.deploy.async_engine import EngineDeadError, RequestFailedError
@@ -739,7 +739,6 @@ class ChatStreamWriter:
         self._parsers = {
             i: StreamingChatParser(thinking=request.thinking, tools_enabled=request.tools_enabled) for i in choices
         }
-        self._sent_text = dict.fromkeys(choices, 0)
         self._sent_tokens = dict.fromkeys(choices, 0)
         self._called_tools = dict.fromkeys(choices, False)
 
@@ -748,19 +747,18 @@ class ChatStreamWriter:
         return [self._chunk([chat_chunk_choice(i, None, None, None, first=True)]) for i in self._parsers]
 
     def events(self, index: int, output: RequestOutput) -> list[str]:
-        """The chunks a new snapshot of choice ``index`` adds (none while its new text
-        could still start a marker and no logprobs are due)."""
+        """The chunks a delta of choice ``index`` adds (none while its new text could
+        still start a marker and no logprobs are due)."""
         parser = self._parsers[index]
-        deltas = parser.feed(output.text[self._sent_text[index] :])
+        deltas = parser.feed(output.text)
         if output.finished:
             deltas += parser.finish()
-        new_tokens = output.token_ids[self._sent_tokens[index] :]
         logprobs = (
             None
-            if output.logprobs is None or not new_tokens
-            else chat_logprobs(self._tokenizer, new_tokens, output.logprobs[self._sent_tokens[index] :], self._top)
+            if output.logprobs is None or not output.token_ids
+            else chat_logprobs(self._tokenizer, output.token_ids, output.logprobs, self._top)
         )
-        self._sent_text[index], self._sent_tokens[index] = len(output.text), len(output.token_ids)
+        self._sent_tokens[index] += len(output.token_ids)
         self._called_tools[index] |= any(d.tool_call is not None for d in deltas)
         # Token logprobs ride on the first piece of their step (or an empty delta).
         pieces: list[ChatDelta | None] = list(deltas) or ([None] if logprobs is not None else [])

@@ -39,6 +39,15 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
+def worker_env() -> dict[str, dict[str, str]]:
+    """The runtime_env a test's Ray cluster gives its workers: they import dsv41 as the
+    test process does, from the installed package or from what the caller's PYTHONPATH
+    puts first (a worktree's roof of links, say)."""
+    path = os.environ.get("PYTHONPATH")
+    return {"env_vars": {"PYTHONPATH": path}} if path else {}
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default checkpoint (TINY, plain BF16/FP32 weights, seed 0)."""
     return make_tiny(tmp_path_factory.mktemp("tiny"))

@@ -23,7 +23,7 @@ import ray
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, SamplingParams
 from dsv41.deploy.async_engine import AsyncEngine
 from dsv41.deploy.metrics import ServingMetrics
 
@@ -48,14 +48,16 @@ def expected(tiny_dir: Path) -> tuple[list[list[int]], list[tuple[int, ...]]]:
 def _staggered(group: EngineGroup, prompts: list[list[int]], tag: str) -> list[tuple[int, ...]]:
     """One request at first, one more after each step: early steps leave ranks idle."""
     got: dict[str, tuple[int, ...]] = {}
+    whole = CumulativeOutputs()
     step = 0
     while step < len(prompts) or group.has_unfinished_requests():
         if step < len(prompts):
             group.add_request(f"{tag}{step}", prompts[step], GREEDY)
         for out in group.step():
+            cumulative = whole.add(out)
             if out.finished:
                 assert out.finish_reason == "length", out
-                got[out.request_id] = out.token_ids
+                got[out.request_id] = cumulative.token_ids
         step += 1
     return [got[f"{tag}{i}"] for i in range(len(prompts))]
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-import ray
 from ray._private import state
 from ray.util import placement_group_table
 

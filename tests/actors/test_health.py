@@ -21,12 +21,13 @@ import ray
 
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions
-from dsv41.actors.transport import TRANSPORTS, RankGroupFailure, open_transport
 from dsv41.actors.rank import RankActor
 from dsv41.actors.step_wire import session_packers, unpack_result
+from dsv41.actors.transport import TRANSPORTS, RankGroupFailure, open_transport
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch
-from dsv41.cluster.dp_engine import DPLayout
-from dsv41.cluster.engine import Engine, EngineOptions
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.options import EngineOptions
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.runner import SampledToken, StepResult
 

@@ -1,5 +1,6 @@
-"""The output wire (no Ray): deltas rebuild every step's outputs exactly, both ends
-forget what ended, and a step's frame does not grow with how long outputs already are."""
+"""The output wire (no Ray): a frame carries a step's delta outputs as they are, the
+receiver hands back the engine's own outputs, a lost frame is refused, and a step's
+frame does not grow with how long outputs already are."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from dsv41.actors.output_wire import OutputReceiver, OutputSender, OutputWireError
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import RequestOutput, SamplingParams
+from dsv41.cluster.request import SamplingParams
 
 OPTIONS = dict(block_size=32, max_num_seqs=8, max_num_batched_tokens=64)
 PROMPTS = [[5, 9, 200, 17, 3], [40, 41, 42], list(range(60, 100)), [7, 8]]
@@ -25,11 +26,11 @@ def _stop_string(engine: Engine, prompt: list[int]) -> str:
     return text[4:6]
 
 
-def test_deltas_rebuild_every_output_and_both_ends_forget_what_ended(tiny_dir: Path) -> None:
+def test_frames_carry_every_steps_outputs_exactly(tiny_dir: Path) -> None:
     """A mix of greedy, sampled with logprobs and prompt logprobs, n=3 and stop-string
-    requests, one of them aborted midway: at every step the receiver's outputs equal
-    the engine's own (tokens, text, logprobs, reasons), and once all ended neither end
-    holds a request."""
+    requests, one of them aborted midway: at every step the receiver's outputs,
+    through pickle, equal the engine's own deltas (tokens, text, logprobs, reasons,
+    counts)."""
     engine = Engine.from_pretrained(tiny_dir, **OPTIONS)
     stop = _stop_string(engine, PROMPTS[0])
     requests = {
@@ -42,47 +43,41 @@ def test_deltas_rebuild_every_output_and_both_ends_forget_what_ended(tiny_dir: P
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
     sender, receiver = OutputSender(), OutputReceiver()
-    seen: dict[str, RequestOutput] = {}
+    seen = set()
     steps = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        rebuilt = receiver.outputs(pickle.loads(pickle.dumps(sender.frame(outputs))))
-        assert rebuilt == outputs
-        seen.update((o.request_id, o) for o in outputs)
+        assert receiver.outputs(pickle.loads(pickle.dumps(sender.frame(outputs)))) == outputs
+        seen.update((o.request_id, o.finish_reason, o.stop_reason) for o in outputs if o.finished)
         steps += 1
         if steps == 3:
             assert engine.abort("aborted")
-            sender.forget("aborted")
-            receiver.forget("aborted")
-    assert seen["stopped"].finish_reason == "stop" and seen["stopped"].stop_reason == stop
-    assert seen["logprobs"].logprobs is not None and seen["logprobs"].prompt_logprobs is not None
-    assert {f"samples#{i}" for i in range(3)} <= set(seen)
-    assert sender.num_requests == receiver.num_requests == 0
+    assert ("stopped", "stop", stop) in seen
+    assert {f"samples#{i}" for i in range(3)} <= {rid for rid, _, _ in seen}
 
 
 def test_a_lost_frame_is_refused() -> None:
-    """The receiver takes frames in order only: a skipped frame raises instead of
-    appending a later delta to an older output."""
+    """Frames are numbered: one that skips a number raises instead of handing out
+    outputs that do not follow what the caller has."""
     sender, receiver = OutputSender(), OutputReceiver()
     receiver.outputs(sender.frame([]))
     sender.frame([])
-    with pytest.raises(OutputWireError, match="lost"):
+    with pytest.raises(OutputWireError, match="frame 3 after frame 1"):
         receiver.outputs(sender.frame([]))
 
 
-def test_a_decode_frame_does_not_grow_with_the_outputs_so_far(tiny_dir: Path) -> None:
-    """Eight requests decoding: the pickled frame of step 40 is no larger than that of
-    step 5 (plus a few bytes for longer step numbers and text), while their cumulative
-    outputs are several times larger."""
+def test_a_decode_frame_does_not_grow_with_the_output(tiny_dir: Path) -> None:
+    """A decode step's frame is as big at 60 output tokens as at 3: each request
+    carries only what it gained."""
     engine = Engine.from_pretrained(tiny_dir, **OPTIONS)
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    for i in range(8):
-        engine.add_request(f"r{i}", [3 + i, 40, 41], params)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=1)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
     sender = OutputSender()
-    sizes: dict[int, tuple[int, int]] = {}
-    for step in range(1, 41):
+    sizes = []
+    while engine.has_unfinished_requests():
         outputs = engine.step()
-        sizes[step] = (len(pickle.dumps(sender.frame(outputs))), len(pickle.dumps(outputs)))
-    (early_frame, early_whole), (late_frame, late_whole) = sizes[5], sizes[40]
-    assert late_frame <= early_frame + 64
-    assert late_whole > 3 * early_whole
+        if len(outputs) == len(PROMPTS) and all(not o.finished for o in outputs):
+            sizes.append(len(pickle.dumps(sender.frame(outputs))))
+    assert len(sizes) > 50
+    assert max(sizes[-5:]) <= max(sizes[:5]) + 64

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import RequestOutput, SamplingParams
+from dsv41.cluster.ranks import DPLayout
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams
 from dsv41.cluster.runner import DecoderReplayError, ModelRunner
 from dsv41.model.indexer import EMPTY
 from dsv41.model.kernels.torch_backend import gather_plane_rows
@@ -49,7 +49,7 @@ def engine(tiny_dir: Path) -> Engine:
 
 
 def _runner(engine: Engine) -> ModelRunner:
-    return engine.executor.runner  # type: ignore[attr-defined]
+    return engine.runner
 
 
 def _prefill(engine: Engine, prompt: list[int], chunks: Sequence[int] | None) -> tuple[list[StepOutput], int]:
@@ -90,7 +90,7 @@ def _prefill(engine: Engine, prompt: list[int], chunks: Sequence[int] | None) ->
                 reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
                 num_prompt_tokens=len(prompt),
             )
-            engine.executor.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
+            engine.runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
             start = end
     finally:
         del runner.runtime.forward
@@ -167,7 +167,7 @@ def test_a_fresh_slot_resuming_above_the_tail_is_refused(engine: Engine) -> None
     )
     try:
         with pytest.raises(DecoderReplayError, match=rf"\[{start - 4}, {start}\)"):
-            engine.executor.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
+            engine.runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
     finally:
         bm.free("above-tail")
 
@@ -216,13 +216,19 @@ def test_generation_equals_the_oracle_through_the_scheduler(engine: Engine) -> N
     prompts = {f"r{i}": _prompt(vocab, n, 20 + i) for i, n in enumerate((150, 20, 77, 33))}
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
     finished: dict[str, RequestOutput] = {}
+    whole = CumulativeOutputs()
+
+    def step() -> None:
+        for out in engine.step():
+            cumulative = whole.add(out)
+            if out.finished:
+                finished[out.request_id] = cumulative
+
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+        step()
     while engine.has_unfinished_requests():
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        step()
     reference = ReferenceModel(engine.params)
     for rid, prompt in prompts.items():
         out = finished[rid]
@@ -261,13 +267,17 @@ def test_threaded_dp2_with_replay_equals_one_rank(tiny_dir: Path) -> None:
     prompts = {step: _prompt(vocab, n, 40 + step) for step, n in arrivals.items()}
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)
     want = dict(zip(prompts, engine.generate(list(prompts.values()), params)))
-    dp = DPEngine.in_process(tiny_dir, DPLayout(2, "ep"), **options)
+    dp = Engine.in_process(tiny_dir, DPLayout(2, "ep"), **options)
     got: dict[int, RequestOutput] = {}
+    whole = CumulativeOutputs()
     step = 0
     while step <= max(arrivals) or dp.has_unfinished_requests():
         if step in prompts:
             dp.add_request(f"r{step}", prompts[step], params)
-        got.update((int(out.request_id[1:]), out) for out in dp.step() if out.finished)
+        for out in dp.step():
+            cumulative = whole.add(out)
+            if out.finished:
+                got[int(out.request_id[1:])] = cumulative
         step += 1
     assert {k: (o.token_ids, o.logprobs) for k, o in got.items()} == {
         k: (o.token_ids, o.logprobs) for k, o in want.items()

@@ -1,5 +1,5 @@
 """DP execution in one process: the packed DP metadata, placement, the MoE exchange
-over gloo among threads, and DPEngine's greedy tokens against the one-rank Engine.
+over gloo among threads, and Engine's greedy tokens against the one-rank Engine.
 
 In the batch-invariant mode (the CPU default) an EP replica's arithmetic is the one-rank
 engine's bit for bit: the ranks exchange whole (row, slot) expert contributions and add
@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 
 from dsv41.cluster.batch import DP_METADATA_LAYOUT, DPMetadata, DPMetadataError, RankStepInfo
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.placement import RankLoad, place
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.ranks import DPLayout
+from dsv41.cluster.request import CumulativeOutputs, SamplingParams
 from dsv41.model.linalg import batch_invariant
 from dsv41.model.loader import ExpertShard
 from dsv41.model.moe import moe_forward
@@ -175,17 +175,19 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in (40, 7, 70, 3, 25)]
 
 
-def _staggered(dp: DPEngine, prompts: list[list[int]], order: list[int]) -> dict[int, object]:
+def _staggered(dp: Engine, prompts: list[list[int]], order: list[int]) -> dict[int, object]:
     """Adds prompts[order[0]] at step 0, the next one per step; returns each prompt's
     finished output."""
     got: dict[int, object] = {}
+    whole = CumulativeOutputs()
     step = 0
     while dp.has_unfinished_requests() or step < len(order):
         if step < len(order):
             dp.add_request(f"r{order[step]}", prompts[order[step]], GREEDY)
         for out in dp.step():
+            cumulative = whole.add(out)
             if out.finished:
-                got[int(out.request_id[1:])] = out
+                got[int(out.request_id[1:])] = cumulative
         step += 1
     for scheduler in dp.schedulers:
         stats = scheduler.block_manager.stats()
@@ -203,11 +205,11 @@ def test_threaded_dp2_gives_the_engines_tokens(tiny_dir: Path, mode: str) -> Non
     engine = Engine.from_pretrained(tiny_dir, **OPTIONS)
     prompts = _prompts(engine.config.vocab_size)
     want = engine.generate(prompts, GREEDY)
-    dp = DPEngine.in_process(tiny_dir, DPLayout(2, mode), **OPTIONS)
+    dp = Engine.in_process(tiny_dir, DPLayout(2, mode), **OPTIONS)
     got = _staggered(dp, prompts, list(range(len(prompts))))
     assert [got[i].token_ids for i in range(len(prompts))] == [o.token_ids for o in want]
     if mode == "ep":
         assert [got[i].logprobs for i in range(len(prompts))] == [o.logprobs for o in want]
     else:
-        reordered = _staggered(DPEngine.in_process(tiny_dir, DPLayout(2, mode), **OPTIONS), prompts, [3, 1, 4, 0, 2])
+        reordered = _staggered(Engine.in_process(tiny_dir, DPLayout(2, mode), **OPTIONS), prompts, [3, 1, 4, 0, 2])
         assert [reordered[i].logprobs for i in range(len(prompts))] == [got[i].logprobs for i in range(len(prompts))]

@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
 from dsv41.cluster.engine import Engine
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import SamplingParams
 
 SOURCE = "generated:small-slice,experts=bf16,seed=7"
@@ -33,7 +33,7 @@ def prompts_and_tokens() -> tuple[list[list[int]], list[tuple[int, ...]]]:
 @pytest.mark.parametrize("expert_mode", ["ep", "tp"])
 def test_dp2_over_a_generated_slice_gives_the_one_rank_tokens(prompts_and_tokens, expert_mode: str) -> None:
     prompts, want = prompts_and_tokens
-    engine = DPEngine.in_process(SOURCE, DPLayout(2, expert_mode), **OPTIONS)
+    engine = Engine.in_process(SOURCE, DPLayout(2, expert_mode), **OPTIONS)
     try:
         assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == want
     finally:

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41.cluster.engine import CPU_DEFAULT_MAX_MODEL_LEN, Engine, EngineError, EngineOptions
+from dsv41.cluster.engine import Engine
+
+from dsv41.cluster.options import CPU_DEFAULT_MAX_MODEL_LEN, EngineError, EngineOptions
 from dsv41.cluster.request import MAX_INT64, MAX_N, SamplingParams, SamplingParamsError
 from dsv41.model.reference import ReferenceModel
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,9 +44,10 @@ import torch
 from tokenizers import Tokenizer
 
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
-from dsv41.cluster.engine import Engine, EngineError, RankExecutor, RankLayout, engine_options
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.options import EngineError, RankLayout, engine_options
+from dsv41.cluster.ranks import DPLayout, DPStepExecutor
+from dsv41.cluster.request import CumulativeOutputs, SamplingParams
 from dsv41.cluster.runner import SampledToken, StepResult
 from dsv41.model.config import V41Config
 from dsv41.model.params import ModelParams
@@ -85,20 +87,23 @@ class _Recorder:
     """The engine's executor, counting the batches it runs and noting the requests
     whose forwards read cached PAGEs (write_from > 0)."""
 
-    def __init__(self, inner: RankExecutor) -> None:
+    def __init__(self, inner: DPStepExecutor) -> None:
         self.inner = inner
         self.batches = 0
         self.hit_readers: set[str] = set()
 
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        self.batches += 1
-        self.hit_readers.update(seg.request_id for seg in batch.segments if seg.write_from > 0)
-        return self.inner.execute(batch)
+    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
+        self.batches += sum(1 for batch in batches if not batch.is_empty)
+        self.hit_readers.update(seg.request_id for batch in batches for seg in batch.segments if seg.write_from > 0)
+        return self.inner.execute(batches, metadata)
+
+    def restart(self) -> None:
+        self.inner.restart()
 
 
 def _engine(model: Model, **options: object) -> tuple[Engine, _Recorder]:
     params, tokenizer = model
-    engine = Engine(params, tokenizer, engine_options(options))
+    engine = Engine.from_params(params, tokenizer, engine_options(options))
     recorder = _Recorder(engine.executor)
     engine.executor = recorder
     return engine, recorder
@@ -109,6 +114,7 @@ def _drive(engine: Engine, recorder: _Recorder, arrivals: list[_Arrival]) -> dic
     returns the tokens of every request that finished (not aborted)."""
     bm = engine.block_manager
     finals: dict[str, tuple[int, ...]] = {}
+    whole = CumulativeOutputs()
     max_steps = 4 * sum(a.n * (len(a.prompt) + a.max_tokens) for a in arrivals)
     step = idle = 0
     last_arrival = max(a.step for a in arrivals)
@@ -121,8 +127,9 @@ def _drive(engine: Engine, recorder: _Recorder, arrivals: list[_Arrival]) -> dic
         unfinished = engine.has_unfinished_requests()
         before = recorder.batches
         for out in engine.step():
+            cumulative = whole.add(out)
             if out.finished:
-                finals[out.request_id] = out.token_ids
+                finals[out.request_id] = cumulative.token_ids
         idle = idle + 1 if unfinished and recorder.batches == before else 0
         stats = engine.stats()
         assert idle <= 1, f"step {step}: nothing ran for {idle} steps; {stats}"
@@ -337,7 +344,7 @@ def test_a_request_the_empty_pools_cannot_hold_is_refused(tiny_model: Model, tin
     out = engine.generate([[5] * 100], dataclasses.replace(greedy, max_tokens=28))[0]
     assert len(out.token_ids) == 28
 
-    dp = DPEngine.in_process(tiny_dir, DPLayout(1), block_size=32, num_pages=4)
+    dp = Engine.in_process(tiny_dir, DPLayout(1), block_size=32, num_pages=4)
     try:
         with pytest.raises(EngineError, match="need 5 PAGEs"):
             dp.add_request("big", [5] * 100, greedy)
@@ -378,7 +385,14 @@ class _SimulatedRank:
             ids.append(_next_prefix_id(ids[-1], token))
         return ids
 
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
+        (batch,) = batches
+        return [self._execute(batch)]
+
+    def restart(self) -> None:
+        raise AssertionError("a simulated rank never fails")
+
+    def _execute(self, batch: ScheduledBatch) -> StepResult:
         offload = self.engine.offload
         for seg in batch.segments:
             for fill in seg.fetch:

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from dsv41.cache.offload import OffloadKey, TieredStore, UnitKind
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
-from dsv41.cluster.engine import Engine, EngineError
+from dsv41.cluster.engine import Engine
 from dsv41.cluster.offload_connector import LocalOffload
+from dsv41.cluster.options import EngineError
+from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.scheduler import SchedulerError
 
@@ -65,7 +66,7 @@ def test_offloaded_prefix_restores_what_a_local_hit_would(tiny_dir: Path, state_
     for i, (page, h) in enumerate(zip(hit.pages, hit.prompt_hashes)):
         rows = store.get(OffloadKey(offloaded.geometry.layout_id, h, UnitKind.PAGE))
         assert rows is not None, f"PAGE {i} was not published"
-        assert torch.equal(offloaded.executor.runner.pools.read_pages([page]), rows)
+        assert torch.equal(offloaded.runner.pools.read_pages([page]), rows)
 
 
 def test_offload_survives_preemption_pressure_with_unchanged_tokens(tiny_dir: Path) -> None:
@@ -98,7 +99,7 @@ def test_dp_ranks_share_the_store(tiny_dir: Path) -> None:
     """Threaded DP ranks publish to one store: after every rank's pools are emptied, a
     prompt computed on one rank restores from the store on whichever rank it lands,
     with the tokens of a local hit."""
-    engine = DPEngine.in_process(tiny_dir, DPLayout(2), state_transfer="copy", offload_host_bytes=64 << 20, **OPTIONS)
+    engine = Engine.in_process(tiny_dir, DPLayout(2), state_transfer="copy", offload_host_bytes=64 << 20, **OPTIONS)
     try:
         prompt = _prompt(engine.config.vocab_size, 2 * BLOCK + 3, seed=5)
         cold = engine.generate([prompt], GREEDY)[0].token_ids

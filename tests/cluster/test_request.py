@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv41.cluster.request import (
+    CumulativeOutputs,
     MAX_INT64,
     MAX_LOGPROBS,
     MAX_N,
@@ -185,33 +186,39 @@ def _request(params: SamplingParams, prompt: tuple[int, ...] = (5, 6, 7)) -> Req
     prompt=st.lists(st.integers(0, 1000), min_size=1, max_size=20),
     outputs=st.lists(st.integers(0, 1000), min_size=1, max_size=20),
     num_logprobs=st.one_of(st.none(), st.integers(0, 3)),
+    takes=st.lists(st.booleans(), min_size=20, max_size=20),
 )
-def test_request_bookkeeping_and_cumulative_outputs(
-    prompt: list[int], outputs: list[int], num_logprobs: int | None
+def test_request_bookkeeping_and_delta_outputs(
+    prompt: list[int], outputs: list[int], num_logprobs: int | None, takes: list[bool]
 ) -> None:
-    """Token counts and all_token_ids follow the appended tokens; every snapshot's
-    token_ids are all tokens generated so far (each a prefix of the next), with one
-    logprobs entry per token when asked; finished/finish_reason appear only at the
-    end; a finished request takes no more tokens."""
+    """Token counts and all_token_ids follow the appended tokens; each output holds
+    exactly the tokens (and logprob entries) gained since the last one taken, however
+    many steps passed between takes, and their concatenation is every token
+    generated; finished/finish_reason appear only at the end; CumulativeOutputs adds
+    the deltas up to the whole output; a finished request takes no more tokens."""
     request = _request(SamplingParams(max_tokens=len(outputs), logprobs=num_logprobs), tuple(prompt))
-    snapshots = []
+    deltas = []
     for i, token in enumerate(outputs):
         request.append_output_token(token, None if num_logprobs is None else {token: -0.5})
         assert request.num_output_tokens == i + 1
         assert request.num_tokens == len(prompt) + i + 1 == request.num_prompt_tokens + request.num_output_tokens
         assert list(request.all_token_ids) == prompt + outputs[: i + 1]
-        snapshots.append(request.to_output())
+        if takes[i]:
+            deltas.append(request.take_output())
+            assert deltas[-1].num_output_tokens == i + 1
     request.finish(RequestStatus.FINISHED_LENGTH)
-    snapshots.append(request.to_output())
-    for earlier, later in zip(snapshots, snapshots[1:]):
-        assert later.token_ids[: len(earlier.token_ids)] == earlier.token_ids
-    assert snapshots[-1].token_ids == tuple(outputs)
-    assert [s.finished for s in snapshots] == [False] * len(outputs) + [True]
-    assert snapshots[-1].finish_reason == "length"
+    deltas.append(request.take_output())
+    assert [t for d in deltas for t in d.token_ids] == outputs
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].finish_reason == "length"
     if num_logprobs is None:
-        assert all(s.logprobs is None for s in snapshots)
+        assert all(d.logprobs is None for d in deltas)
     else:
-        assert snapshots[-1].logprobs == tuple({t: -0.5} for t in outputs)
+        assert [e for d in deltas for e in d.logprobs] == [{t: -0.5} for t in outputs]
+    whole = CumulativeOutputs()
+    cumulative = [whole.add(d) for d in deltas]
+    assert cumulative[-1].token_ids == tuple(outputs) and cumulative[-1].finished
+    assert all(a.token_ids == b.token_ids[: len(a.token_ids)] for a, b in zip(cumulative, cumulative[1:]))
     with pytest.raises(RuntimeError, match="takes no more tokens"):
         request.append_output_token(1)
 
@@ -236,30 +243,35 @@ def test_request_refuses_inconsistent_use() -> None:
 def test_prompt_logprobs_start_with_none() -> None:
     """With prompt_logprobs asked, the first prompt token's entry is None (nothing
     predicts it); without, the field is None."""
-    assert _request(SamplingParams(prompt_logprobs=0)).to_output().prompt_logprobs == (None,)
-    assert _request(SamplingParams()).to_output().prompt_logprobs is None
+    assert _request(SamplingParams(prompt_logprobs=0)).take_output().prompt_logprobs == (None,)
+    assert _request(SamplingParams()).take_output().prompt_logprobs is None
 
 
 @given(stops=st.lists(st.text(min_size=1, max_size=6), max_size=3), text=st.text(max_size=30))
 def test_running_text_holds_back_a_possible_stop_prefix(stops: list[str], text: str) -> None:
-    """While running, the reported text omits the last len(longest stop) - 1
-    characters (they may begin a stop string); once finished it is the whole text."""
+    """While running, the text handed out omits the last len(longest stop) - 1
+    characters (they may begin a stop string); once finished the rest follows, so the
+    deltas add up to the whole text."""
     request = _request(SamplingParams(stop=stops))
     request.output_text = text
     held_back = max((len(s) for s in stops), default=1) - 1
-    assert request.to_output().text == text[: max(len(text) - held_back, 0)]
+    first = request.take_output().text
+    assert first == text[: max(len(text) - held_back, 0)]
     request.finish(RequestStatus.FINISHED_ABORTED)
-    assert request.to_output().text == text
+    assert first + request.take_output().text == text
 
 
 def test_request_output_checks_its_invariants() -> None:
-    """finish_reason is set exactly when finished; logprobs has one entry per token."""
+    """finish_reason is set exactly when finished; logprobs has one entry per new
+    token; the running count covers at least this output's tokens."""
     with pytest.raises(ValueError, match="^finish_reason:"):
-        RequestOutput("r", (1,), True, None)
+        RequestOutput("r", (1,), True, None, 1)
     with pytest.raises(ValueError, match="^finish_reason:"):
-        RequestOutput("r", (1,), False, FinishReason.STOP)
+        RequestOutput("r", (1,), False, FinishReason.STOP, 1)
     with pytest.raises(ValueError, match="^logprobs:"):
-        RequestOutput("r", (1, 2), False, None, ({1: 0.0},))
+        RequestOutput("r", (1, 2), False, None, 2, ({1: 0.0},))
+    with pytest.raises(ValueError, match="^num_output_tokens:"):
+        RequestOutput("r", (1, 2), False, None, 1)
 
 
 @settings(max_examples=25)

@@ -102,8 +102,8 @@ def _logprob_trace(engine: Engine, prompts: dict[str, list[int]], want: str) -> 
     trace: list[dict[int, float]] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.request_id == want and out.finished:
-                trace = [entry for entry in out.logprobs]
+            if out.request_id == want:
+                trace.extend(out.logprobs)
     return trace
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dsv41.cluster.request import Request, RequestOutput, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, SamplingParams
 from dsv41.cluster.stopping import StopChecker
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -58,14 +58,17 @@ def _decode(ids: list[int]) -> str:
 
 
 def _stream(output_ids: list[int], params: SamplingParams) -> tuple[Request, list[RequestOutput]]:
-    """Feed the ids one step at a time, as the engine does; stop when finished."""
+    """Feed the ids one step at a time, as the engine does; stop when finished. The
+    snapshots are each step's delta added up (CumulativeOutputs): the text a client
+    has after that step."""
     request = Request("r0", PROMPT, params, sampling_seed=0, arrival_time=0.0)
     checker = StopChecker(TOKENIZER, EOS_ID)
+    whole = CumulativeOutputs()
     snapshots = []
     for token_id in output_ids:
         request.append_output_token(token_id)
         finished = checker.check_stop(request)
-        snapshots.append(request.to_output())
+        snapshots.append(whole.add(request.take_output()))
         if finished:
             break
     return request, snapshots

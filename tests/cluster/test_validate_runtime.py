@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import dsv41.cluster.dp_engine
+import dsv41.cluster.engine
 from dsv41.cluster.placement import RankLoad
 from dsv41.cluster.validate import ReplicaShape, ValidationError, run_validation
 from dsv41.deploy.cli import main
@@ -140,7 +140,7 @@ def test_dp_prefix_checks_fail_when_placement_ignores_the_prefix(tiny_dir: Path,
     def away_from_the_prefix(loads: list[RankLoad], max_num_seqs: int) -> int:
         return min(range(len(loads)), key=lambda r: (loads[r].cached_prefix_tokens, loads[r].unfinished, r))
 
-    monkeypatch.setattr(dsv41.cluster.dp_engine, "place", away_from_the_prefix)
+    monkeypatch.setattr(dsv41.cluster.engine, "place", away_from_the_prefix)
     report = run_validation(
         tiny_dir, shape=ReplicaShape(kind="threads", dp=2), scenarios=["prefix_forks", "replay_from_missing_image"]
     )

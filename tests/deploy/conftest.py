@@ -13,16 +13,16 @@ start no server do not pay for them).
 
 from __future__ import annotations
 
+import functools
+
 import re
 import socket
 import urllib.request
 from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 METRICS_TIMEOUT_S = 60
 # The CPUs of a served module's Ray: room for two one-CPU LLM server replicas (the
 # autoscaling module scales to two; the overload module checks one stays free).
@@ -64,7 +64,9 @@ def _scraped_metric(base_url: str, name: str) -> float:
 
 
 @contextmanager
-def _local_serve(app_args: Mapping[str, Any], *, name: str, grpc_port: int | None = None) -> Iterator[str]:
+def _local_serve(
+    app_args: Mapping[str, Any], *, name: str, worker_env: Mapping[str, Any], grpc_port: int | None = None
+) -> Iterator[str]:
     """``build_app(app_args)`` running as ``name`` at ``/`` on a fresh local Ray of
     SERVE_CLUSTER_CPUS CPUs, behind Serve's HTTP proxy on a free port (and the ingress's
     gRPC listener on ``grpc_port``); yields the HTTP base URL. Serve and Ray are shut down on exit,
@@ -74,8 +76,7 @@ def _local_serve(app_args: Mapping[str, Any], *, name: str, grpc_port: int | Non
 
     from dsv41.deploy.app import build_app, run_app
 
-    # Replica workers import the project from this checkout, like the test process.
-    ray.init(num_cpus=SERVE_CLUSTER_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    ray.init(num_cpus=SERVE_CLUSTER_CPUS, include_dashboard=False, runtime_env=worker_env)
     try:
         http_port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
@@ -114,7 +115,7 @@ def metric_fixture() -> Callable[[str, str], float]:
 
 
 @pytest.fixture(name="local_serve", scope="session")
-def local_serve_fixture() -> Callable[..., AbstractContextManager[str]]:
+def local_serve_fixture(worker_env: dict[str, dict[str, str]]) -> Callable[..., AbstractContextManager[str]]:
     """``with local_serve(app_args, name=..., grpc_port=None) as base_url``: a live
     application on a local Ray cluster of its own, torn down on exit."""
-    return _local_serve
+    return functools.partial(_local_serve, worker_env=worker_env)

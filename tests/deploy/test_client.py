@@ -24,8 +24,8 @@ APP_NAME = "batch"
 
 
 @pytest.fixture(scope="module")
-def handle(tiny_dir: Path) -> Iterator[DeploymentHandle]:
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+def handle(tiny_dir: Path, worker_env: dict[str, dict[str, str]]) -> Iterator[DeploymentHandle]:
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env=worker_env)
     serve.start(proxy_location="Disabled")
     args = {
         "model": str(tiny_dir),

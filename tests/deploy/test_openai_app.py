@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from dsv41.cluster.engine import EngineError
-from dsv41.cluster.request import FinishReason, RequestOutput, SamplingParamsError
+from dsv41.cluster.options import EngineError
+from dsv41.cluster.request import CumulativeOutputs, FinishReason, RequestOutput, SamplingParamsError
 from dsv41.deploy.async_engine import REQUEST_FAILED_MESSAGE, EngineDeadError, RequestFailedError
 from dsv41.deploy.chat_protocol import ChatRequestError, PromptEncoder, format_call_block, render_pieces
 from dsv41.deploy.openai_api import (
@@ -271,17 +271,21 @@ def _chat_request(*, stream: bool, **fields: Any) -> ChatCompletionRequest:
     return ChatCompletionRequest.from_json({**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body)
 
 
-def _snapshots(text: str, cuts: list[int], finish: FinishReason) -> list[RequestOutput]:
-    """The engine's cumulative outputs of one choice whose text grows through ``cuts``
-    (one token per snapshot), the last one finished."""
+def _deltas(text: str, cuts: list[int], finish: FinishReason) -> list[RequestOutput]:
+    """The engine's delta outputs of one choice whose text grows through ``cuts`` (one
+    token per step), the last one finished."""
     ends = [*sorted({c for c in cuts if 0 < c < len(text)}), len(text)]
     return [
-        RequestOutput("r", tuple(range(i + 1)), i + 1 == len(ends), finish if i + 1 == len(ends) else None, text=text[:end])
-        for i, end in enumerate(ends)
+        RequestOutput(
+            "r", (i,), i + 1 == len(ends), finish if i + 1 == len(ends) else None, i + 1, text=text[start:end]
+        )
+        for i, (start, end) in enumerate(zip([0, *ends], ends))
     ]
 
 
-def _whole(request: ChatCompletionRequest, output: RequestOutput, tokenizer: Tokenizer) -> dict[str, Any]:
+def _whole(request: ChatCompletionRequest, outputs: list[RequestOutput], tokenizer: Tokenizer) -> dict[str, Any]:
+    whole = CumulativeOutputs()
+    output = [whole.add(delta) for delta in outputs][-1]
     response = chat_completion_response(request, "chatcmpl-1", "tiny", 0, {0: output}, 7, tokenizer)
     assert response["object"] == "chat.completion" and response["usage"]["completion_tokens"] == len(output.token_ids)
     (choice,) = response["choices"]
@@ -297,7 +301,7 @@ def _streamed(request: ChatCompletionRequest, outputs: list[RequestOutput], toke
     assert events[-1] == "data: [DONE]\n\n"
     payloads = [json.loads(event[len("data: ") :]) for event in events[:-1]]
     assert all(p["object"] == "chat.completion.chunk" and p["id"] == "chatcmpl-1" for p in payloads)
-    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == len(outputs[-1].token_ids)
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == outputs[-1].num_output_tokens
     choices = [p["choices"][0] for p in payloads[:-1]]
     assert choices[0]["delta"] == {"role": "assistant", "content": ""}
     finishes = [c["finish_reason"] for c in choices]
@@ -332,8 +336,8 @@ def test_tool_calls_are_answered_as_openai_tool_calls(
     the arguments written; the text before the block is the content (null when empty);
     the finish reason is ``tool_calls``. Both ways give the same message."""
     text = content + format_call_block(calls)
-    outputs = _snapshots(text, cuts, FinishReason.STOP)
-    whole = _whole(_chat_request(stream=False), outputs[-1], tokenizer)
+    outputs = _deltas(text, cuts, FinishReason.STOP)
+    whole = _whole(_chat_request(stream=False), outputs, tokenizer)
     assert whole["finish_reason"] == "tool_calls"
     message = whole["message"]
     assert message["content"] == (content or None)
@@ -363,8 +367,8 @@ def test_a_block_not_read_as_calls_is_content(
     """A malformed call block, or any block when ``tool_choice`` is "none", comes back
     as content, whole and streamed: the whole text, no ``tool_calls``, the engine's own
     finish reason."""
-    outputs = _snapshots(text, list(range(0, len(text), 5)), finish)
-    whole = _whole(_chat_request(stream=False, **fields), outputs[-1], tokenizer)
+    outputs = _deltas(text, list(range(0, len(text), 5)), finish)
+    whole = _whole(_chat_request(stream=False, **fields), outputs, tokenizer)
     assert whole["message"] == {"role": "assistant", "content": text} and whole["finish_reason"] == finish.value
     assert _streamed(_chat_request(stream=True, **fields), outputs, tokenizer) == (whole["message"], finish.value)
 

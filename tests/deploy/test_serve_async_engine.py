@@ -9,9 +9,9 @@ from typing import Iterator
 
 import pytest
 
-from dsv41.cluster.dp_engine import DPEngine, DPLayout
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import RequestOutput, SamplingParams, SamplingParamsError
+from dsv41.cluster.ranks import DPLayout
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams, SamplingParamsError
 from dsv41.deploy.async_engine import REQUEST_FAILED_MESSAGE, AsyncEngine, EngineDeadError, RequestFailedError
 from dsv41.deploy.metrics import ServingMetrics
 
@@ -27,7 +27,9 @@ def engine(tiny_dir: Path) -> Iterator[AsyncEngine]:
 
 
 async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
-    return [output async for output in engine.generate(request_id, prompt, params)]
+    """The stream's deltas added up: what a client has after each one."""
+    whole = CumulativeOutputs()
+    return [whole.add(output) async for output in engine.generate(request_id, prompt, params)]
 
 
 def _pages_used(engine: AsyncEngine) -> int:
@@ -35,7 +37,7 @@ def _pages_used(engine: AsyncEngine) -> int:
 
 
 def test_concurrent_streams_are_in_order_and_equal_uninterrupted_runs(engine: AsyncEngine, tiny_dir: Path) -> None:
-    """Each stream's snapshots grow one token at a time (each a prefix of the next),
+    """Each stream's deltas add up one token at a time (each sum a prefix of the next),
     the last one is finished, and concurrent requests end with exactly the tokens of
     an uninterrupted greedy run of the same engine configuration."""
     async def run_all() -> list[list[RequestOutput]]:
@@ -138,7 +140,7 @@ def test_engine_death_ends_every_request_and_fails_health(tiny_dir: Path) -> Non
     engine.shutdown()
 
 
-class _RankLosingEngine(DPEngine):
+class _RankLosingEngine(Engine):
     """A one-rank DP engine (its rank a thread) that loses its rank at its third step:
     as after a rank failure, every request in flight ends with finish reason "error"
     (``fail_all``, what ``recover`` does before restarting the ranks)."""

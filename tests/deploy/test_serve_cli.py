@@ -57,7 +57,7 @@ def test_serve_cli_serves_the_tiny_yaml_and_ctrl_c_leaves_nothing(
     command = [sys.executable, "-m", "dsv41.deploy.cli", "serve", "--config", "deploy/configs/tiny-cpu.yaml",
                "--port", str(port), "--grpc-port", str(grpc_port), "--model", str(tiny_dir)]
     key = "serve-cli-key"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), API_KEY_ENV: key}
+    env = {**os.environ, API_KEY_ENV: key}
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert server.stdout is not None

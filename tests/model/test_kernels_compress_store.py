@@ -22,9 +22,10 @@ import torch
 from dsv41.cache.addressing import NO_ROW, CompressionPlan, PoolShape, SegmentSpec, build_step_addresses
 from dsv41.cache.plane_io import PlaneIO, PlaneView
 from dsv41.cache.pools import PoolSize, V41Pools
-from dsv41.cluster.engine import Engine, InProcessExecutor, RankLayout, engine_options
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.options import RankLayout, engine_options
 from dsv41.cluster.pool_layout import pool_geometry
-from dsv41.cluster.runner import ModelRunner
+from dsv41.cluster.ranks import DPRank, LocalRank
 from dsv41.model.config import V41Config
 from dsv41.model.device import move_tensors
 from dsv41.model.kernels.interface import SCALE_GROUPS
@@ -288,8 +289,8 @@ def test_the_runtime_on_the_triton_compression_path_gives_the_torch_tokens(tiny_
     prompt = torch.randint(3, 500, (17,), generator=torch.Generator().manual_seed(5)).tolist()
     scores = {}
     for name, kernels in (("torch", TorchKernels()), ("triton", TritonCompressionPath())):
-        runner = ModelRunner(params, layout.geometry, layout.pool_size, device=DEVICE, kernels=kernels)
-        engine = Engine(params, checkpoint.tokenizer, options, executor=InProcessExecutor(runner))
+        rank = DPRank(params, layout, 0, None, device=DEVICE, kernels=kernels, batch_invariant=bool(options.batch_invariant))
+        engine = Engine(params.config, checkpoint.tokenizer, options, 1, LocalRank(rank))
         scores[name] = engine.prompt_logits(prompt, chunk_sizes=(3, 1, 6, 5, 2))
     for layer, selected in scores["torch"].selections.items():
         assert torch.equal(scores["triton"].selections[layer], selected), f"layer {layer}"

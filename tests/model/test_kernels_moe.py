@@ -263,7 +263,7 @@ def test_the_engine_on_triton_reads_fp4_experts_packed_and_gives_the_torch_token
             tiny_quantized_dir, block_size=32, kernel_backend=backend, enable_prefix_caching=False, device=DEVICE
         )
         tokens[backend] = engine.generate([prompt], params)[0].token_ids
-        runtime = engine.executor.runner.runtime
+        runtime = engine.runner.runtime
         assert runtime.experts.weight_format == "mxfp4"
     assert isinstance(runtime.experts.bank(engine.params.layers[0]), TritonExpertBank)
     assert tokens["triton"] == tokens["torch"]

@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dsv41.cluster.engine import Engine, EngineOptions
+from dsv41.cluster.engine import Engine
+
+from dsv41.cluster.options import EngineOptions
 from dsv41.cluster.request import SamplingParams
 from dsv41.model.config import FLASH_CONFIG_DIR, LayerMode, V41Config
 from dsv41.model.loader import (
@@ -215,7 +217,7 @@ def test_generated_slice_serves_through_the_engine(flash: V41Config) -> None:
     prompt past the window, the top-k and the candidate budget prefills and decodes."""
     model = SliceModel.build(TEST_SLICE, flash, expert_format="fp4")
     checkpoint = load_slice(model, seed=0, dtype=torch.float32)
-    engine = Engine(ModelParams.from_checkpoint(checkpoint), checkpoint.tokenizer, EngineOptions(block_size=32))
+    engine = Engine.from_params(ModelParams.from_checkpoint(checkpoint), checkpoint.tokenizer, EngineOptions(block_size=32))
     prompt = torch.randint(16, model.config.vocab_size, (80,), generator=torch.Generator().manual_seed(0)).tolist()
     (output,) = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(output.token_ids) == 3 and output.finished

@@ -1,0 +1,228 @@
+"""How a replica runs: its options, and the pools and scheduler every process of it derives.
+
+Owns ``EngineOptions`` (every field checked before any weight is read, its defaults
+resolved once: the batch-invariant mode, the prefill cap, ...), ``engine_options``
+(keyword options, unknown ones refused), the context limit a replica serves
+(``default_max_model_len``) and ``RankLayout``: the geometry, pool size and scheduler of
+one rank, which a scheduler in one process and the pools of its rank in another derive
+identically from the same options.
+
+Must not import: actors, deploy, ray, cluster.engine, cluster.ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.cache.block_manager import BlockManager, StateTransfer
+from dsv41.cache.geometry import V41PoolGeometry
+from dsv41.cache.offload import TieredStore
+from dsv41.cache.pools import PoolSize
+from dsv41.cluster.offload_connector import OffloadConnector
+from dsv41.cluster.pool_layout import pool_geometry
+from dsv41.cluster.scheduler import Scheduler, SchedulerConfig
+from dsv41.model.config import V41Config
+from dsv41.model.kernels import KERNEL_BACKENDS
+from dsv41.model.linalg import default_batch_invariant
+
+DEFAULT_CACHE_BYTES = 512 << 20
+# The context a CPU replica gets unless max_model_len says otherwise. A prefill's cost
+# grows faster than its length on the CPU (the tiny model, one core of a shared 2-core
+# box: 2k tokens in about 2.2 s, 16k in 159 s; BENCHMARKS.md, prefill_fairness), so the
+# model's own limit (1,048,576 positions) would admit requests that run for hours;
+# 4,096 tokens prefill in seconds.
+CPU_DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class EngineError(ValueError):
+    """A request or option the engine refuses; nothing was queued or changed."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a replica runs; every field is checked before any weight is read."""
+
+    dtype: torch.dtype = torch.float32
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    # A request's prefill tokens per step (0: off, only the step budget bounds them).
+    # None: half of max_num_batched_tokens, so that a long prefill leaves room in every
+    # step for new requests' prefills and running decodes (see default_prefill_threshold).
+    long_prefill_token_threshold: int | None = None
+    block_size: int = 128
+    num_pages: int | None = None  # cap on PAGEs (tests force preemption with it)
+    num_state_slots: int | None = None  # default: max_num_seqs
+    cache_memory_bytes: int = DEFAULT_CACHE_BYTES
+    kv_cache_dtype: str = "bf16"
+    index_cache_dtype: str = "fp8"
+    state_transfer: str = "replay"
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: default_max_model_len
+    seed: int = 0
+    kernel_backend: str = "torch"  # "torch" (reference, anywhere) | "triton" (GPU) | "aiter" (ROCm)
+    device: str = "cpu"  # where weights, pools and the forward live ("cuda", "cuda:1", ...)
+    # Every row computed in an order that does not depend on the step's other rows
+    # (model/linalg.py), so a scheduled run is token for token an uninterrupted one.
+    # None: on for the CPU, off on a GPU (it costs GEMM throughput there).
+    batch_invariant: bool | None = None
+    # Decoder SWA bounded replay (model/bounded_replay.py; the spec's default): the
+    # decoder runs a prompt's last sliding_window rows and the rows after, with windows
+    # cut at that tail, and only the logit rows reach the last layer's attention and
+    # FFN. It changes a prompt's last logits from a full prefill's (the spec's
+    # accuracy note); prompt logits and prompt logprobs always run the full prefill.
+    decoder_swa_bounded_replay: bool = True
+    # Offload store of PAGE units and STATE images (0: none): host bytes, then an
+    # optional disk tier.
+    offload_host_bytes: int = 0
+    offload_disk_dir: str | None = None
+    offload_disk_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise EngineError(f"dtype: {self.dtype} (allowed: torch.float32, torch.bfloat16)")
+        if self.kv_cache_dtype not in ("bf16", "fp4"):
+            raise EngineError(f"kv_cache_dtype: {self.kv_cache_dtype!r} (allowed: 'bf16', 'fp4')")
+        if self.index_cache_dtype not in ("fp8", "fp4"):
+            raise EngineError(f"index_cache_dtype: {self.index_cache_dtype!r} (allowed: 'fp8', 'fp4')")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise EngineError(f"kernel_backend: {self.kernel_backend!r} (allowed: {', '.join(KERNEL_BACKENDS)})")
+        if self.state_transfer not in ("replay", "copy"):
+            raise EngineError(f"state_transfer: {self.state_transfer!r} (allowed: 'replay', 'copy')")
+        if self.offload_host_bytes < 0 or self.offload_disk_bytes < 0:
+            raise EngineError(
+                f"offload_host_bytes / offload_disk_bytes: {self.offload_host_bytes} / {self.offload_disk_bytes} "
+                "(allowed: >= 0)"
+            )
+        if (self.offload_disk_dir is not None or self.offload_disk_bytes) and not self.offload_host_bytes:
+            raise EngineError(
+                "offload_disk_dir / offload_disk_bytes: set without offload_host_bytes (allowed: a disk tier behind a host tier)"
+            )
+        if (self.offload_disk_dir is None) != (self.offload_disk_bytes == 0):
+            raise EngineError(
+                f"offload_disk_dir / offload_disk_bytes: {self.offload_disk_dir!r} / {self.offload_disk_bytes} "
+                "(allowed: both set, or neither)"
+            )
+        if self.offload_host_bytes and not self.enable_prefix_caching:
+            raise EngineError("offload_host_bytes: needs enable_prefix_caching (offloaded units are prefix-cache PAGEs)")
+        if self.batch_invariant is None:
+            object.__setattr__(self, "batch_invariant", default_batch_invariant(self.device))
+        if self.batch_invariant and self.kernel_backend == "torch" and not self.device.startswith("cpu"):
+            raise EngineError(
+                f"batch_invariant: True with kernel_backend 'torch' on {self.device!r} (allowed: kernel_backend "
+                "'triton' on a GPU, or the CPU: the torch backend's attention there runs cuBLAS batched GEMMs, "
+                "whose algorithm follows the batch)"
+            )
+        for name in ("num_pages", "num_state_slots", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise EngineError(f"{name}: {value!r} (allowed: None or a positive integer)")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise EngineError(f"{name}: {value!r} (allowed: a positive integer)")
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            object.__setattr__(self, "long_prefill_token_threshold", default_prefill_threshold(self.max_num_batched_tokens))
+        elif not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise EngineError(f"long_prefill_token_threshold: {threshold!r} (allowed: None, 0 = off, or a positive integer)")
+
+
+def default_prefill_threshold(max_num_batched_tokens: int) -> int:
+    """The per-request prefill cap of a step when none is given: half the step's token
+    budget. vLLM's V1 scheduler applies the same cap (a request's new tokens per step
+    cut to ``long_prefill_token_threshold`` when that is > 0) but defaults it to 0,
+    setting 4% of max_model_len only when ``max_num_partial_prefills`` > 1; a cap tied
+    to max_model_len does nothing once it exceeds the step budget, so this one is tied
+    to the budget: one long prefill takes at most half of every step, and a request
+    that arrives behind it is admitted at the next step instead of after it."""
+    return max(max_num_batched_tokens // 2, 1)
+
+
+def default_max_model_len(config: V41Config, options: EngineOptions, pool_tokens: int) -> int:
+    """A replica's context limit: ``options.max_model_len`` if given, else the model's
+    ``max_position_embeddings`` (on a CPU device at most CPU_DEFAULT_MAX_MODEL_LEN),
+    never more than the pools hold (one sequence may fill them)."""
+    if options.max_model_len is not None:
+        return min(options.max_model_len, pool_tokens)
+    limit = config.max_position_embeddings
+    if torch.device(options.device).type == "cpu":
+        limit = min(limit, CPU_DEFAULT_MAX_MODEL_LEN)
+    return min(limit, pool_tokens)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The pools one rank allocates under ``options`` and the scheduler over them: the
+    geometry and pool size every process of a replica derives identically, so a
+    scheduler in one process and the pools of its rank in another agree on every
+    PAGE and slot id."""
+
+    geometry: V41PoolGeometry
+    pool_size: PoolSize
+    num_slots: int
+
+    @classmethod
+    def build(cls, config: V41Config, options: EngineOptions) -> "RankLayout":
+        geometry = pool_geometry(
+            config,
+            block_size=options.block_size,
+            kv_cache_dtype=options.kv_cache_dtype,
+            index_cache_dtype=options.index_cache_dtype,
+            encoder_replay=options.state_transfer == "replay",
+        )
+        slots = options.num_state_slots or options.max_num_seqs
+        pool_size = PoolSize.from_budget(
+            geometry, options.cache_memory_bytes, num_slots=slots, max_num_pages=options.num_pages
+        )
+        return cls(geometry=geometry, pool_size=pool_size, num_slots=slots)
+
+    def offload_store(self, options: EngineOptions) -> TieredStore | None:
+        """The offload store ``options`` ask for (None: no offload), serving this
+        layout."""
+        if not options.offload_host_bytes:
+            return None
+        return TieredStore(
+            self.geometry.layout_id,
+            self.geometry.page_bytes,
+            options.offload_host_bytes,
+            disk_dir=options.offload_disk_dir,
+            disk_budget_bytes=options.offload_disk_bytes,
+        )
+
+    def scheduler(self, config: V41Config, options: EngineOptions, offload: OffloadConnector | None = None) -> Scheduler:
+        """A fresh scheduler over a fresh block manager of these pools."""
+        block_manager = BlockManager(
+            num_pages=self.pool_size.num_pages,
+            num_slots=self.num_slots,
+            block_size=options.block_size,
+            state_transfer=StateTransfer(options.state_transfer),
+            enable_prefix_caching=options.enable_prefix_caching,
+        )
+        return Scheduler(
+            SchedulerConfig(
+                max_num_seqs=options.max_num_seqs,
+                max_num_batched_tokens=options.max_num_batched_tokens,
+                long_prefill_token_threshold=options.long_prefill_token_threshold,
+                block_size=options.block_size,
+                state_transfer=StateTransfer(options.state_transfer),
+                enable_prefix_caching=options.enable_prefix_caching,
+                engram_history=config.engram_max_ngram_size - 1,
+                decoder_replay_window=config.sliding_window if options.decoder_swa_bounded_replay else None,
+            ),
+            block_manager,
+            layout_id=self.geometry.layout_id,
+            image_pages=self.geometry.image_pages,
+            image_bytes=self.geometry.image_bytes,
+            offload=offload,
+        )
+
+
+def engine_options(options: dict[str, object]) -> EngineOptions:
+    """EngineOptions from keyword options; unknown ones are refused."""
+    known = set(EngineOptions.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise EngineError(f"options: unknown {unknown} (allowed: {sorted(known)})")
+    return EngineOptions(**options)  # type: ignore[arg-type]

@@ -1,0 +1,228 @@
+"""The DP ranks of one replica and how a step reaches them.
+
+Owns ``DPLayout`` (how a replica spreads over ranks: world, expert split, collective
+backend), ``DPRank`` (one rank's side of a step: its ModelRunner with TP1 attention,
+embeddings, head and pools, whose MoE is the DP expert exchange over its expert shard),
+the ``DPStepExecutor`` contract the engine steps its ranks through, and two of its
+implementations: ``LocalRank`` (a replica of one rank in the engine's thread) and
+``ThreadedRanks`` (the ranks of a replica in threads of this process, gloo among them).
+The Ray actors of ``actors/`` implement the same contract over a step transport.
+
+Must not import: actors, deploy, ray, cluster.engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dsv41.cluster.batch import DPMetadata, ScheduledBatch
+from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
+from dsv41.cluster.offload_connector import OffloadConnector
+from dsv41.cluster.options import EngineOptions, RankLayout
+from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
+from dsv41.model.kernels import load_kernels
+from dsv41.model.kernels.interface import PagedKernels
+from dsv41.model.loader import ExpertShard
+from dsv41.model.params import ModelParams
+from dsv41.model.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+EXPERT_MODES = ("ep", "tp")
+
+
+class DPError(ValueError):
+    """A DP option or a rank's input outside what the replica allows."""
+
+
+@dataclass(frozen=True)
+class DPLayout:
+    """How a replica spreads over ranks: ``world`` DP-attention ranks, the routed
+    experts split into whole experts per rank (``ep``) or every expert's intermediate
+    dim split (``tp``), collectives on ``backend``."""
+
+    world: int
+    expert_mode: str = "ep"
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world, int) or self.world < 1:
+            raise DPError(f"DPLayout.world: {self.world!r} (allowed: an int >= 1)")
+        if self.expert_mode not in EXPERT_MODES:
+            raise DPError(f"DPLayout.expert_mode: {self.expert_mode!r} (allowed: {', '.join(EXPERT_MODES)})")
+        GroupSpec(backend=self.backend, world=self.world)
+
+    def shard(self, rank: int) -> ExpertShard | None:
+        return ExpertShard(self.expert_mode, rank, self.world) if self.world > 1 else None
+
+
+class RankFailure(RuntimeError):
+    """A rank of the replica died or missed a step's deadline: the step is lost and
+    the ranks' pools with it."""
+
+
+class DPStepExecutor(Protocol):
+    """Runs one step on every DP rank of a replica together; one result per rank.
+    ``metadata`` is the step's packed DPMetadata (None for a replica of one rank: no
+    exchange reads it). ``execute`` raises RankFailure when a rank is lost;
+    ``restart`` then brings every rank back with empty pools."""
+
+    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]: ...
+
+    def restart(self) -> None: ...
+
+
+class DPRank:
+    """One DP rank's execution: its pools and runner, and its side of the MoE
+    exchange (None when the replica has one rank and holds every expert)."""
+
+    def __init__(
+        self,
+        params: ModelParams,
+        layout: RankLayout,
+        rank: int,
+        exchange: DPExpertExchange | None,
+        *,
+        device: str = "cpu",
+        kernels: PagedKernels | None = None,
+        offload: OffloadConnector | None = None,
+        batch_invariant: bool = False,
+        decoder_replay: bool = False,
+    ) -> None:
+        self.rank = rank
+        self.exchange = exchange
+        self.decoder_layers = params.config.topology.decoder_layers
+        self.runner = ModelRunner(
+            params,
+            layout.geometry,
+            layout.pool_size,
+            device=device,
+            moe=exchange,
+            kernels=kernels,
+            offload=offload,
+            batch_invariant=batch_invariant,
+            decoder_replay=decoder_replay,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path | ModelSource,
+        options: EngineOptions,
+        dp: DPLayout,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        offload: OffloadConnector | None = None,
+    ) -> "DPRank":
+        """Loads the rank's expert shard of ``model`` (and everything else whole) on
+        its device and joins ``group`` (required when ``dp.world`` > 1); ``offload``
+        is the replica's offload store, shared by every rank."""
+        source = ModelSource.parse(model)
+        params, _ = source.load_params(dtype=options.dtype, device=options.device, shard=dp.shard(rank))
+        kernels = load_kernels(options.kernel_backend)
+        exchange = None
+        if dp.world > 1:
+            if group is None:
+                raise DPError(f"group: None for rank {rank} of a {dp.world}-rank replica (allowed: its process group)")
+            exchange = DPExpertExchange(
+                params.config, group, rank, dp.backend, kernels, dp.expert_mode, bool(options.batch_invariant)
+            )
+        layout = RankLayout.build(params.config, options)
+        return cls(
+            params,
+            layout,
+            rank,
+            exchange,
+            device=options.device,
+            kernels=kernels,
+            offload=offload,
+            batch_invariant=bool(options.batch_invariant),
+            decoder_replay=options.decoder_swa_bounded_replay,
+        )
+
+    def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor | None) -> StepResult:
+        """Runs this rank's batch of a step (padding when it has no rows). Under
+        decoder replay the decoder's layers run fewer rows: the exchange learns every
+        rank's count at each of them from the metadata. A rank alone (no exchange)
+        reads no metadata."""
+        if self.exchange is None:
+            return self.runner.execute(batch)
+        if metadata_wire is None:
+            raise DPError(f"rank {self.rank}: a step without DPMetadata (allowed only for a replica of one rank)")
+        metadata = DPMetadata.from_wire(metadata_wire)
+        own = metadata.ranks[self.rank]
+        stages = (own.decoder_rows, own.query_rows)
+        if self.runner.decoder_replay:
+            expected = stage_rows(batch, self.runner.shape.window)
+        else:
+            expected = (batch.num_tokens, batch.num_tokens)
+        if own.num_tokens != batch.num_tokens or stages != expected:
+            raise DPError(
+                f"rank {self.rank}: batch of {batch.num_tokens} rows ({expected[0]} decoder, {expected[1]} "
+                f"query), the step's metadata says {own.num_tokens} ({stages[0]}, {stages[1]})"
+            )
+        self.exchange.begin_step(metadata.row_counts, metadata.decoder_row_counts(self.decoder_layers))
+        if batch.is_empty:
+            return self.runner.execute_padding(batch.step_id)
+        return self.runner.execute(batch)
+
+
+class ThreadedRanks:
+    """The DP ranks of a replica in threads of this process, gloo among them."""
+
+    def __init__(
+        self, model: str | Path | ModelSource, options: EngineOptions, dp: DPLayout, offload: OffloadConnector | None = None
+    ) -> None:
+        self.model = model
+        self.options = options
+        self.dp = dp
+        self.offload = offload
+        self._threads = ThreadPoolExecutor(max_workers=dp.world, thread_name_prefix="dp-rank")
+        self.ranks = self._load()
+
+    def _load(self) -> tuple[DPRank, ...]:
+        dp = self.dp
+        store = dist.HashStore()
+        spec = GroupSpec(backend=dp.backend, world=dp.world)
+
+        def load_rank(rank: int) -> DPRank:
+            group = open_process_group(spec, rank, dist.PrefixStore("dp", store)) if dp.world > 1 else None
+            return DPRank.load(self.model, self.options, dp, rank, group, self.offload)
+
+        # Every rank must be in its rendezvous at once: one thread each.
+        return tuple(self._threads.map(load_rank, range(dp.world)))
+
+    def restart(self) -> None:
+        self.ranks = self._load()
+
+    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor) -> list[StepResult]:
+        futures = [self._threads.submit(rank.execute, b, metadata) for rank, b in zip(self.ranks, batches)]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)
+
+
+class LocalRank:
+    """The one rank of a replica in this thread: no exchange, no threads."""
+
+    def __init__(self, rank: DPRank) -> None:
+        if rank.exchange is not None:
+            raise DPError("rank: a rank with an exchange needs its peers (allowed: a replica of one rank)")
+        self.rank = rank
+        self.runner = rank.runner
+
+    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
+        (batch,) = batches
+        return [self.runner.execute(batch)]
+
+    def restart(self) -> None:
+        raise RankFailure("a rank in this thread does not restart: its failure is the engine's")
+
