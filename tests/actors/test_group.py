@@ -85,9 +85,10 @@ def _serves_through_the_async_engine(group: EngineGroup, prompt: list[int]) -> t
     serving = AsyncEngine(group, ServingMetrics("tiny"))
 
     async def last_output():
+        whole = CumulativeOutputs()
         final = None
-        async for out in serving.generate("served", prompt, GREEDY):
-            final = out
+        async for delta in serving.generate("served", prompt, GREEDY):
+            final = whole.add(delta)
         return final
 
     try:
