@@ -349,16 +349,8 @@ class V41Config:
     # -- derived sizes --------------------------------------------------------------
 
     @property
-    def num_dspark_layers(self) -> int:
-        return self.num_nextn_predict_layers
-
-    @property
     def total_layers(self) -> int:
         return self.num_hidden_layers + self.num_nextn_predict_layers
-
-    @property
-    def qk_nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
 
     @property
     def engram_input_dim(self) -> int:
