@@ -423,7 +423,9 @@ class Request:
         tokens = self.output_token_ids[self._sent_tokens :]
         phase_times = None
         if tokens and self._sent_tokens == 0 and self.scheduled_time is not None and self.first_token_time is not None:
-            phase_times = PhaseTimes(self.scheduled_time - self.arrival_time, self.first_token_time - self.scheduled_time)
+            phase_times = PhaseTimes(
+                queue_s=self.scheduled_time - self.arrival_time, prefill_s=self.first_token_time - self.scheduled_time
+            )
         output = RequestOutput(
             request_id=self.request_id,
             token_ids=tuple(tokens),

@@ -295,8 +295,8 @@ def test_a_live_replica_counts_exactly_the_requests_sent(live: tuple[str, int]) 
     deadline = time.monotonic() + 90
     while True:
         exported = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
-        ours = "ray_vllm_request_success" in exported
-        if ours and _value(exported, "ray_vllm_generation_tokens", "_total") == _value(after, "vllm:generation_tokens", "_total"):
+        generated = _value(after, "vllm:generation_tokens", "_total")
+        if "ray_vllm_request_success" in exported and _value(exported, "ray_vllm_generation_tokens", "_total") == generated:
             break
         assert time.monotonic() < deadline, "Ray's metrics export did not catch up in 90 s"
         time.sleep(1)
