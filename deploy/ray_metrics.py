@@ -1,7 +1,8 @@
 """Ray's metrics export of a Serve replica's serving metrics (``ray.util.metrics``).
 
 Owns :func:`replica_metrics` (a Serve replica's ``ServingMetrics``: its ``/metrics``
-registry and Ray's export) and :class:`RayMetricsMirror`, the ``deploy.metrics.MetricsMirror`` that records every
+registry and, unless the application's ``ray_metrics`` is off, Ray's export; the two
+options checked by :func:`check_metrics_options`) and :class:`RayMetricsMirror`, the ``deploy.metrics.MetricsMirror`` that records every
 family of ``deploy.metrics.FAMILIES`` into Ray's own metrics as well, the path Ray
 Serve LLM's vLLM engines export through: each node's Ray metrics agent serves them
 (``ray start --metrics-export-port``; Ray's Prometheus service discovery file lists
@@ -22,7 +23,7 @@ import re
 from ray import serve
 from ray.util import metrics as ray_metrics
 
-from dsv41.deploy.metrics import COUNTER, GAUGE, LABELS, MetricFamily, ServingMetrics
+from dsv41.deploy.metrics import COUNTER, GAUGE, LABELS, MetricFamily, ServingMetrics, check_metrics_prefix
 
 REPLICA_TAG = "ReplicaId"
 
@@ -64,8 +65,17 @@ class RayMetricsMirror:
             metric.observe(value, tags=tags)
 
 
-def replica_metrics(model_name: str, max_model_len: int, prefix: str) -> ServingMetrics:
+def replica_metrics(model_name: str, max_model_len: int, prefix: str, export_to_ray: bool) -> ServingMetrics:
     """The serving metrics of the Serve replica this runs in: scraped from it alone
-    through ``/metrics``, and exported through Ray's metrics tagged with its id."""
-    mirror = RayMetricsMirror(serve.get_replica_context().replica_id.unique_id)
-    return ServingMetrics(model_name, max_model_len=max_model_len, prefix=prefix, mirrors=(mirror,))
+    through ``/metrics`` and, with ``export_to_ray``, exported through Ray's metrics
+    tagged with its id (each record then costs a Ray metrics call as well, on the
+    engine's thread)."""
+    mirrors = (RayMetricsMirror(serve.get_replica_context().replica_id.unique_id),) if export_to_ray else ()
+    return ServingMetrics(model_name, max_model_len=max_model_len, prefix=prefix, mirrors=mirrors)
+
+
+def check_metrics_options(prefix: object, export_to_ray: object) -> None:
+    """The application's ``metrics_prefix`` and ``ray_metrics`` args, or ValueError naming the one refused."""
+    check_metrics_prefix(prefix)
+    if not isinstance(export_to_ray, bool):
+        raise ValueError(f"ray_metrics: {export_to_ray!r} (allowed: true or false)")

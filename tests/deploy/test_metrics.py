@@ -120,6 +120,16 @@ def test_a_prefix_prometheus_refuses_is_refused(prefix: object) -> None:
         check_metrics_prefix(prefix)
 
 
+@pytest.mark.parametrize(("name", "value"), [("metrics_prefix", "a-b"), ("ray_metrics", "yes"), ("ray_metrics", 1)])
+def test_the_application_refuses_bad_metrics_args(name: str, value: object) -> None:
+    """The application's metrics args are checked before Serve starts a replica: the
+    error names the arg."""
+    from dsv41.deploy.app import AppArgs
+
+    with pytest.raises(ValueError, match=name):
+        AppArgs(**{name: value})
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 50)), min_size=1, max_size=30))
 def test_cumulative_counts_are_counters_that_only_grow(steps: list[tuple[bool, int]]) -> None:
