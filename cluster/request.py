@@ -204,6 +204,17 @@ _FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
+class PhaseTimes:
+    """Where a sequence spent the time before its first token, in seconds of the
+    engine's clock: ``queue_s`` from its arrival until the scheduler first gave it rows,
+    ``prefill_s`` from then until its first token was sampled (vLLM's queued and
+    prefill intervals; a preemption after that counts in neither)."""
+
+    queue_s: float
+    prefill_s: float
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one request gained in one step (vLLM's ``RequestOutputKind.DELTA``): the
     engine's step hands these back, so a step's work per request does not grow with the
@@ -219,7 +230,9 @@ class RequestOutput:
     up to its whole text, cut before a matched stop string. ``num_output_tokens`` counts
     every token generated so far. ``stop_reason`` is the stop string or stop token id
     that ended the request (``None`` for EOS, length, abort and error).
-    ``CumulativeOutputs`` adds deltas up where a caller wants the whole output so far.
+    ``phase_times`` is set on the output that carries the first token (``None`` on
+    every other). ``CumulativeOutputs`` adds deltas up where a caller wants the whole
+    output so far.
     """
 
     request_id: str
@@ -231,6 +244,7 @@ class RequestOutput:
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
     text: str = ""
     stop_reason: int | str | None = None
+    phase_times: PhaseTimes | None = None
 
     def __post_init__(self) -> None:
         if self.finished != (self.finish_reason is not None):
@@ -331,6 +345,10 @@ class Request:
     # One list of prompt + output ids, appended in step with output_token_ids, so the
     # detokeniser and the runner read a window of it without concatenating per step.
     _all_token_ids: list[int] = field(init=False, repr=False)
+    # The engine's clock when the scheduler first gave the request rows, and when its
+    # first token was sampled (None until then): its first output's PhaseTimes.
+    scheduled_time: float | None = field(init=False, default=None, repr=False)
+    first_token_time: float | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -403,6 +421,11 @@ class Request:
                 f"request {self.request_id!r}: text shrank below what was handed out ({visible} < {self._sent_text})"
             )
         tokens = self.output_token_ids[self._sent_tokens :]
+        phase_times = None
+        if tokens and self._sent_tokens == 0 and self.scheduled_time is not None and self.first_token_time is not None:
+            phase_times = PhaseTimes(
+                queue_s=self.scheduled_time - self.arrival_time, prefill_s=self.first_token_time - self.scheduled_time
+            )
         output = RequestOutput(
             request_id=self.request_id,
             token_ids=tuple(tokens),
@@ -415,6 +438,7 @@ class Request:
             ),
             text=self.output_text[self._sent_text : visible],
             stop_reason=self.stop_reason,
+            phase_times=phase_times,
         )
         self._sent_tokens = len(self.output_token_ids)
         self._sent_text = visible

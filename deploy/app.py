@@ -67,13 +67,13 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from dsv41.cluster.interface import EngineClient
-
 from dsv41.cluster.options import engine_options
 from dsv41.cluster.request import MAX_N, CumulativeOutputs, RequestOutput, SamplingParams
 from dsv41.deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
 from dsv41.deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
-from dsv41.deploy.metrics import METRICS_CONTENT_TYPE, ServingMetrics
+from dsv41.deploy.metrics import DEFAULT_METRICS_PREFIX, METRICS_CONTENT_TYPE
+from dsv41.deploy.ray_metrics import check_metrics_options, replica_metrics
 from dsv41.deploy.openai_api import (
     REFUSALS,
     SSE_DONE,
@@ -149,6 +149,7 @@ class AppArgs:
     :data:`OPEN_ROUTES`, all of them by default) and on the gRPC call. ``limits``:
     ``RequestLimits`` fields. ``grpc_port``: where the ingress serves
     ``dsv41.GenerateService`` (None: no gRPC), on ``grpc_host`` (loopback by default).
+    ``metrics_prefix``, ``ray_metrics``: the metrics' names and Ray export (deploy/ray_metrics.py).
     """
 
     model: str | None = None
@@ -174,6 +175,8 @@ class AppArgs:
     limits: Mapping[str, Any] = field(default_factory=dict)
     grpc_host: str = LOOPBACK_HOST
     grpc_port: int | None = None
+    metrics_prefix: str = DEFAULT_METRICS_PREFIX
+    ray_metrics: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -238,6 +241,7 @@ class AppArgs:
             raise ValueError(f"grpc_host: {self.grpc_host!r} (allowed: an address to listen on)")
         if self.grpc_port is not None and not (isinstance(self.grpc_port, int) and 0 <= self.grpc_port <= 65535):
             raise ValueError(f"grpc_port: {self.grpc_port!r} (allowed: a port 0..65535, 0 for any free one, or null)")
+        check_metrics_options(self.metrics_prefix, self.ray_metrics)
         # Refuse bad engine options here, before Serve starts a replica that would die on them.
         engine_options(self.engine_options())
 
@@ -427,7 +431,7 @@ class LLMServer:
         self.limits = args.request_limits()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.config.vocab_size
-        self.metrics = ServingMetrics(self.model_name)
+        self.metrics = replica_metrics(self.model_name, self.max_model_len, args.metrics_prefix, args.ray_metrics)
         self.engine = AsyncEngine(engine, self.metrics)
 
     # -- Serve hooks ------------------------------------------------------------------
@@ -656,7 +660,6 @@ class LLMServer:
                     yield prompt_index * params.n + _sample_index(output), output
 
         return indexed()
-
 
 
 async def _starting_with(
