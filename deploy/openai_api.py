@@ -6,7 +6,8 @@ mapping of every refusal, :data:`REFUSALS`, onto it), :class:`CompletionRequest`
 :class:`ChatCompletionRequest` (a request body read field by field, every unknown or
 unsupported field refused with a 400 that names it, turned into ``SamplingParams``),
 and the writers of completion and chat responses, stream chunks, usage and logprobs:
-:func:`chat_completion_response` and :class:`ChatStreamWriter` assemble a chat answer
+:class:`CompletionWriter` assembles a completion answer (echo, prompt logprobs, whole
+or streamed), :func:`chat_completion_response` and :class:`ChatStreamWriter` a chat answer
 (reasoning, content, ``tool_calls``, finish reason) from the engine's outputs, read by
 ``deploy.chat_parser``. Nothing here runs a request.
 
