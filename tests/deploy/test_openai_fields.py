@@ -180,7 +180,8 @@ def test_chat_skips_special_tokens_but_the_parsers_markers(
 ) -> None:
     """A chat answer's content holds no special token by default but the markers its
     parser reads (they are not special text to it: </think> ends reasoning); with
-    skip_special_tokens false the sampled special tokens are in it. Logprob bytes are
+    skip_special_tokens false the sampled special tokens are in it, the same with
+    spaces_between_special_tokens false (ByteLevel decoding). Logprob bytes are
     each token's own bytes: joined they decode to the tokenizer's decode of the ids."""
     messages = [{"role": "user", "content": "hi"}]
     prompt = PromptEncoder(tokenizer).encode_pieces(render_pieces(messages))
@@ -191,8 +192,12 @@ def test_chat_skips_special_tokens_but_the_parsers_markers(
     kwargs = {"model": "tiny", "messages": messages, **SAMPLED, "logprobs": True, "top_logprobs": 1}
     default = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0]
     kept = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True, "skip_special_tokens": False}).choices[0]
+    unspaced = client.chat.completions.create(
+        **kwargs, extra_body={"ignore_eos": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
+    ).choices[0]
     assert not any(s in (default.message.content or "") for s in dropped)
     assert any(s in (kept.message.content or "") for s in dropped)
+    assert unspaced.message.content == kept.message.content
     items = default.logprobs.content
     assert [item.token for item in items] == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
     joined = bytes(b for item in items for b in item.bytes)
