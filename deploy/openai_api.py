@@ -39,6 +39,7 @@ Choices where the docs are unsure, each made in one place (marked (?) where made
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -664,14 +665,20 @@ _BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+@functools.lru_cache(maxsize=8)
+def _added_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's added tokens, read once per tokenizer (token_bytes
+    runs for every logprob entry)."""
+    return frozenset(tokenizer.get_added_tokens_decoder())
+
+
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> list[int]:
     """The token's own bytes (OpenAI's logprob ``bytes``): for a byte-level BPE token
     (DeepSeek's) the bytes its string stands for, which may be part of a character; a
     byte-fallback token ``<0xNN>`` its byte; an added token, or a token of any other
     tokenizer, the UTF-8 of its text."""
     piece = tokenizer.id_to_token(token_id)
-    added = tokenizer.get_added_tokens_decoder().get(token_id)
-    if piece is None or added is not None:
+    if piece is None or token_id in _added_token_ids(tokenizer):
         return list(token_text(tokenizer, token_id).encode())
     if isinstance(tokenizer.decoder, decoders.ByteLevel) and all(c in _BYTE_LEVEL_ALPHABET for c in piece):
         return [_BYTE_LEVEL_ALPHABET[c] for c in piece]

@@ -63,8 +63,16 @@ class TokenizerEndpoints:
     ``return_token_strs`` adds each id's token string. ``/detokenize`` decodes with
     special tokens kept, as vLLM does."""
 
-    def __init__(self, tokenizer: Tokenizer, prompts: PromptEncoder, *, max_model_len: int, bos_token_id: int,
-                 eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompts: PromptEncoder,
+        *,
+        max_model_len: int,
+        bos_token_id: int,
+        eos_token_id: int,
+        pad_token_id: int,
+    ) -> None:
         self._tokenizer = tokenizer
         self._prompts = prompts
         self._max_model_len = max_model_len

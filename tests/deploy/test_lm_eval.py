@@ -8,7 +8,6 @@ with a local one (the checkpoint's tokenizer.json through transformers)."""
 
 from __future__ import annotations
 
-import math
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -70,13 +69,14 @@ def _engine_logprobs(engine: Engine, prompt: list[int]) -> list[dict[int, float]
 
 def _score(engine: Engine, context: list[int], continuation: list[int]) -> tuple[float, bool]:
     """lm_eval's (loglikelihood, is_greedy) of ``continuation`` after ``context`` from
-    the engine's own prompt logprobs, checked against Engine.prompt_logits."""
+    the engine's own prompt logprobs, each equal to Engine.prompt_logits' log-softmax
+    (the arithmetic is batch-invariant: bit for bit)."""
     prompt = context + continuation
     entries = _engine_logprobs(engine, prompt)[len(context) - 1 :]
     logprobs = [entry[t] for t, entry in zip(continuation, entries)]
     reference = torch.log_softmax(engine.prompt_logits(prompt).logits.float(), dim=-1)
     for position, (token, logprob) in enumerate(zip(continuation, logprobs), start=len(context) - 1):
-        assert math.isclose(logprob, float(reference[position, token]), rel_tol=0, abs_tol=1e-5)
+        assert logprob == float(reference[position, token])
     greedy = all(entry[t] == max(entry.values()) for t, entry in zip(continuation, entries))
     return sum(logprobs), greedy
 
