@@ -71,6 +71,13 @@ class SamplingParams:
     ``max_tokens`` and ``top_k`` are at most :data:`MAX_INT64` here and ``n`` at most
     :data:`MAX_N`; what bounds them on a given engine (the context, the vocabulary) is
     :meth:`validate_for`'s.
+
+    ``skip_special_tokens`` (vLLM's default: on) leaves the tokenizer's special tokens
+    out of the decoded text, except those in ``kept_special_token_ids`` (the markers a
+    protocol's parser reads from the output, such as ``</think>``).
+    ``spaces_between_special_tokens`` is vLLM's: a ``tokenizers`` (fast) tokenizer's
+    decoder puts no space of its own around special tokens, so, as in vLLM's fast
+    detokenizer, it changes nothing for a ByteLevel tokenizer like DeepSeek's.
     """
 
     max_tokens: int = 16
@@ -84,6 +91,9 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    kept_special_token_ids: tuple[int, ...] | list[int] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT64:
@@ -98,8 +108,9 @@ class SamplingParams:
             raise SamplingParamsError(f"top_k: must be -1 (off) or an integer in 1..{MAX_INT64}, got {short_repr(self.top_k)}")
         if self.seed is not None and not _is_int(self.seed):
             raise SamplingParamsError(f"seed: must be None or an integer, got {short_repr(self.seed)}")
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError(f"ignore_eos: must be a bool, got {short_repr(self.ignore_eos)}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name}: must be a bool, got {short_repr(getattr(self, name))}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n: must be an integer in 1..{MAX_N}, got {short_repr(self.n)}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -107,7 +118,10 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise SamplingParamsError(f"{name}: must be None or an integer in 0..{MAX_LOGPROBS}, got {short_repr(value)}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _normalise_token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(
+            self, "kept_special_token_ids", _normalise_token_ids("kept_special_token_ids", self.kept_special_token_ids)
+        )
 
     @property
     def max_stop_length(self) -> int:
@@ -149,11 +163,11 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
+def _normalise_token_ids(name: str, ids: object) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-        raise SamplingParamsError(f"stop_token_ids: must be a list of integers >= 0, got {short_repr(ids)}")
+        raise SamplingParamsError(f"{name}: must be a list of integers >= 0, got {short_repr(ids)}")
     if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise SamplingParamsError(f"stop_token_ids: must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        raise SamplingParamsError(f"{name}: must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
     return tuple(ids)
 
 
@@ -312,6 +326,57 @@ def _extended(held: list | None, new: tuple | None) -> list | None:
     return held
 
 
+class OutputText:
+    """A request's decoded text, grown a token's piece at a time: appending, reading
+    the tail, cutting the tail and reading what follows an offset cost what they touch,
+    not the text's length (a ``str`` grown with ``+`` is copied whole per token)."""
+
+    def __init__(self, text: str = "") -> None:
+        self._pieces: list[str] = []
+        self._length = 0
+        self.append(text)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __str__(self) -> str:
+        return "".join(self._pieces)
+
+    def append(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+            self._length += len(text)
+
+    def since(self, start: int, end: int | None = None) -> str:
+        """The characters ``[start, end)`` (``end`` None: to the end), read from the
+        back: O(the characters from ``start`` on)."""
+        end = self._length if end is None else end
+        if not 0 <= start <= end <= self._length:
+            raise ValueError(f"since: [{start}, {end}) is not inside the text's {self._length} characters")
+        pieces, position = [], self._length
+        for piece in reversed(self._pieces):
+            if position <= start:
+                break
+            pieces.append(piece)
+            position -= len(piece)
+        text = "".join(reversed(pieces))
+        return text[start - position : end - position]
+
+    def tail(self, chars: int) -> str:
+        """The last ``chars`` characters (all of them when shorter)."""
+        return self.since(max(self._length - chars, 0))
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` characters: O(the characters cut)."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"truncate: {length} is not inside the text's {self._length} characters")
+        while self._length > length:
+            last = self._pieces.pop()
+            self._length -= len(last)
+            if self._length < length:
+                self.append(last[: length - self._length])
+
+
 @dataclass(eq=False)
 class Request:
     """The scheduler's mutable record of one request (compared by identity).
@@ -319,7 +384,8 @@ class Request:
     ``num_computed_tokens`` is the cursor: tokens whose KV the cache holds.
     ``sampling_seed`` is the seed the sampler actually uses (``params.seed`` or one
     drawn from the engine's :class:`SeedSource`). ``output_text`` is the decoded
-    output (complete characters only until the request finishes) and the two
+    output (an :class:`OutputText`: complete characters only until the request
+    finishes) and the two
     ``text_*_offset`` fields are the incremental detokeniser's cursor into
     :attr:`all_token_ids`; ``cluster.stopping`` maintains all three.
     """
@@ -332,7 +398,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     stop_reason: int | str | None = None
-    output_text: str = ""
+    output_text: OutputText = field(default_factory=OutputText)
     output_token_ids: list[int] = field(init=False, default_factory=list)
     logprobs: list[dict[int, float]] | None = field(init=False)
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
@@ -436,7 +502,7 @@ class Request:
             prompt_logprobs=(
                 None if self.prompt_logprobs is None else tuple(self.prompt_logprobs[self._sent_prompt_logprobs :])
             ),
-            text=self.output_text[self._sent_text : visible],
+            text=self.output_text.since(self._sent_text, visible),
             stop_reason=self.stop_reason,
             phase_times=phase_times,
         )
