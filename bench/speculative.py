@@ -3,10 +3,10 @@ without DSpark 5, at one request and at 16 concurrent requests.
 
 Prompts are evenly spaced windows of the held-out standard-library modules (the trained
 checkpoint's held-out split, model/training.Corpus), decoded greedily. Decode tokens/s
-counts the output tokens after each request's first (the prefill's) over the time from
-the step after the last prefill to the end; acceptance length is the tokens a verify
-step emits per request, accepted drafts + 1. Both engines run in the batch-invariant
-mode and emit the same tokens (checked).
+counts the output tokens generated from the first step at which every request holds
+its first token (its prefill's) to the end, over that time; acceptance length is the
+tokens a verify step emits per request, accepted drafts + 1. Both engines run in the
+batch-invariant mode and emit the same tokens (checked).
 
 Prints a table and writes JSON (default bench/results/speculative.json).
 Usage: python3 -m bench.speculative [--model DIR] [--out PATH] [--prompt-len 96] [--max-tokens 64]

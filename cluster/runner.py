@@ -257,8 +257,7 @@ class ModelRunner:
         block drafted after every sampling request that has tokens left to generate."""
         speculator = self.speculator
         assert speculator is not None
-        window = stage.window
-        speculator.write_context(layer_inputs, stage.positions, window.write_rows, window.write_dst)
+        speculator.write_context(layer_inputs, stage)
         wanted = []
         for seg in segments:
             if not seg.sample:

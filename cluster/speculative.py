@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from dsv41.cache.addressing import PoolShape, draft_ring_rows, staged_tail_row
+from dsv41.cache.addressing import PoolShape, StepAddresses, draft_ring_rows, staged_tail_row
 from dsv41.cache.plane_io import PlaneIO
 from dsv41.model.dspark_paged import PagedDrafter
 from dsv41.model.kernels.interface import PagedKernels
@@ -86,17 +86,12 @@ class Speculator:
         self.num_speculative_tokens = num_speculative_tokens
         self.capture_layers = tuple(params.config.dspark_target_layer_ids)
 
-    def write_context(
-        self,
-        layer_inputs: Mapping[int, torch.Tensor],
-        positions: torch.Tensor,
-        write_rows: torch.Tensor,
-        write_dst: torch.Tensor,
-    ) -> None:
+    def write_context(self, layer_inputs: Mapping[int, torch.Tensor], stage: StepAddresses) -> None:
         """The drafter's ring rows of a forward's rows: ``layer_inputs`` as the forward
-        captured them, ``positions`` and ring writes of the same rows (the decoder's
-        under decoder replay: the drafter's window follows the decoder)."""
-        self.drafter.write_context(layer_inputs, positions, write_rows, write_dst, self.store)
+        captured them, over the rows of ``stage`` (the decoder's under decoder replay:
+        the drafter's window follows the decoder), at that stage's own ring writes."""
+        window = stage.window
+        self.drafter.write_context(layer_inputs, stage.positions, window.write_rows, window.write_dst, self.store)
 
     def commit_tail(self, slot: int, start: int, committed_end: int) -> None:
         """After a verify from ``start`` kept positions [start, committed_end): a

@@ -22,22 +22,6 @@ from dsv41.model.dspark import ReferenceDrafter
 from dsv41.model.reference import ReferenceModel
 
 BLOCK = 32
-K = 5
-# In the style of the corpus the shipped model was trained on (tests/model/test_dspark.py's).
-CODE_PROMPT = '''class Registry:
-    """A mapping of names to handlers."""
-
-    def __init__(self):
-        self._handlers = {}
-
-    def register(self, name, handler):
-        """Register handler under name."""
-        if name in self._handlers:
-            raise ValueError("duplicate name: %r" % (name,))
-        self._handlers[name] = handler
-
-    def get(self, name):
-'''
 
 
 def _engine(model: Path, **options: object) -> Engine:
@@ -71,14 +55,14 @@ def test_speculative_greedy_is_plain_greedy_in_every_validation_scenario(trained
     assert {s["name"] for s in report["scenarios"]} == set(SCHEDULER_SCENARIOS)
 
 
-def test_the_engines_drafts_are_the_reference_drafters(trained_tiny_dir: Path) -> None:
+def test_the_engines_drafts_are_the_reference_drafters(trained_tiny_dir: Path, code_prompt: str) -> None:
     """With full prefills (decoder replay off) the paged drafter reads what the dense
     ReferenceDrafter reads, so the engine accepts exactly the drafts its speculative
     greedy loop accepts, verification after verification, and emits the same tokens;
     and the drafts are useful: more than one of five accepted per verification on
     this prompt (the reference loop's own figure, tests/model/test_dspark.py)."""
     engine = _engine(trained_tiny_dir, speculative_method="dspark", decoder_swa_bounded_replay=False)
-    prompt = engine.tokenizer.encode(CODE_PROMPT).ids
+    prompt = engine.tokenizer.encode(code_prompt).ids
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     gained = _per_step_tokens(engine, "code", prompt, params)
     run = ReferenceDrafter(ReferenceModel(engine.params, batch_invariant=True)).speculative_greedy(prompt, 40)
@@ -134,13 +118,13 @@ def _slot_state(engine: Engine, request_id: str) -> tuple[int, dict[str, torch.T
     return end, state
 
 
-def test_rejected_rows_leave_nothing_a_later_row_reads(trained_tiny_dir: Path) -> None:
+def test_rejected_rows_leave_nothing_a_later_row_reads(trained_tiny_dir: Path, code_prompt: str) -> None:
     """After every step of a speculating request, what any later row of it can read —
     cursor (position and Engram history), each ring's window, the committed compressor
     tail, each visible compressed entry and index key — equals, bit for bit, the state
     of the same request decoded without speculation at the same committed position:
     the rejected drafts of every verification left no trace there."""
-    prompt = _engine(trained_tiny_dir).tokenizer.encode(CODE_PROMPT).ids[:45]
+    prompt = _engine(trained_tiny_dir).tokenizer.encode(code_prompt).ids[:45]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain, spec = _engine(trained_tiny_dir), _engine(trained_tiny_dir, speculative_method="dspark")
     expected: dict[int, dict[str, torch.Tensor]] = {}
@@ -163,13 +147,13 @@ def test_rejected_rows_leave_nothing_a_later_row_reads(trained_tiny_dir: Path) -
     assert compared > 2 and 0 < accepted < drafts, (compared, verifies, drafts, accepted)
 
 
-def test_seeded_sampling_emits_the_tokens_of_decoding_without_speculation(trained_tiny_dir: Path) -> None:
+def test_seeded_sampling_emits_the_tokens_of_decoding_without_speculation(trained_tiny_dir: Path, code_prompt: str) -> None:
     """Each verify row draws the target's token with the request's counter-based noise
     at the output index that token has, so seeded sampling (temperature, top-k, top-p,
     logprobs) speculating emits exactly the tokens and logprobs decoding without it
     does, while drafts are both accepted and rejected."""
     engine = _engine(trained_tiny_dir)
-    prompts = [engine.tokenizer.encode(CODE_PROMPT).ids[:n] for n in (20, 33, 61)]
+    prompts = [engine.tokenizer.encode(code_prompt).ids[:n] for n in (20, 33, 61)]
     params = SamplingParams(max_tokens=30, temperature=0.7, top_k=20, top_p=0.95, seed=5, logprobs=2, ignore_eos=True)
     plain = engine.generate(prompts, params)
     spec_engine = _engine(trained_tiny_dir, speculative_method="dspark")
@@ -186,7 +170,7 @@ FALSE_FAILURE_RATE = 1e-3
 TEMPERATURE, TOP_K = 1.0, 3
 
 
-def test_seeded_sampling_follows_the_rejection_sampling_law(trained_tiny_dir: Path) -> None:
+def test_seeded_sampling_follows_the_rejection_sampling_law(trained_tiny_dir: Path, code_prompt: str) -> None:
     """The second token of a request is the first its verify emits: the draft d after
     the first token x1 is kept when the target's draw is d (probability p(d)), else the
     draw, from p without d: the standard rejection rule for a one-hot draft. Over 1,200
@@ -198,7 +182,7 @@ def test_seeded_sampling_follows_the_rejection_sampling_law(trained_tiny_dir: Pa
     # Full prefills: the law's logits are Engine.prompt_logits', which are a full prefill's.
     full = {"decoder_swa_bounded_replay": False}
     spec = _engine(trained_tiny_dir, speculative_method="dspark", max_num_seqs=64, max_num_batched_tokens=512, **full)
-    prompt = spec.tokenizer.encode(CODE_PROMPT).ids[:12]
+    prompt = spec.tokenizer.encode(code_prompt).ids[:12]
     # Three tokens: the step after the prefill then verifies one draft (the last token
     # to generate is never drafted past).
     for i in range(TRIALS):
