@@ -164,6 +164,29 @@ def test_seeded_sampling_emits_the_tokens_of_decoding_without_speculation(traine
     assert 0 < accepted < drafts
 
 
+def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(trained_tiny_dir: Path, code_prompt: str) -> None:
+    """A stop token or stop string among a verify's accepted drafts ends the request
+    at it, as decoding without speculation does: the same tokens, text, finish and
+    stop reasons, and the drafts after it are dropped with the request's PAGEs."""
+    engine = _engine(trained_tiny_dir)
+    prompt = engine.tokenizer.encode(code_prompt).ids[:50]
+    free = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].token_ids
+    text = engine.tokenizer.decode(list(free[:20]))
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[free[9]]),
+        SamplingParams(max_tokens=40, temperature=0.0, stop=[text[-3:]]),
+    ]
+    spec = _engine(trained_tiny_dir, speculative_method="dspark")
+    for params in cases:
+        want, got = engine.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids, want.text, want.finish_reason, want.stop_reason
+        )
+        assert len(got.token_ids) < 40
+    stats = spec.block_manager.stats()
+    assert stats.requests == stats.slots_used == 0
+
+
 # The distribution test: TRIALS requests with distinct seeds, their first two tokens.
 TRIALS = 1200
 FALSE_FAILURE_RATE = 1e-3
