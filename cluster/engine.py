@@ -322,13 +322,11 @@ class Engine(EngineClient):
         outputs: list[RequestOutput] = []
         for seg in batch.segments:
             request = self._requests.get(seg.request_id)
+            if request is not None and seg.request_id in result.row_logits:
+                self._record_prompt_logprobs(request, seg, result.row_logits[seg.request_id])
             if request is None or not seg.sample:
                 scheduler.commit(seg, request)
-                if request is not None and seg.request_id in result.row_logits:
-                    self._record_prompt_logprobs(request, seg, result.row_logits[seg.request_id])
                 continue
-            if seg.request_id in result.row_logits:
-                self._record_prompt_logprobs(request, seg, result.row_logits[seg.request_id])
             # A verify emits its accepted drafts, then the target's token; the tokens
             # go in before the commit, which hashes the PAGEs the kept rows fill.
             accepted = result.accepted.get(seg.request_id, ())

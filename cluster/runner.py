@@ -190,24 +190,14 @@ class ModelRunner:
             decoder=decoder,
             capture_layers=() if self.speculator is None else self.speculator.capture_layers,
         )
-        drawn = self._sample(segments, output.logits, sample_rows)
-        committed = {seg.request_id: seg.length for seg in segments}
-        accepted: dict[str, tuple[SampledToken, ...]] = {}
-        sampled: dict[str, SampledToken] = {}
-        for seg in segments:
-            if not seg.sample:
-                continue
-            tokens_drawn = drawn[seg.request_id]
-            drafts = seg.token_ids[seg.length - seg.num_draft_tokens :] if seg.num_draft_tokens else ()
-            count = accepted_count(drafts, [t.token_id for t in tokens_drawn])
-            accepted[seg.request_id] = tokens_drawn[:count]
-            sampled[seg.request_id] = tokens_drawn[count]
-            committed[seg.request_id] = seg.length - seg.num_draft_tokens + count
+        accepted, sampled, committed = self._verify(segments, self._sample(segments, output.logits, sample_rows))
         self._advance_cursors(segments, compressed, histories, committed)
         drafts_next: dict[str, tuple[int, ...]] = {}
         if self.speculator is not None:
             stage = addresses if decoder is None else decoder.plan
-            drafts_next = self._speculate(segments, output.layer_inputs, stage, committed, accepted, sampled)
+            drafts_next = self._speculate(
+                self.speculator, segments, output.layer_inputs, stage, committed, accepted, sampled
+            )
         for seg in segments:
             if seg.store_after is not None:
                 self.checkpoints.store(seg.slot, seg.store_after)
@@ -243,8 +233,29 @@ class ModelRunner:
 
     # -- around the forward -------------------------------------------------------------
 
+    @staticmethod
+    def _verify(
+        segments: tuple[ScheduledSegment, ...], drawn: dict[str, tuple[SampledToken, ...]]
+    ) -> tuple[dict[str, tuple[SampledToken, ...]], dict[str, SampledToken], dict[str, int]]:
+        """Each sampling segment's accepted drafts (a verify's: those equal to the
+        tokens drawn at the rows before them) and the token drawn after them; and every
+        segment's committed rows (a verify: its anchor and accepted drafts)."""
+        accepted: dict[str, tuple[SampledToken, ...]] = {}
+        sampled: dict[str, SampledToken] = {}
+        committed = {seg.request_id: seg.length for seg in segments}
+        for seg in segments:
+            if not seg.sample:
+                continue
+            tokens = drawn[seg.request_id]
+            drafts = seg.token_ids[seg.length - seg.num_draft_tokens :] if seg.num_draft_tokens else ()
+            count = accepted_count(drafts, [t.token_id for t in tokens])
+            accepted[seg.request_id], sampled[seg.request_id] = tokens[:count], tokens[count]
+            committed[seg.request_id] = seg.length - seg.num_draft_tokens + count
+        return accepted, sampled, committed
+
     def _speculate(
         self,
+        speculator: Speculator,
         segments: tuple[ScheduledSegment, ...],
         layer_inputs: dict[int, torch.Tensor],
         stage: StepAddresses,
@@ -255,8 +266,6 @@ class ModelRunner:
         """After a speculating forward: the drafter's rings from its rows (the
         decoder's, under decoder replay), each verify's staged tail committed, and a
         block drafted after every sampling request that has tokens left to generate."""
-        speculator = self.speculator
-        assert speculator is not None
         speculator.write_context(layer_inputs, stage)
         wanted = []
         for seg in segments:
