@@ -556,12 +556,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from dsv41.cluster.options import EngineError
     from dsv41.model.config import ConfigError
 
     try:
         args.func(args)
     except ConfigError as exc:
         raise SystemExit(f"config error: {exc}") from exc
+    except EngineError as exc:
+        raise SystemExit(f"dsv41 {args.command}: {exc}") from exc
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 from dsv41.cluster.options import engine_options
 from dsv41.deploy.app import AppArgs
-from dsv41.deploy.cli import build_parser, _speculation_options
+from dsv41.deploy.cli import _speculation_options, build_parser, main
 
 
 def test_yaml_engine_options_and_cli_flags_select_dspark() -> None:
@@ -28,3 +28,10 @@ def test_a_ray_group_with_speculation_is_refused_before_serve_starts() -> None:
     naming the backend that would work."""
     with pytest.raises(ValueError, match="allowed with speculation: backend 'local'"):
         AppArgs.from_dict({"backend": "ray", "engine": {"speculative_method": "dspark"}, "ray_actor_options": {"num_cpus": 1}})
+
+
+def test_the_cli_names_a_refusal_instead_of_a_traceback() -> None:
+    """`dsv41 generate --method dspark --dp 2` exits with the engine's reason, before
+    any weight is read."""
+    with pytest.raises(SystemExit, match="dsv41 generate: speculative_method: 'dspark' with 2 DP ranks"):
+        main(["generate", "--prompt", "x", "--max-tokens", "4", "--method", "dspark", "--dp", "2"])
