@@ -31,7 +31,14 @@ from dsv41.cache.pools import PoolSize
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
-from dsv41.cluster.options import EngineError, EngineOptions, RankLayout, default_max_model_len, engine_options
+from dsv41.cluster.options import (
+    EngineError,
+    EngineOptions,
+    RankLayout,
+    check_speculation_config,
+    default_max_model_len,
+    engine_options,
+)
 from dsv41.cluster.placement import RankLoad, place
 from dsv41.cluster.ranks import DPError, DPLayout, DPRank, DPStepExecutor, LocalRank, RankFailure, ThreadedRanks
 from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
@@ -73,6 +80,7 @@ class Engine(EngineClient):
     ) -> None:
         if not isinstance(world, int) or world < 1:
             raise DPError(f"world: {world!r} (allowed: an int >= 1)")
+        check_speculation_config(config, options, world)
         self.config = config
         self.tokenizer = tokenizer
         self.options = options
@@ -108,7 +116,9 @@ class Engine(EngineClient):
         generated slice: model/source.py) into a replica of one rank in this thread.
         Options are EngineOptions' fields; unknown ones are refused."""
         parsed = engine_options(options)
-        params, tokenizer = ModelSource.parse(model).load_params(dtype=parsed.dtype, device=parsed.device)
+        source = ModelSource.parse(model)
+        check_speculation_config(source.config(), parsed)
+        params, tokenizer = source.load_params(dtype=parsed.dtype, device=parsed.device)
         return cls.from_params(params, tokenizer, parsed)
 
     @classmethod
@@ -151,6 +161,7 @@ class Engine(EngineClient):
         sharing one in-process offload store when ``offload_host_bytes`` asks."""
         parsed = engine_options(options)
         source = ModelSource.parse(model)
+        check_speculation_config(source.config(), parsed, dp.world)
         store = RankLayout.build(source.config(), parsed).offload_store(parsed)
         offload = LocalOffload(store) if store is not None else None
         return cls.over(source, dp, ThreadedRanks(source, parsed, dp, offload), parsed, offload)
@@ -324,20 +335,28 @@ class Engine(EngineClient):
         outputs: list[RequestOutput] = []
         for seg in batch.segments:
             request = self._requests.get(seg.request_id)
-            scheduler.commit(seg, request)
-            if request is None:
-                continue
-            if seg.request_id in result.row_logits:
+            if request is not None and seg.request_id in result.row_logits:
                 self._record_prompt_logprobs(request, seg, result.row_logits[seg.request_id])
-            if seg.sample:
-                sampled = result.sampled[seg.request_id]
-                if request.first_token_time is None:
-                    request.first_token_time = sampled_at
-                request.append_output_token(sampled.token_id, sampled.logprobs)
-                if self.stop_checker.check_stop(request):
-                    scheduler.finish(request)
-                    self._forget(request)
-                outputs.append(request.take_output())
+            if request is None or not seg.sample:
+                scheduler.commit(seg, request)
+                continue
+            # A verify emits its accepted drafts, then the target's token; the tokens
+            # go in before the commit, which hashes the PAGEs the kept rows fill.
+            accepted = result.accepted.get(seg.request_id, ())
+            if request.first_token_time is None:
+                request.first_token_time = sampled_at
+            stopped = False
+            for token in (*accepted, result.sampled[seg.request_id]):
+                request.append_output_token(token.token_id, token.logprobs)
+                stopped = self.stop_checker.check_stop(request)
+                if stopped:
+                    break
+            committed = seg.end - seg.num_draft_tokens + len(accepted)
+            scheduler.commit(seg, request, min(committed, request.num_tokens), result.drafts.get(seg.request_id, ()))
+            if stopped:
+                scheduler.finish(request)
+                self._forget(request)
+            outputs.append(request.take_output())
         return outputs
 
     def recover(self, reason: str) -> list[RequestOutput]:
