@@ -32,6 +32,7 @@ from dsv41.actors.output_wire import OutputReceiver
 from dsv41.actors.scheduler import SchedulerActor
 from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.options import engine_options as parse_engine_options
+from dsv41.cluster.options import refuse_for_world
 from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import Request, RequestOutput, SamplingParams
 from dsv41.model.source import ModelSource
@@ -67,6 +68,7 @@ class EngineGroup(EngineClient):
         self.model = ModelSource.parse(model)
         self.dp = DPLayout(dp, expert_mode, backend)
         self.options = parse_engine_options(dict(engine_options))
+        refuse_for_world(self.options, self.dp.world)
         self.group_options = group_options
         self._given_placement = placement
         self._own_placement: PlacementGroup | None = None

@@ -31,7 +31,9 @@ from dsv41.cache.pools import PoolSize
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
-from dsv41.cluster.options import EngineError, EngineOptions, RankLayout, default_max_model_len, engine_options
+from dsv41.cluster.options import (
+    EngineError, EngineOptions, RankLayout, default_max_model_len, engine_options, refuse_for_world
+)
 from dsv41.cluster.placement import RankLoad, place
 from dsv41.cluster.ranks import DPError, DPLayout, DPRank, DPStepExecutor, LocalRank, RankFailure, ThreadedRanks
 from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
@@ -39,6 +41,7 @@ from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
 from dsv41.cluster.sampler import prompt_logprobs
 from dsv41.cluster.scheduler import Scheduler
 from dsv41.cluster.stopping import StopChecker
+from dsv41.cluster.tbo import microbatch_rows, split
 from dsv41.model.config import V41Config
 from dsv41.model.kernels import load_kernels
 from dsv41.model.params import ModelParams
@@ -73,6 +76,7 @@ class Engine(EngineClient):
     ) -> None:
         if not isinstance(world, int) or world < 1:
             raise DPError(f"world: {world!r} (allowed: an int >= 1)")
+        refuse_for_world(options, world)
         self.config = config
         self.tokenizer = tokenizer
         self.options = options
@@ -108,6 +112,7 @@ class Engine(EngineClient):
         generated slice: model/source.py) into a replica of one rank in this thread.
         Options are EngineOptions' fields; unknown ones are refused."""
         parsed = engine_options(options)
+        refuse_for_world(parsed, 1)
         params, tokenizer = ModelSource.parse(model).load_params(dtype=parsed.dtype, device=parsed.device)
         return cls.from_params(params, tokenizer, parsed)
 
@@ -115,6 +120,7 @@ class Engine(EngineClient):
     def from_params(cls, params: ModelParams, tokenizer: Tokenizer, options: EngineOptions) -> "Engine":
         """A replica of one rank in this thread over loaded weights (moved to
         ``options.device``), with its own offload store when ``offload_host_bytes`` asks."""
+        refuse_for_world(options, 1)
         layout = RankLayout.build(params.config, options)
         store = layout.offload_store(options)
         offload = LocalOffload(store) if store is not None else None
@@ -150,6 +156,7 @@ class Engine(EngineClient):
         """A replica whose ranks are threads of this process (tests, one-box runs),
         sharing one in-process offload store when ``offload_host_bytes`` asks."""
         parsed = engine_options(options)
+        refuse_for_world(parsed, dp.world)
         source = ModelSource.parse(model)
         store = RankLayout.build(source.config(), parsed).offload_store(parsed)
         offload = LocalOffload(store) if store is not None else None
@@ -292,10 +299,13 @@ class Engine(EngineClient):
         self._step_id += 1
         metadata = None
         if self.world > 1:
-            stages = None
-            if self.options.decoder_swa_bounded_replay:
-                stages = [stage_rows(b, self.config.sliding_window) for b in batches]
-            metadata = DPMetadata.of(self._step_id, batches, stages).to_wire()
+            window = self.config.sliding_window if self.options.decoder_swa_bounded_replay else None
+            stages = None if window is None else [stage_rows(b, window) for b in batches]
+            microbatches = None
+            if self.options.enable_tbo_prefill:
+                token_split = self.options.tbo_prefill_token_split
+                microbatches = [microbatch_rows(split(b, token_split), window) for b in batches]
+            metadata = DPMetadata.of(self._step_id, batches, stages, microbatches).to_wire()
         try:
             results = self.executor.execute(batches, metadata)
         except RankFailure as exc:

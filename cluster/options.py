@@ -73,6 +73,16 @@ class EngineOptions:
     # FFN. It changes a prompt's last logits from a full prefill's (the spec's
     # accuracy note); prompt logits and prompt logprobs always run the full prefill.
     decoder_swa_bounded_replay: bool = True
+    # Prefill two-batch overlap under DP attention (cluster/tbo.py; the spec's
+    # --enable-tbo prefill): a prefill step's rows run as two microbatches, one's MoE
+    # collectives in flight while the other computes. Needs more than one DP rank.
+    # tbo_prefill_min_tokens: every rank's rows at least this (ATOM_TBO_PREFILL_MIN_
+    # TOKENS; the default is not tuned: no GPU measured it). tbo_prefill_token_split:
+    # the cut may fall inside a request (ATOM_TBO_PREFILL_TOKEN_SPLIT=1, the default),
+    # else only between requests.
+    enable_tbo_prefill: bool = False
+    tbo_prefill_min_tokens: int = 256
+    tbo_prefill_token_split: bool = True
     # Offload store of PAGE units and STATE images (0: none): host bytes, then an
     # optional disk tier.
     offload_host_bytes: int = 0
@@ -122,11 +132,29 @@ class EngineOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise EngineError(f"{name}: {value!r} (allowed: a positive integer)")
+        for name in ("enable_tbo_prefill", "tbo_prefill_token_split"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineError(f"{name}: {getattr(self, name)!r} (allowed: True, False)")
+        minimum = self.tbo_prefill_min_tokens
+        if not isinstance(minimum, int) or isinstance(minimum, bool) or minimum < 0:
+            raise EngineError(f"tbo_prefill_min_tokens: {minimum!r} (allowed: an integer >= 0)")
         threshold = self.long_prefill_token_threshold
         if threshold is None:
             object.__setattr__(self, "long_prefill_token_threshold", default_prefill_threshold(self.max_num_batched_tokens))
         elif not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise EngineError(f"long_prefill_token_threshold: {threshold!r} (allowed: None, 0 = off, or a positive integer)")
+
+
+def refuse_for_world(options: EngineOptions, world: int) -> None:
+    """Refuses, before anything is loaded, options a replica of ``world`` DP ranks
+    cannot run: prefill two-batch overlap needs DP attention over more than one rank
+    (the spec refuses plain TP and effective single-rank DP attention alike)."""
+    if options.enable_tbo_prefill and world < 2:
+        raise EngineError(
+            f"enable_tbo_prefill: True on a replica of {world} DP rank (allowed: DP attention over >= 2 ranks; "
+            "prefill two-batch overlap hides one microbatch's MoE collectives across the DP ranks behind the other's "
+            "attention, and one rank has no collectives to hide)"
+        )
 
 
 def default_prefill_threshold(max_num_batched_tokens: int) -> int:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from dsv41.cache.addressing import DecoderAddresses, PoolShape, SegmentSpec, build_decoder_addresses, build_step_addresses
+from dsv41.cache.addressing import (
+    DecoderAddresses, PoolShape, SegmentSpec, StepAddresses, build_decoder_addresses, build_step_addresses
+)
 from dsv41.cache.checkpoints import Checkpoints
 from dsv41.cache.geometry import CURSOR_POSITION, V41PoolGeometry
 from dsv41.cache.plane_io import PlaneIO
@@ -34,7 +36,8 @@ from dsv41.model.device import move_tensors
 from dsv41.model.kernels.interface import PagedKernels
 from dsv41.model.linalg import batch_invariant, cpu_threads
 from dsv41.model.params import LayerParams, ModelParams
-from dsv41.model.runtime import PagedRuntime
+from dsv41.model.microbatch import MoESteps
+from dsv41.model.runtime import Microbatch, PagedRuntime
 
 
 class DecoderReplayError(RuntimeError):
@@ -130,7 +133,12 @@ class ModelRunner:
         self.hashing = params.engram_hashing
         self.history_len = config.engram_max_ngram_size - 1
 
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def execute(
+        self, batch: ScheduledBatch, microbatches: Sequence[tuple[ScheduledBatch, MoESteps]] = ()
+    ) -> StepResult:
+        """Runs ``batch``; with ``microbatches`` (prefill two-batch overlap: its rows
+        cut in consecutive parts, cluster/tbo.split_batch, each with its MoE) its
+        forward runs as those parts interleaved, everything around it as one step."""
         if batch.is_empty:
             return StepResult(step_id=batch.step_id)
         segments = batch.segments
@@ -146,19 +154,22 @@ class ModelRunner:
         # the pools' device.
         compressed = self.params.token_map[tokens]
         histories = self.pools.cursor[[seg.slot for seg in segments], CURSOR_POSITION + 1 :].cpu()
-        specs = [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in segments]
-        addresses = build_step_addresses(specs, self.shape)
         logit_rows, logit_ranges, sample_rows = self.logit_rows(segments)
         device = self.pools.device
-        decoder = self._decoder_addresses(segments, specs) if self.decoder_replay else None
-        output = self.runtime.forward(
-            tokens.to(device),
-            self._ngrams(segments, compressed, histories),
-            move_tensors(addresses, device),
-            self.store,
-            logit_rows.to(device),
-            decoder=None if decoder is None else move_tensors(decoder, device),
-        )
+        ngrams = self._ngrams(segments, compressed, histories)
+        if not microbatches:
+            plan, decoder = self._plan(segments)
+            output = self.runtime.forward(
+                tokens.to(device), ngrams, plan, self.store, logit_rows.to(device), decoder=decoder
+            )
+        else:
+            parts = []
+            for part, moe in microbatches:
+                plan, decoder = self._plan(part.segments)
+                part_tokens = torch.tensor([t for seg in part.segments for t in seg.token_ids], dtype=torch.long)
+                part_rows = self.logit_rows(part.segments)[0]
+                parts.append(Microbatch(part_tokens.to(device), plan, part_rows.to(device), decoder, moe))
+            output = self.runtime.forward_microbatches(parts, ngrams, self.store)
         self._advance_cursors(segments, compressed, histories)
         for seg in segments:
             if seg.store_after is not None:
@@ -188,6 +199,16 @@ class ModelRunner:
         return StepResult(step_id=step_id)
 
     # -- around the forward -------------------------------------------------------------
+
+    def _plan(self, segments: tuple[ScheduledSegment, ...]) -> tuple[StepAddresses, DecoderAddresses | None]:
+        """The forward's addresses of ``segments`` on the pools' device, and under
+        decoder replay its decoder rows'."""
+        specs = [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in segments]
+        device = self.pools.device
+        plan = move_tensors(build_step_addresses(specs, self.shape), device)
+        if not self.decoder_replay:
+            return plan, None
+        return plan, move_tensors(self._decoder_addresses(segments, specs), device)
 
     def _decoder_addresses(
         self, segments: tuple[ScheduledSegment, ...], specs: list[SegmentSpec]
