@@ -131,12 +131,23 @@ def cmd_logits(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from dsv41.cluster.options import EngineError, engine_options, refuse_for_world
     from dsv41.cluster.request import SamplingParams
 
     if args.dp < 1:
         raise SystemExit("--dp: must be a positive integer")
     model_dir = _model_dir(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    options: dict[str, object] = {}
+    if args.enable_tbo == "prefill":
+        options["enable_tbo_prefill"] = True
+    if args.tbo_prefill_min_tokens is not None:
+        options["tbo_prefill_min_tokens"] = args.tbo_prefill_min_tokens
+    try:
+        # Before Ray starts or a weight is read.
+        refuse_for_world(engine_options(options), args.dp)
+    except EngineError as exc:
+        raise SystemExit(f"dsv41 generate: {exc}") from exc
     if args.backend == "ray":
         import ray
 
@@ -145,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         # Workers import the project from where this CLI runs it.
         ray.init(runtime_env=_ray_runtime_env())
         try:
-            with EngineGroup(str(model_dir), dp=args.dp) as group:
+            with EngineGroup(str(model_dir), dp=args.dp, **options) as group:
                 _generate(args, group.generate, _tokenizer(model_dir), params)
         finally:
             ray.shutdown()
@@ -154,11 +165,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
         from dsv41.cluster.engine import Engine
         from dsv41.cluster.ranks import DPLayout
 
-        engine = Engine.in_process(model_dir, DPLayout(args.dp))
+        engine = Engine.in_process(model_dir, DPLayout(args.dp), **options)
     else:
         from dsv41.cluster.engine import Engine
 
-        engine = Engine.from_pretrained(model_dir)
+        engine = Engine.from_pretrained(model_dir, **options)
     _generate(args, engine.generate, engine.tokenizer, params)
 
 
@@ -439,6 +450,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print {name: token ids} as JSON")
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="ranks in this process, or Ray actors")
     p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (experts sharded over them)")
+    p.add_argument(
+        "--enable-tbo",
+        choices=("prefill",),
+        default=None,
+        help="prefill two-batch overlap: each rank's prefill steps run as two microbatches, one's MoE collectives "
+        "overlapping the other's compute (needs --dp >= 2)",
+    )
+    p.add_argument(
+        "--tbo-prefill-min-tokens",
+        type=int,
+        default=None,
+        help="with --enable-tbo prefill: split a step only when every rank has at least this many rows",
+    )
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("geometry", help="print the PAGE/STATE plane table and bytes")
