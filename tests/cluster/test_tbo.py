@@ -106,7 +106,7 @@ def test_tbo_gives_the_tokens_and_logits_of_ordinary_execution(
         (0, _prompt(vocab, 90, 1), GREEDY),
         (0, _prompt(vocab, 40, 2), logits),
         (3, _prompt(vocab, 130, 3), GREEDY),
-        (3, _prompt(vocab, 100, 4), GREEDY),
+        (3, _prompt(vocab, 100, 4), logits),
         (9, _prompt(vocab, 7, 5), GREEDY),
     ]
     runs = {}
