@@ -182,24 +182,22 @@ class DPRank:
                 f"rank {self.rank}: batch of {batch.num_tokens} rows ({expected[0]} decoder, {expected[1]} "
                 f"query), the step's metadata says {own.num_tokens} ({stages[0]}, {stages[1]})"
             )
-        overlap = self.tbo is not None and runs_split(metadata, self.tbo.min_tokens)
-        microbatches = (
-            [metadata.microbatch_counts(i, self.decoder_layers) for i in range(len(own.microbatches))]
-            if overlap
-            else []
-        )
+        parts = None
+        microbatches = []
+        if self.tbo is not None and runs_split(metadata, self.tbo.min_tokens):
+            parts = split(batch, self.tbo.token_split)
+            rows = microbatch_rows(parts, self.runner.shape.window if self.runner.decoder_replay else None)
+            if parts is None or rows != own.microbatches:
+                raise DPError(
+                    f"rank {self.rank}: batch splits into microbatches {rows}, the step's metadata says "
+                    f"{own.microbatches}"
+                )
+            microbatches = [metadata.microbatch_counts(i, self.decoder_layers) for i in range(len(parts))]
         self.exchange.begin_step(metadata.row_counts, metadata.decoder_row_counts(self.decoder_layers), microbatches)
         if batch.is_empty:
             return self.runner.execute_padding(batch.step_id)
-        if not overlap:
+        if parts is None:
             return self.runner.execute(batch)
-        parts = split(batch, self.tbo.token_split)
-        window = self.runner.shape.window if self.runner.decoder_replay else None
-        rows = microbatch_rows(parts, window)
-        if parts is None or rows != own.microbatches:
-            raise DPError(
-                f"rank {self.rank}: batch splits into microbatches {rows}, the step's metadata says {own.microbatches}"
-            )
         return self.runner.execute(batch, [(part, self.exchange.microbatch(i)) for i, part in enumerate(parts)])
 
 
