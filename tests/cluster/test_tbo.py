@@ -91,7 +91,7 @@ def test_tbo_gives_the_tokens_and_logits_of_ordinary_execution(
     tiny_dir: Path, expert_mode: str, token_split: bool, replay: bool
 ) -> None:
     """A DP2 replica with TBO on generates TBO off's tokens and logprobs, and its
-    prompt logits bit for bit, for requests arriving at set steps: steps where both
+    prompt logits and top-k selections bit for bit, for requests arriving at set steps: steps where both
     ranks prefill run split (each rank's exchange given two microbatches), and steps
     where a rank decodes only or idles run unsplit on every rank. Within requests
     (token split, a request's rows cut across the microbatches) and at request
@@ -127,6 +127,10 @@ def test_tbo_gives_the_tokens_and_logits_of_ordinary_execution(
         for a, b in zip(with_tbo["results"], without["results"]):
             assert a.row_logits.keys() == b.row_logits.keys()
             assert all(torch.equal(a.row_logits[r], b.row_logits[r]) for r in a.row_logits)
+            assert a.row_selections.keys() == b.row_selections.keys()
+            for r, picked in a.row_selections.items():
+                assert picked.keys() == b.row_selections[r].keys()
+                assert all(torch.equal(picked[layer], b.row_selections[r][layer]) for layer in picked)
         assert without["split"] == [0, 0]
         infos = [RankStepInfo.of(batch) for batch in with_tbo["batches"]]
         counts = with_tbo["split"]
