@@ -343,7 +343,8 @@ class PagedRuntime:
                     picked = torch.full((mb.token_ids.numel(), self.config.index_topk), EMPTY, dtype=torch.long)
                 parts.append(picked.to(out.logits.device))
             selections[layer] = torch.cat(parts)
-        return StepOutput(logits=torch.cat([out.logits for out in outputs]), selections=selections)
+        # No layer inputs: a split step never speculates (speculation runs on one rank).
+        return StepOutput(logits=torch.cat([out.logits for out in outputs]), selections=selections, layer_inputs={})
 
     def moe_padding(self, layers: Sequence[LayerParams]) -> None:
         """Each of ``layers``' MoE on zero rows, in order: the side of a DP exchange's

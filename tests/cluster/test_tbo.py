@@ -13,6 +13,7 @@ selects for all of them.
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -280,11 +281,15 @@ def test_a_split_is_the_batch_cut_in_two(batch: ScheduledBatch, token_split: boo
         assert tail.reset is None and tail.restore is None
 
 
-def test_tbo_is_refused_before_loading_without_dp_attention(tmp_path: Path) -> None:
+def test_tbo_is_refused_before_loading_without_dp_attention(trained_tiny_dir: Path, tmp_path: Path) -> None:
     """TBO on a replica of one rank is refused with its reason before any weight is
-    read (the model directory does not exist: loading would fail otherwise), on every
-    path a replica is made by; its options are checked like every other."""
-    missing = tmp_path / "no-model"
+    read (the model directory holds its config and tokenizer only: loading would fail
+    otherwise), on every path a replica is made by; its options are checked like
+    every other."""
+    missing = tmp_path / "no-weights"
+    missing.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(trained_tiny_dir / name, missing / name)
     with pytest.raises(EngineError, match="enable_tbo_prefill.*1 DP rank"):
         Engine.from_pretrained(missing, enable_tbo_prefill=True)
     with pytest.raises(EngineError, match="enable_tbo_prefill.*1 DP rank"):
