@@ -112,6 +112,8 @@ def build_slice_engine(
         max_num_seqs=max_num_seqs,
         num_state_slots=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        # No per-request prefill cap: a prefill bench times one forward of the whole prompt.
+        long_prefill_token_threshold=0,
         block_size=args.block_size,
         enable_prefix_caching=False,
         kernel_backend=backend,

@@ -1,4 +1,4 @@
-"""DSpark speculation on the CPU: acceptance length and decode tokens/s with and
+"""DSpark speculation on the CPU or a GPU: acceptance length and decode tokens/s with and
 without DSpark 5, at one request and at 16 concurrent requests.
 
 Prompts are evenly spaced windows of the held-out standard-library modules (the trained
@@ -14,6 +14,7 @@ load than the wall-clock rate.
 
 Prints a table and writes JSON (default bench/results/speculative.json).
 Usage: python3 -m bench.speculative [--model DIR] [--out PATH] [--prompt-len 96] [--max-tokens 64] [--repeats 3]
+       [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -87,7 +88,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu (torch kernels) or cuda (Triton kernels)")
     args = ap.parse_args()
+    # Batch-invariant on either device, so DSpark's tokens can be checked against plain decoding's.
+    device_options = dict(device=args.device, batch_invariant=True)
+    if args.device.startswith("cuda"):
+        device_options["kernel_backend"] = "triton"
     torch.set_num_threads(1)
     rows = []
     for concurrency in CONCURRENCIES:
@@ -101,6 +107,7 @@ def main() -> None:
                     max_num_seqs=concurrency,
                     max_num_batched_tokens=512,
                     speculative_method=method,
+                    **device_options,
                 )
                 run = decode_run(engine, prompts, args.max_tokens)
                 runs[method or "plain"].append(run)
@@ -143,7 +150,12 @@ def main() -> None:
         )
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+        },
         "model": str(args.model),
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,

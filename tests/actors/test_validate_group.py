@@ -36,7 +36,7 @@ def test_dp2_engine_group_passes_the_scheduler_scenarios(ray_cluster: None, tiny
     assert [s["name"] for s in report["scenarios"]] == list(RAY_SCENARIOS)
     assert report["replica"] == {
         "kind": "ray", "dp": 2, "expert_mode": "ep", "backend": "gloo", "device": "cpu", "kernel_backend": "torch",
-        "batch_invariant": True, "dtype": "float32",
+        "batch_invariant": True, "dtype": "float32", "speculative_method": None, "num_speculative_tokens": None,
     }
     preemption = next(s for s in report["scenarios"] if s["name"] == "preemption")
     assert len(preemption["preemptions"]) == 2

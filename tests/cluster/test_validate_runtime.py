@@ -86,7 +86,7 @@ def test_dp2_threaded_replica_passes_the_scenarios_it_runs(
     _assert_passed(report, DP_SCENARIOS)
     assert report["replica"] == {
         "kind": "threads", "dp": 2, "expert_mode": "ep", "backend": "gloo", "device": "cpu", "kernel_backend": "torch",
-        "batch_invariant": True, "dtype": "float32",
+        "batch_invariant": True, "dtype": "float32", "speculative_method": None, "num_speculative_tokens": None,
     }
     reasons = {s["name"]: s["reason"] for s in report["skipped"]}
     assert all("prompt_logits" in reasons[name] for name in PARITY)

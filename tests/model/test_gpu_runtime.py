@@ -63,7 +63,8 @@ def test_triton_on_gpu_matches_torch_and_the_reference(tiny_dir: Path, kv: str, 
 def test_fixed_tile_gemm_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> None:
     """The batch-invariant GEMM on the GPU: a row of a call of any size, at any
     position, equals that row projected alone; the product is the matmul's to the
-    dtype's rounding."""
+    dtype's rounding (bf16 inputs; fp32: rounding of a sum of K = 4096 products, about
+    sqrt(K) * 2**-24 = 4e-6 relative; 1.15e-6 measured on an H200, 2026-12-02)."""
     from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -76,7 +77,7 @@ def test_fixed_tile_gemm_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> N
         assert torch.equal(got[:keep], alone[start : start + keep]), (count, start)
     want = rows.double() @ weight.double().t()
     error = float((fixed_tile_matmul(rows, weight).double() - want).norm() / want.norm())
-    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_row_sum_rows_do_not_depend_on_the_call() -> None:
