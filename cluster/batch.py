@@ -21,6 +21,7 @@ import torch
 from dsv41.cache.block_manager import StateImage
 from dsv41.cluster.offload_connector import PageFill, PagePublish
 from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_guide import SamplingGuide
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class ScheduledSegment:
     fetch: tuple[PageFill, ...] = ()  # offloaded PAGEs/images to write before the forward
     publish: tuple[PagePublish, ...] = ()  # PAGEs/images to send to the offload store after it
     want_prompt_logits: bool = False  # return logits of every row (prompt logprobs, parity)
+    # What sampling needs beyond params (grammar mask, penalty counts); set by the
+    # engine on sampling segments whose request has a grammar or penalties.
+    guide: SamplingGuide | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

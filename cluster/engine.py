@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -37,8 +37,10 @@ from dsv41.cluster.ranks import DPError, DPLayout, DPRank, DPStepExecutor, Local
 from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
 from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
 from dsv41.cluster.sampler import prompt_logprobs
+from dsv41.cluster.sampling_guide import SamplingGuide, penalty_counts
 from dsv41.cluster.scheduler import Scheduler
 from dsv41.cluster.stopping import StopChecker
+from dsv41.cluster.structured_output import GrammarCache, StructuredOutputManager, grammar_tokenizer_info
 from dsv41.model.config import V41Config
 from dsv41.model.kernels import load_kernels
 from dsv41.model.params import ModelParams
@@ -91,6 +93,7 @@ class Engine(EngineClient):
         self._rank_of: dict[str, int] = {}
         self._step_id = 0
         self.num_restarts = 0
+        self._structured: StructuredOutputManager | None = None
         logger.info(
             "engine: %d rank(s), %d PAGEs x %d tokens, %d STATE slots per rank, layout %s",
             world,
@@ -191,6 +194,15 @@ class Engine(EngineClient):
     def pool_size(self) -> PoolSize:
         return self.layout.pool_size
 
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """The grammar matchers and compiled-grammar cache, built with the first
+        request that has a grammar (the vocabulary tables cost a pass over it)."""
+        if self._structured is None:
+            info = grammar_tokenizer_info(self.tokenizer, self.config.vocab_size, [self.config.eos_token_id])
+            self._structured = StructuredOutputManager(GrammarCache(info))
+        return self._structured
+
     # -- requests -----------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -214,11 +226,15 @@ class Engine(EngineClient):
             raise EngineError(f"prompt_token_ids: every id must be an integer in [0, {self.config.vocab_size})")
         self._check_fits_pool(request_id, len(prompt), params)
         params.validate_for(self.config.vocab_size, self.max_model_len, len(prompt))
+        if params.structured_outputs is not None:
+            self.structured.cache.get(params.structured_outputs)  # compiled (or refused) before anything is queued
         ids = (request_id,) if params.n == 1 else tuple(f"{request_id}#{i}" for i in range(params.n))
         seeds = self.seeds.seeds_for(params)
         now = time.monotonic()
         for rid, seed in zip(ids, seeds):
             request = Request(rid, prompt, params, sampling_seed=seed, arrival_time=now)
+            if params.structured_outputs is not None:
+                self.structured.add(rid, params.structured_outputs)
             self._requests[rid] = request
             self._place(request)
         if params.n > 1:
@@ -263,6 +279,7 @@ class Engine(EngineClient):
                 continue
             request.finish(RequestStatus.FINISHED_ABORTED)
             self.schedulers[rank].finish(request)
+            self._release_grammar(rid)
             aborted = True
         return aborted
 
@@ -287,7 +304,7 @@ class Engine(EngineClient):
         """Schedules and runs one step of every rank; returns the delta outputs of the
         requests that got a token or finished in it (after a lost rank: every request
         in flight, ended in error, and the ranks restarted)."""
-        batches = tuple(s.schedule()[0] for s in self.schedulers)
+        batches = tuple(self._guided(s.schedule()[0]) for s in self.schedulers)
         if all(b.is_empty for b in batches):
             return []
         self._step_id += 1
@@ -306,6 +323,28 @@ class Engine(EngineClient):
             outputs.extend(self._apply(scheduler, batch, result))
         return outputs
 
+    def _guided(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The batch with a SamplingGuide on each sampling segment whose request has a
+        grammar (the mask its matcher allows now) or penalties (its token counts)."""
+        segments = list(batch.segments)
+        changed = False
+        for i, seg in enumerate(segments):
+            request = self._requests.get(seg.request_id)
+            if not seg.sample or request is None:
+                continue
+            grammar = self._structured is not None and seg.request_id in self._structured
+            if not grammar and not request.params.uses_penalties:
+                continue
+            ids, counts = (
+                penalty_counts(request.prompt_token_ids, request.output_token_ids)
+                if request.params.uses_penalties
+                else ((), ())
+            )
+            allowed = self.structured.allowed_tokens(seg.request_id) if grammar else None
+            segments[i] = replace(seg, guide=SamplingGuide(allowed, ids, counts))
+            changed = True
+        return replace(batch, segments=tuple(segments)) if changed else batch
+
     def _apply(self, scheduler: Scheduler, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Commits a batch's forward on its scheduler; returns the requests that got a
         token or finished in it."""
@@ -320,6 +359,8 @@ class Engine(EngineClient):
             if seg.sample:
                 sampled = result.sampled[seg.request_id]
                 request.append_output_token(sampled.token_id, sampled.logprobs)
+                if seg.guide is not None and seg.guide.allowed_tokens is not None:
+                    self.structured.accept(seg.request_id, sampled.token_id)
                 if self.stop_checker.check_stop(request):
                     scheduler.finish(request)
                     self._forget(request)
@@ -347,6 +388,8 @@ class Engine(EngineClient):
         self._requests.clear()
         self._children.clear()
         self._rank_of.clear()
+        if self._structured is not None:
+            self._structured.clear()
         self.schedulers = self._fresh_schedulers()
         return outputs
 
@@ -370,7 +413,12 @@ class Engine(EngineClient):
                         final[out.request_id] = cumulative
         return [final[rid] for rid in order]
 
+    def _release_grammar(self, request_id: str) -> None:
+        if self._structured is not None:
+            self._structured.remove(request_id)
+
     def _forget(self, request: Request) -> None:
+        self._release_grammar(request.request_id)
         self._requests.pop(request.request_id, None)
         self._rank_of.pop(request.request_id, None)
         parent = request.request_id.rpartition("#")[0]

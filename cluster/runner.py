@@ -121,6 +121,7 @@ class ModelRunner:
         cpu_threads(batch_invariant, device)
         self.runtime = PagedRuntime(params, moe=moe, kernels=kernels, batch_invariant=batch_invariant)
         self.sampler = Sampler(config.vocab_size)
+        self.eos_token_id = config.eos_token_id
         self.shape = PoolShape(
             block_size=geometry.block_size,
             window=config.sliding_window,
@@ -277,6 +278,9 @@ class ModelRunner:
             [s.seed for s in sampling],
             [s.output_index for s in sampling],
             device=logits.device,
+            guides=[s.guide for s in sampling],
+            vocab_size=self.sampler.vocab_size,
+            eos_token_id=self.eos_token_id,
         )
         out = self.sampler(logits[sample_rows], metadata)
         return {
