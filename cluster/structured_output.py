@@ -56,17 +56,21 @@ class StructuredOutputError(SamplingParamsError):
     field and the engine's reason."""
 
 
-# xgrammar 0.2.9 writes a length-bounded JSON string's characters (minLength /
-# maxLength) as this class, which lets raw control characters through (JSON requires
-# them escaped, and json.loads refuses them); the grammars that hold JSON get the
-# class of its unbounded strings instead.
-_LAX_STRING_CHARS = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
+# xgrammar 0.2.9's JSON string characters are laxer than JSON: a length-bounded string
+# (minLength / maxLength) lets raw control characters through (JSON requires them
+# escaped; json.loads refuses them), and every string lets UTF-8-encoded surrogates
+# through (not UTF-8: decoders read each byte as U+FFFD, so a bounded string comes
+# out longer than its bound). The grammars that hold JSON get this class instead.
+_LAX_STRING_CHARS = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
+_JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]'
 
 
 def _json_strings_strict(grammar: xgrammar.Grammar) -> xgrammar.Grammar:
     text = str(grammar)
-    return xgrammar.Grammar.from_ebnf(text.replace(_LAX_STRING_CHARS, _JSON_STRING_CHARS)) if _LAX_STRING_CHARS in text else grammar
+    strict = text
+    for lax in _LAX_STRING_CHARS:
+        strict = strict.replace(lax, _JSON_STRING_CHARS)
+    return grammar if strict == text else xgrammar.Grammar.from_ebnf(strict)
 
 
 def _grammar(spec: StructuredOutputs) -> xgrammar.Grammar:
@@ -75,7 +79,7 @@ def _grammar(spec: StructuredOutputs) -> xgrammar.Grammar:
         if kind == "json":
             return _json_strings_strict(xgrammar.Grammar.from_json_schema(spec.json, any_whitespace=False, strict_mode=True))
         if kind == "json_object":
-            return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            return _json_strings_strict(xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False))
         if kind == "regex":
             return xgrammar.Grammar.from_regex(spec.regex)
         if kind == "choice":
