@@ -232,7 +232,7 @@ class SamplingParams:
             out_of_vocab = [t for t in ids if t >= vocab_size]
             if out_of_vocab:
                 raise SamplingParamsError(
-                    f"{name}: token ids {short_repr(out_of_vocab)} outside the vocabulary (allowed: 0..{vocab_size - 1})"
+                    f"{name}: {short_repr(out_of_vocab)} outside the vocabulary (allowed: 0..{vocab_size - 1})"
                 )
         if prompt_len < 1:
             raise SamplingParamsError(f"prompt: must hold at least one token, got {prompt_len}")
