@@ -64,7 +64,7 @@ class EngineGroup(EngineClient):
         **engine_options: object,
     ) -> None:
         self.name = name if name is not None else f"dsv41-{uuid.uuid4().hex[:8]}"
-        self.model = str(ModelSource.parse(model))
+        self.model = ModelSource.parse(model)
         self.dp = DPLayout(dp, expert_mode, backend)
         self.options = parse_engine_options(dict(engine_options))
         self.group_options = group_options

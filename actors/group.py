@@ -49,6 +49,7 @@ from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.options import EngineOptions
 from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.runner import StepResult
+from dsv41.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class RankGroup:
     def __init__(
         self,
         name: str,
-        model: str,
+        model: ModelSource,
         options: EngineOptions,
         dp: DPLayout,
         group_options: GroupOptions,

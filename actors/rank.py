@@ -26,13 +26,14 @@ from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.options import EngineOptions
 from dsv41.cluster.ranks import DPLayout, DPRank
 from dsv41.cluster.runner import StepResult
+from dsv41.model.source import ModelSource
 
 
 class RankActor:
     """One rank; use through ``actors.group`` (it places, wires and restarts ranks)."""
 
     def __init__(
-        self, model: str, options: EngineOptions, dp: DPLayout, rank: int, offload: OffloadConnector | None = None
+        self, model: ModelSource, options: EngineOptions, dp: DPLayout, rank: int, offload: OffloadConnector | None = None
     ) -> None:
         # Several ranks share a CPU box: one intra-op thread each keeps them from
         # oversubscribing it and keeps results independent of thread splits.

@@ -51,13 +51,13 @@ class SchedulerActor:
     its own): one lock admits one caller of the engine and the ranks at a time."""
 
     def __init__(
-        self, name: str, model: str, options: EngineOptions, dp: DPLayout, group_options: GroupOptions, placement: GroupPlacement
+        self, name: str, model: ModelSource, options: EngineOptions, dp: DPLayout, group_options: GroupOptions, placement: GroupPlacement
     ) -> None:
         self.group_options = group_options
         self.offload_actor: Any = None
         self.offload: RayOffloadConnector | None = None
         if options.offload_host_bytes:
-            layout = RankLayout.build(ModelSource.parse(model).config(), options)
+            layout = RankLayout.build(model.config(), options)
             # Restarted by Ray when its process dies (a cache may come back empty);
             # calls in flight then fail rather than run twice.
             self.offload_actor = (

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
-from dsv41.cache.block_manager import BlockManager, StateTransfer, prefix_hashes
+from dsv41.cache.block_manager import BlockManager, CacheConfig, StateTransfer, prefix_hashes
 
 
 class Timer:
@@ -60,10 +60,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     gc.collect()
     gc.freeze()
     bm = BlockManager(
-        num_pages=args.num_pages,
-        num_slots=args.num_slots,
-        block_size=args.block_size,
-        state_transfer=StateTransfer(args.state_transfer),
+        CacheConfig(
+            num_pages=args.num_pages,
+            num_slots=args.num_slots,
+            block_size=args.block_size,
+            state_transfer=StateTransfer(args.state_transfer),
+        )
     )
     timers = {name: Timer() for name in ("lookup", "allocate_prompt", "publish", "grow", "free")}
     refused = 0

@@ -64,6 +64,7 @@ from dsv41.cluster.options import EngineOptions, engine_options
 from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.model.source import ModelSource
 from dsv41.model.tiny import make_tiny
 
 OBJECTS = "objects"  # the reference wire: dataclasses and a tensor through Ray's serialiser
@@ -157,7 +158,7 @@ def decoding_engine(model_dir: Path, executor: Any, world: int, running: int, st
     steps after their prefill and a warm-up. Each request has its own SamplingParams,
     as requests from clients do."""
     options = engine_options(dict(block_size=32, max_num_seqs=64, max_num_batched_tokens=2048))
-    engine = Engine.over(model_dir, DPLayout(world), executor, options)
+    engine = Engine.over(ModelSource.parse(model_dir), DPLayout(world), executor, options)
     for i in range(running):
         params = SamplingParams(max_tokens=steps + 10, temperature=0.0, ignore_eos=True, seed=i)
         engine.add_request(f"r{i}", list(range(3, 19)), params)

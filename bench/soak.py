@@ -34,7 +34,8 @@ import ray
 from ray import serve
 
 from dsv41.deploy.app import build_app, run_app
-from dsv41.deploy.bench import HttpTarget, Workload, run_http
+from dsv41.deploy.bench import HttpTarget, run_http
+from dsv41.deploy.bench_workload import Workload
 from dsv41.deploy.cli import default_model_dir
 from dsv41.deploy.procfs import descendants, process_title, rss_bytes
 

@@ -15,6 +15,7 @@ Must not import: model (other than model.formats), cluster, actors, deploy, ray.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -104,11 +105,26 @@ class CompressionPlan:
 
 @dataclass(frozen=True)
 class EntryTile:
-    """The entry rows each segment's index scorer and attention gather from."""
+    """The entry rows each segment's index scorer and attention gather from: entry j
+    of segment s lives at ``page_tables[s, j // per_page] * per_page + j % per_page``.
+    The host builds and moves only the page tables (a PAGE per ``block_size`` tokens);
+    ``entry_rows`` [S, C] (NO_ROW past a segment's count) is built on whatever device
+    the tables were moved to, so the host's work per step does not grow with the
+    context."""
 
     ratio: int
-    entry_rows: torch.Tensor  # [S, C] flat entry row of entry j of segment s, or NO_ROW
+    entries_per_page: int
+    width: int  # C: the longest segment's entry count
+    page_tables: torch.Tensor  # [S, ceil(C / per_page)] PAGE ids, NO_ROW past a table's end
+    counts: torch.Tensor  # [S] entries each segment has: end // ratio
     visible: torch.Tensor  # [R] how many entries each row sees: (pos + 1) // ratio
+
+    @functools.cached_property
+    def entry_rows(self) -> torch.Tensor:
+        j = torch.arange(self.width, device=self.page_tables.device)
+        per_page = self.entries_per_page
+        rows = self.page_tables[:, j // per_page] * per_page + j % per_page
+        return torch.where(j < self.counts.unsqueeze(1), rows, NO_ROW)
 
 
 @dataclass(frozen=True)
@@ -271,12 +287,15 @@ def _compression_plan(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: 
 
 def _entry_tile(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: int, positions: torch.Tensor) -> EntryTile:
     per_page = shape.entries_per_page(ratio)
-    width = max((seg.end // ratio for seg in segments), default=0)
-    tile = torch.full((len(segments), width), NO_ROW, dtype=torch.long)
-    for s, seg in enumerate(segments):
-        count = seg.end // ratio
-        if count:
-            j = torch.arange(count)
-            pages = _long(seg.page_table)[j // per_page]
-            tile[s, :count] = pages * per_page + j % per_page
-    return EntryTile(ratio=ratio, entry_rows=tile, visible=torch.div(positions + 1, ratio, rounding_mode="floor"))
+    counts = [seg.end // ratio for seg in segments]
+    width = max(counts, default=0)
+    num_pages = -(-width // per_page)
+    padded = [list(seg.page_table[:num_pages]) + [NO_ROW] * (num_pages - len(seg.page_table)) for seg in segments]
+    return EntryTile(
+        ratio=ratio,
+        entries_per_page=per_page,
+        width=width,
+        page_tables=_long(padded).view(len(segments), num_pages),
+        counts=_long(counts),
+        visible=torch.div(positions + 1, ratio, rounding_mode="floor"),
+    )

@@ -120,6 +120,29 @@ class PrefixHit:
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    """The pools' settings, read by the block manager and the scheduler above it
+    (one declaration, never copied): how many PAGEs and STATE slots, tokens per PAGE,
+    how a prefix hit gets its STATE, and whether prefixes are cached at all."""
+
+    num_pages: int
+    num_slots: int
+    block_size: int
+    state_transfer: StateTransfer = StateTransfer.REPLAY
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "num_slots", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise BlockManagerError(f"CacheConfig.{name}: {value!r} (allowed: a positive integer)")
+        if not isinstance(self.state_transfer, StateTransfer):
+            raise BlockManagerError(
+                f"CacheConfig.state_transfer: {self.state_transfer!r} (allowed: {', '.join(repr(t) for t in StateTransfer)})"
+            )
+
+
+@dataclass(frozen=True)
 class BlockManagerStats:
     """A snapshot of the counters. ``pages_used`` are referenced (by requests or
     images), ``pages_cached`` unreferenced but in the prefix index, ``pages_free``
@@ -178,27 +201,10 @@ class BlockManager:
     is reclaimable: a prompt that fits the empty pools is always admitted.
     """
 
-    def __init__(
-        self,
-        *,
-        num_pages: int,
-        num_slots: int,
-        block_size: int,
-        state_transfer: StateTransfer,
-        enable_prefix_caching: bool = True,
-    ) -> None:
-        for name, value in (("num_pages", num_pages), ("num_slots", num_slots), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise BlockManagerError(f"{name}: {value!r} (allowed: a positive integer)")
-        if not isinstance(state_transfer, StateTransfer):
-            raise BlockManagerError(f"state_transfer: {state_transfer!r} (allowed: a StateTransfer)")
-        self.num_pages = num_pages
-        self.num_slots = num_slots
-        self.block_size = block_size
-        self.state_transfer = state_transfer
-        self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_pages)
-        self._free_slots: deque[int] = deque(range(num_slots))
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.pool = BlockPool(config.num_pages)
+        self._free_slots: deque[int] = deque(range(config.num_slots))
         self._requests: dict[str, _RequestBlocks] = {}
         self._lookups = 0
         self._hits = 0
@@ -220,22 +226,22 @@ class BlockManager:
             raise BlockManagerError("token_ids: empty prompt (allowed: at least one token)")
         self._lookups += 1
         self._lookup_tokens += len(token_ids)
-        if not self.enable_prefix_caching:
+        if not self.config.enable_prefix_caching:
             return self.miss(token_ids)
-        hashes = prefix_hashes(token_ids, self.block_size)
+        hashes = prefix_hashes(token_ids, self.config.block_size)
         pages = self._cached_pages(token_ids, hashes)
-        hit_tokens = len(pages) * self.block_size
+        hit_tokens = len(pages) * self.config.block_size
         image: StateImage | None = None
-        if self.state_transfer is StateTransfer.REPLAY:
+        if self.config.state_transfer is StateTransfer.REPLAY:
             forward_start = self.replay_start(hit_tokens)
         else:
             forward_start = 0
             for i in reversed(range(len(pages))):
-                if image_limit is not None and (i + 1) * self.block_size > image_limit:
+                if image_limit is not None and (i + 1) * self.config.block_size > image_limit:
                     continue
                 image = self.pool.image(hashes[i])
                 if image is not None:
-                    forward_start = (i + 1) * self.block_size
+                    forward_start = (i + 1) * self.config.block_size
                     break
         if hit_tokens:
             self._hits += 1
@@ -251,19 +257,19 @@ class BlockManager:
     def miss(self, token_ids: Sequence[int]) -> PrefixHit:
         """The PrefixHit of a prompt computed from its first token, reusing nothing
         (what ``lookup`` finds with nothing cached), without counting a lookup."""
-        hashes = tuple(prefix_hashes(token_ids, self.block_size)) if self.enable_prefix_caching else ()
+        hashes = tuple(prefix_hashes(token_ids, self.config.block_size)) if self.config.enable_prefix_caching else ()
         return PrefixHit(hit_tokens=0, forward_start=0, restore_image=None, pages=(), prompt_hashes=hashes)
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """How many tokens of ``token_ids`` a ``lookup`` would hit, without counting a
         lookup: a question placement asks every rank, of which one admits."""
-        if not self.enable_prefix_caching or len(token_ids) == 0:
+        if not self.config.enable_prefix_caching or len(token_ids) == 0:
             return 0
-        return len(self._cached_pages(token_ids, prefix_hashes(token_ids, self.block_size))) * self.block_size
+        return len(self._cached_pages(token_ids, prefix_hashes(token_ids, self.config.block_size))) * self.config.block_size
 
     def _cached_pages(self, token_ids: Sequence[int], hashes: Sequence[bytes]) -> list[int]:
         pages: list[int] = []
-        for h in hashes[: (len(token_ids) - 1) // self.block_size]:
+        for h in hashes[: (len(token_ids) - 1) // self.config.block_size]:
             page = self.pool.cached_page(h)
             if page is None:
                 break
@@ -284,9 +290,9 @@ class BlockManager:
             raise BlockManagerError(f"fetched_pages: {fetched_pages} (allowed: > 0)")
         if hit.fetched_pages:
             raise BlockManagerError("hit: already extended")
-        hit_tokens = (len(hit.pages) + fetched_pages) * self.block_size
+        hit_tokens = (len(hit.pages) + fetched_pages) * self.config.block_size
         if image is not None:
-            if self.state_transfer is StateTransfer.REPLAY:
+            if self.config.state_transfer is StateTransfer.REPLAY:
                 raise BlockManagerError("image: state_transfer is 'replay', which restores no images")
             if not hit.hit_tokens < image.num_tokens <= hit_tokens:
                 raise BlockManagerError(
@@ -301,7 +307,7 @@ class BlockManager:
                 fetched_pages=fetched_pages,
                 fetched_image=True,
             )
-        forward_start = self.replay_start(hit_tokens) if self.state_transfer is StateTransfer.REPLAY else hit.forward_start
+        forward_start = self.replay_start(hit_tokens) if self.config.state_transfer is StateTransfer.REPLAY else hit.forward_start
         return dataclasses.replace(hit, hit_tokens=hit_tokens, forward_start=forward_start, fetched_pages=fetched_pages)
 
     def replay_start(self, resume_tokens: int) -> int:
@@ -310,14 +316,14 @@ class BlockManager:
         it recomputes at least a PAGE of rows to rebuild the windows from."""
         if resume_tokens < 0:
             raise BlockManagerError(f"resume_tokens: {resume_tokens} (allowed: >= 0)")
-        return max(0, (resume_tokens // self.block_size - 1) * self.block_size)
+        return max(0, (resume_tokens // self.config.block_size - 1) * self.config.block_size)
 
     def without_image(self, hit: PrefixHit) -> PrefixHit:
         """``hit`` (COPY) resumed without a checkpoint image: the same PAGEs, local
         and fetched, and the forward from 0 in a reset slot, the replay from a
         recoverable boundary. What an admission takes when the pools cannot hold the
         image beside the prompt, so an image is never what keeps a request waiting."""
-        if self.state_transfer is StateTransfer.REPLAY:
+        if self.config.state_transfer is StateTransfer.REPLAY:
             raise BlockManagerError("without_image: state_transfer is 'replay', whose hits restore no images")
         return dataclasses.replace(hit, forward_start=0, restore_image=None, fetched_image=False)
 
@@ -337,7 +343,7 @@ class BlockManager:
         self._check_hit(token_ids, hit)
         if not self.has_room(len(token_ids), hit):
             return False
-        fresh = -(-len(token_ids) // self.block_size) - len(hit.pages)
+        fresh = -(-len(token_ids) // self.config.block_size) - len(hit.pages)
         for page in hit.pages:
             self.pool.reference(page)
         restoring = self._restore_entry(hit)
@@ -366,7 +372,7 @@ class BlockManager:
         and the image it restores."""
         if not self._free_slots:
             return False
-        fresh = -(-num_tokens // self.block_size) - len(hit.pages)
+        fresh = -(-num_tokens // self.config.block_size) - len(hit.pages)
         return fresh <= self.pool.reclaimable(self._kept(hit))
 
     def restored(self, request_id: str) -> None:
@@ -382,7 +388,7 @@ class BlockManager:
         """Appends PAGEs until the request holds ``num_tokens`` tokens. False, with
         nothing changed, when there are not enough: the scheduler should preempt."""
         blocks = self._request(request_id)
-        missing = -(-num_tokens // self.block_size) - len(blocks.pages)
+        missing = -(-num_tokens // self.config.block_size) - len(blocks.pages)
         if missing <= 0:
             return True
         if missing > self.pool.reclaimable():
@@ -399,13 +405,13 @@ class BlockManager:
             raise BlockManagerError(
                 f"num_computed_tokens: {num_computed_tokens} (allowed: 0..len(token_ids)={len(token_ids)})"
             )
-        full = num_computed_tokens // self.block_size
+        full = num_computed_tokens // self.config.block_size
         if full > len(blocks.pages):
             raise BlockManagerError(
                 f"num_computed_tokens: {num_computed_tokens} needs {full} PAGEs, request {request_id!r} "
                 f"holds {len(blocks.pages)} (grow it first)"
             )
-        if not self.enable_prefix_caching or full <= blocks.num_published:
+        if not self.config.enable_prefix_caching or full <= blocks.num_published:
             return
         self.page_hashes(request_id, token_ids, full)
         for i in range(blocks.num_published, full):
@@ -416,12 +422,12 @@ class BlockManager:
         """The chain hashes of the request's first ``num_pages`` PAGEs (``token_ids``
         are all its tokens so far and must fill them); computed once per PAGE."""
         blocks = self._request(request_id)
-        if num_pages * self.block_size > len(token_ids):
+        if num_pages * self.config.block_size > len(token_ids):
             raise BlockManagerError(
-                f"num_pages: {num_pages} PAGEs need {num_pages * self.block_size} tokens, {len(token_ids)} given"
+                f"num_pages: {num_pages} PAGEs need {num_pages * self.config.block_size} tokens, {len(token_ids)} given"
             )
         if len(blocks.hashes) < num_pages:
-            blocks.hashes = prefix_hashes(token_ids[: num_pages * self.block_size], self.block_size, blocks.hashes)
+            blocks.hashes = prefix_hashes(token_ids[: num_pages * self.config.block_size], self.config.block_size, blocks.hashes)
         return blocks.hashes[:num_pages]
 
     def free(self, request_id: str) -> None:
@@ -462,7 +468,7 @@ class BlockManager:
     def wants_image(self, request_id: str, boundary: int) -> bool:
         """Whether a checkpoint at ``boundary`` tokens of the request would be kept:
         the PAGE ending there is in the prefix index and carries no image yet."""
-        if self.state_transfer is StateTransfer.REPLAY or not self.enable_prefix_caching:
+        if self.config.state_transfer is StateTransfer.REPLAY or not self.config.enable_prefix_caching:
             return False
         h = self._boundary_hash(self._request(request_id), boundary)
         return self.pool.cached_page(h) is not None and self.pool.image(h) is None
@@ -472,7 +478,7 @@ class BlockManager:
         entry of the PAGE ending there; the block manager then owns its PAGEs, and
         drops them when the image or that entry is evicted. False, leaving the image
         the caller's, when ``wants_image`` is no longer true."""
-        if self.state_transfer is StateTransfer.REPLAY:
+        if self.config.state_transfer is StateTransfer.REPLAY:
             raise BlockManagerError("attach_image: state_transfer is 'replay', which keeps no checkpoint images")
         if image.num_tokens != boundary:
             raise BlockManagerError(f"image: taken at {image.num_tokens} tokens, not at boundary {boundary}")
@@ -502,15 +508,15 @@ class BlockManager:
 
     def stats(self) -> BlockManagerStats:
         return BlockManagerStats(
-            num_pages=self.num_pages,
-            pages_used=self.num_pages - self.pool.num_free - self.pool.num_idle,
+            num_pages=self.config.num_pages,
+            pages_used=self.config.num_pages - self.pool.num_free - self.pool.num_idle,
             pages_cached=self.pool.num_idle,
             pages_free=self.pool.num_free,
             images=self.pool.num_images,
             image_pages=self.pool.image_pages,
             image_pages_idle=self.pool.idle_image_pages,
-            num_slots=self.num_slots,
-            slots_used=self.num_slots - len(self._free_slots),
+            num_slots=self.config.num_slots,
+            slots_used=self.config.num_slots - len(self._free_slots),
             requests=len(self._requests),
             lookups=self._lookups,
             hits=self._hits,
@@ -533,9 +539,9 @@ class BlockManager:
             Counter(b.restoring for b in self._requests.values() if b.restoring is not None),
         )
         slots = [blocks.slot for blocks in self._requests.values()] + list(self._free_slots)
-        if sorted(slots) != list(range(self.num_slots)):
+        if sorted(slots) != list(range(self.config.num_slots)):
             raise BlockManagerError(
-                f"invariant: slots {sorted(slots)} (allowed: each of 0..{self.num_slots - 1} once)"
+                f"invariant: slots {sorted(slots)} (allowed: each of 0..{self.config.num_slots - 1} once)"
             )
 
     # -- internals --------------------------------------------------------------------
@@ -547,8 +553,8 @@ class BlockManager:
         return blocks
 
     def _check_hit(self, token_ids: Sequence[int], hit: PrefixHit) -> None:
-        b = self.block_size
-        expected_hashes = len(token_ids) // b if self.enable_prefix_caching else 0
+        b = self.config.block_size
+        expected_hashes = len(token_ids) // b if self.config.enable_prefix_caching else 0
         if len(token_ids) == 0 or len(hit.prompt_hashes) != expected_hashes:
             raise BlockManagerError("hit: not the lookup() of these token_ids")
         if hit.hit_tokens != hit.num_hit_pages * b or hit.num_hit_pages > (len(token_ids) - 1) // b:
@@ -561,7 +567,7 @@ class BlockManager:
         for h in hit.prompt_hashes[len(hit.pages) : hit.num_hit_pages]:
             if self.pool.cached_page(h) is not None:
                 raise BlockManagerError("hit: a fetched PAGE's hash is cached here (use the cached PAGE)")
-        if self.state_transfer is StateTransfer.REPLAY:
+        if self.config.state_transfer is StateTransfer.REPLAY:
             if hit.restore_image is not None or hit.forward_start != self.replay_start(hit.hit_tokens):
                 raise BlockManagerError("hit: not a replay hit (state_transfer is 'replay')")
         elif hit.fetched_image and hit.restore_image is not None:
@@ -572,18 +578,18 @@ class BlockManager:
                 raise BlockManagerError("hit: its restore_image was evicted since lookup()")
 
     def _boundary_hash(self, blocks: _RequestBlocks, boundary: int) -> bytes:
-        if boundary <= 0 or boundary % self.block_size or boundary // self.block_size > blocks.num_published:
+        if boundary <= 0 or boundary % self.config.block_size or boundary // self.config.block_size > blocks.num_published:
             raise BlockManagerError(
-                f"boundary: {boundary} (allowed: a multiple of block_size={self.block_size} in "
-                f"1..{blocks.num_published * self.block_size}, the published PAGEs)"
+                f"boundary: {boundary} (allowed: a multiple of block_size={self.config.block_size} in "
+                f"1..{blocks.num_published * self.config.block_size}, the published PAGEs)"
             )
-        return blocks.hashes[boundary // self.block_size - 1]
+        return blocks.hashes[boundary // self.config.block_size - 1]
 
     def _restore_entry(self, hit: PrefixHit) -> bytes | None:
         """The hash entry of the image ``hit`` restores (None: a reset slot)."""
         if hit.restore_image is None:
             return None
-        return hit.prompt_hashes[hit.forward_start // self.block_size - 1]
+        return hit.prompt_hashes[hit.forward_start // self.config.block_size - 1]
 
     def _kept(self, hit: PrefixHit | None) -> Kept:
         """The reclaimable units a hit's allocation takes: its PAGEs, and the local

@@ -137,7 +137,7 @@ class Engine(EngineClient):
     @classmethod
     def over(
         cls,
-        model: str | Path | ModelSource,
+        model: ModelSource,
         dp: DPLayout,
         executor: DPStepExecutor,
         options: EngineOptions,
@@ -146,8 +146,7 @@ class Engine(EngineClient):
         """The engine of ranks already running ``model`` under ``dp`` (with
         ``offload``, the store its ranks publish to); it reads the config and
         tokenizer only, never a weight."""
-        source = ModelSource.parse(model)
-        return cls(source.config(), source.tokenizer(), options, dp.world, executor, offload)
+        return cls(model.config(), model.tokenizer(), options, dp.world, executor, offload)
 
     @classmethod
     def in_process(cls, model: str | Path | ModelSource, dp: DPLayout, **options: object) -> "Engine":
@@ -304,7 +303,7 @@ class Engine(EngineClient):
         """Schedules and runs one step of every rank; returns the delta outputs of the
         requests that got a token or finished in it (after a lost rank: every request
         in flight, ended in error, and the ranks restarted)."""
-        batches = tuple(self._guided(s.schedule()[0]) for s in self.schedulers)
+        batches = tuple(self._guided(s.schedule()) for s in self.schedulers)
         if all(b.is_empty for b in batches):
             return []
         self._step_id += 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv41.cache.block_manager import BlockManager, StateTransfer
+from dsv41.cache.block_manager import BlockManager, CacheConfig, StateTransfer
 from dsv41.cache.geometry import V41PoolGeometry
 from dsv41.cache.offload import TieredStore
 from dsv41.cache.pools import PoolSize
@@ -194,20 +194,19 @@ class RankLayout:
     def scheduler(self, config: V41Config, options: EngineOptions, offload: OffloadConnector | None = None) -> Scheduler:
         """A fresh scheduler over a fresh block manager of these pools."""
         block_manager = BlockManager(
-            num_pages=self.pool_size.num_pages,
-            num_slots=self.num_slots,
-            block_size=options.block_size,
-            state_transfer=StateTransfer(options.state_transfer),
-            enable_prefix_caching=options.enable_prefix_caching,
+            CacheConfig(
+                num_pages=self.pool_size.num_pages,
+                num_slots=self.num_slots,
+                block_size=options.block_size,
+                state_transfer=StateTransfer(options.state_transfer),
+                enable_prefix_caching=options.enable_prefix_caching,
+            )
         )
         return Scheduler(
             SchedulerConfig(
                 max_num_seqs=options.max_num_seqs,
                 max_num_batched_tokens=options.max_num_batched_tokens,
                 long_prefill_token_threshold=options.long_prefill_token_threshold,
-                block_size=options.block_size,
-                state_transfer=StateTransfer(options.state_transfer),
-                enable_prefix_caching=options.enable_prefix_caching,
                 engram_history=config.engram_max_ngram_size - 1,
                 decoder_replay_window=config.sliding_window if options.decoder_swa_bounded_replay else None,
             ),

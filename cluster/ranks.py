@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol, Sequence
 
 import torch
@@ -114,7 +113,7 @@ class DPRank:
     @classmethod
     def load(
         cls,
-        model: str | Path | ModelSource,
+        model: ModelSource,
         options: EngineOptions,
         dp: DPLayout,
         rank: int,
@@ -124,8 +123,7 @@ class DPRank:
         """Loads the rank's expert shard of ``model`` (and everything else whole) on
         its device and joins ``group`` (required when ``dp.world`` > 1); ``offload``
         is the replica's offload store, shared by every rank."""
-        source = ModelSource.parse(model)
-        params, _ = source.load_params(dtype=options.dtype, device=options.device, shard=dp.shard(rank))
+        params, _ = model.load_params(dtype=options.dtype, device=options.device, shard=dp.shard(rank))
         kernels = load_kernels(options.kernel_backend)
         exchange = None
         if dp.world > 1:
@@ -178,7 +176,7 @@ class ThreadedRanks:
     """The DP ranks of a replica in threads of this process, gloo among them."""
 
     def __init__(
-        self, model: str | Path | ModelSource, options: EngineOptions, dp: DPLayout, offload: OffloadConnector | None = None
+        self, model: ModelSource, options: EngineOptions, dp: DPLayout, offload: OffloadConnector | None = None
     ) -> None:
         self.model = model
         self.options = options

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 from dsv41.cache.block_manager import BlockManager, PrefixHit, StateImage, StateTransfer
@@ -46,9 +46,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     # Per-request cap on the prefill tokens of one step (0: only the step budget).
     long_prefill_token_threshold: int = 0
-    block_size: int = 128
-    state_transfer: StateTransfer = StateTransfer.REPLAY
-    enable_prefix_caching: bool = True
     engram_history: int = 3  # tokens a reset slot's cursor needs before its first row
     # Decoder SWA bounded replay's window (None: off). Under it a forward resumes from
     # no image above its prompt's tail: a slot restored there would hold no decoder
@@ -56,7 +53,7 @@ class SchedulerConfig:
     decoder_replay_window: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise SchedulerError(f"{name}: {value!r} (allowed: a positive integer)")
@@ -77,14 +74,6 @@ class _Progress:
     fills: tuple[PageFill, ...] = ()  # offloaded units the first forward writes first
 
 
-@dataclass
-class StepReport:
-    """What a step changed besides the requests' own records."""
-
-    finished: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-
 class Scheduler:
     """Builds ScheduledBatches and applies their results, over one BlockManager."""
 
@@ -99,13 +88,14 @@ class Scheduler:
         offload: OffloadConnector | None = None,
     ) -> None:
         if offload is not None:
-            if not config.enable_prefix_caching:
+            if not block_manager.config.enable_prefix_caching:
                 raise SchedulerError("offload: needs enable_prefix_caching (units are keyed by prefix hashes)")
             if offload.layout_id != layout_id:
                 raise SchedulerError(
                     f"offload: its store serves layout {offload.layout_id!r} (allowed: {layout_id!r}, these pools')"
                 )
         self.config = config
+        self.cache = block_manager.config
         self.offload = offload
         self.block_manager = block_manager
         self.layout_id = layout_id
@@ -119,7 +109,7 @@ class Scheduler:
 
     @property
     def copies_images(self) -> bool:
-        return self.config.state_transfer is StateTransfer.COPY and self.config.enable_prefix_caching
+        return self.cache.state_transfer is StateTransfer.COPY and self.cache.enable_prefix_caching
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -130,21 +120,22 @@ class Scheduler:
 
     # -- scheduling -------------------------------------------------------------------
 
-    def schedule(self) -> tuple[ScheduledBatch, StepReport]:
+    def schedule(self) -> ScheduledBatch:
         self._step_id += 1
-        report = StepReport()
+        preemptions_before = self.num_preemptions
         budget = self.config.max_num_batched_tokens
         plans: list[tuple[Request, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             count = self._chunk(request, budget)
-            if self._grow_or_preempt(request, request.num_computed_tokens + count, report):
+            if self._grow_or_preempt(request, request.num_computed_tokens + count):
                 plans.append((request, count))
                 budget -= count
                 i += 1
         # Like vLLM, no admission in a step that had to preempt: the pools are full.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not report.preempted:
+        preempted = self.num_preemptions > preemptions_before
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             request = self.waiting[0]
             if not self._admit(request):
                 break
@@ -153,14 +144,14 @@ class Scheduler:
             count = self._chunk(request, budget)
             plans.append((request, count))
             budget -= count
-        if self.waiting and not self.running and not report.preempted:
+        if self.waiting and not self.running and not preempted:
             request = self.waiting[0]
             raise SchedulerError(
                 f"request {request.request_id!r}: {request.num_tokens} tokens cannot be admitted into empty pools "
                 f"({self.block_manager.stats()}); the engine should have refused it"
             )
         segments = tuple(self._segment(request, count) for request, count in plans)
-        return ScheduledBatch(step_id=self._step_id, segments=segments), report
+        return ScheduledBatch(step_id=self._step_id, segments=segments)
 
     def _chunk(self, request: Request, budget: int) -> int:
         start = request.num_computed_tokens
@@ -172,13 +163,12 @@ class Scheduler:
             count = cut - start
         return count
 
-    def _grow_or_preempt(self, request: Request, num_tokens: int, report: StepReport) -> bool:
+    def _grow_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Gives ``request`` PAGEs for ``num_tokens``, preempting the newest running
         requests until it fits; False when it had to preempt itself."""
         while not self.block_manager.grow(request.request_id, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
-            report.preempted.append(victim)
             if victim is request:
                 return False
         return True
@@ -217,7 +207,7 @@ class Scheduler:
             # holds nothing below the forward's first row.
             window_start=0 if hit.restore_image is not None else hit.forward_start,
             prep=self._slot_prep(hit, tokens),
-            image_cut=(len(tokens) - 1) // self.config.block_size * self.config.block_size,
+            image_cut=(len(tokens) - 1) // self.cache.block_size * self.cache.block_size,
             fills=tuple(fills),
         )
         return True
@@ -236,7 +226,7 @@ class Scheduler:
         PAGEs for it are free. Returns the hit, a handle per fetched PAGE and the
         image's handle (or None)."""
         bm = self.block_manager
-        limit = (num_tokens - 1) // self.config.block_size
+        limit = (num_tokens - 1) // self.cache.block_size
         wanted: list[bytes] = []
         for h in hit.prompt_hashes[len(hit.pages) : limit]:
             if bm.has_hash(h):
@@ -255,7 +245,7 @@ class Scheduler:
             return hit, [], None
         image_handles = handles[len(wanted) : len(wanted) + len(page_handles)]
         for j in reversed(range(len(image_handles))):
-            boundary = (len(hit.pages) + j + 1) * self.config.block_size
+            boundary = (len(hit.pages) + j + 1) * self.cache.block_size
             if image_handles[j] is None or (image_limit is not None and boundary > image_limit):
                 continue
             pages = bm.allocate_pages(self.image_pages, keep=hit)
@@ -287,7 +277,7 @@ class Scheduler:
         prep, progress.prep = progress.prep, None
         fills, progress.fills = progress.fills, ()
         store_after = None
-        if self.copies_images and end % self.config.block_size == 0:
+        if self.copies_images and end % self.cache.block_size == 0:
             pages = self.block_manager.allocate_pages(self.image_pages)
             if pages is not None:
                 store_after = StateImage(
@@ -322,7 +312,7 @@ class Scheduler:
         ``write_from`` were cached already), and the image it stores."""
         if self.offload is None:
             return ()
-        b = self.config.block_size
+        b = self.cache.block_size
         first = max(start, write_from) // b
         if end // b <= first and store_after is None:
             return ()

@@ -151,10 +151,6 @@ class AsyncEngine:
 
     # -- the asyncio side -------------------------------------------------------------
 
-    @property
-    def is_dead(self) -> bool:
-        return self._dead_reason is not None
-
     def check_health(self) -> None:
         """Raises EngineDeadError once the step loop has failed or stopped."""
         if self._dead_reason is not None:

@@ -90,10 +90,6 @@ class ModelSource:
             return str(self.checkpoint_dir)
         return f"{GENERATED_PREFIX}{self.slice_name},experts={self.expert_format},seed={self.seed}"
 
-    @property
-    def is_generated(self) -> bool:
-        return self.slice_name is not None
-
     def _slice(self) -> SliceModel:
         assert self.slice_name is not None
         return _slice_model(self.slice_name, self.expert_format)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from dsv41.cache.block_manager import (
     BlockManager,
     BlockManagerError,
+    CacheConfig,
     PrefixHit,
     StateImage,
     StateTransfer,
@@ -28,7 +29,9 @@ B = 4  # the block manager holds no bytes, so a small hash block keeps examples 
 def _manager(
     state_transfer: StateTransfer = StateTransfer.COPY, num_pages: int = 16, num_slots: int = 4
 ) -> BlockManager:
-    return BlockManager(num_pages=num_pages, num_slots=num_slots, block_size=B, state_transfer=state_transfer)
+    return BlockManager(
+        CacheConfig(num_pages=num_pages, num_slots=num_slots, block_size=B, state_transfer=state_transfer)
+    )
 
 
 def _run(bm: BlockManager, request_id: str, tokens: list[int]) -> PrefixHit:
@@ -319,7 +322,9 @@ def test_miss_is_what_a_lookup_finds_with_nothing_cached(asked: int, caching: bo
     """``miss`` equals ``lookup`` on a manager that caches nothing yet, with prefix
     caching on or off, and counts no lookup."""
     bm = BlockManager(
-        num_pages=12, num_slots=2, block_size=B, state_transfer=StateTransfer.REPLAY, enable_prefix_caching=caching
+        CacheConfig(
+            num_pages=12, num_slots=2, block_size=B, state_transfer=StateTransfer.REPLAY, enable_prefix_caching=caching
+        )
     )
     tokens = list(range(asked))
     before = bm.stats()
@@ -331,7 +336,9 @@ def test_miss_is_what_a_lookup_finds_with_nothing_cached(asked: int, caching: bo
 def test_disabled_prefix_caching_never_hits() -> None:
     """With prefix caching off nothing is published or hit."""
     bm = BlockManager(
-        num_pages=8, num_slots=2, block_size=B, state_transfer=StateTransfer.REPLAY, enable_prefix_caching=False
+        CacheConfig(
+            num_pages=8, num_slots=2, block_size=B, state_transfer=StateTransfer.REPLAY, enable_prefix_caching=False
+        )
     )
     tokens = list(range(2 * B + 1))
     _run(bm, "a", tokens)

@@ -23,7 +23,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from dsv41.cache.block_manager import BlockManager, StateImage, StateTransfer, prefix_hashes
+from dsv41.cache.block_manager import BlockManager, CacheConfig, StateImage, StateTransfer, prefix_hashes
 from dsv41.cache.checkpoints import CheckpointError, Checkpoints
 from dsv41.cache.geometry import DEAD_ENGRAM_ID, PlaneKind, V41PoolGeometry
 from dsv41.cache.pools import PoolSize, V41Pools
@@ -51,7 +51,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.block_size = geometry.block_size
         self.pools = V41Pools(geometry, PoolSize(num_pages=NUM_PAGES, num_slots=NUM_SLOTS))
         self.bm = BlockManager(
-            num_pages=NUM_PAGES, num_slots=NUM_SLOTS, block_size=self.block_size, state_transfer=state_transfer
+            CacheConfig(num_pages=NUM_PAGES, num_slots=NUM_SLOTS, block_size=self.block_size, state_transfer=state_transfer)
         )
         self.checkpoints = Checkpoints(self.pools)
         self.requests: dict[str, _Request] = {}

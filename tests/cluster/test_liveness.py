@@ -137,9 +137,9 @@ def _drive(engine: Engine, recorder: _Recorder, arrivals: list[_Arrival]) -> dic
         assert stats.ranks[0].requests == stats.requests_running == stats.ranks[0].slots_used
         step += 1
         assert step <= max_steps, f"{step} steps without finishing: {stats}"
-    bm.evict(bm.num_pages)
+    bm.evict(bm.config.num_pages)
     s = bm.stats()
-    assert (s.pages_free, s.images, s.slots_used, s.requests) == (bm.num_pages, 0, 0, 0), s
+    assert (s.pages_free, s.images, s.slots_used, s.requests) == (bm.config.num_pages, 0, 0, 0), s
     bm.check_invariants()
     return finals
 

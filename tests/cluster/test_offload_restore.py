@@ -27,7 +27,7 @@ def _prompt(vocab: int, length: int, seed: int) -> list[int]:
 
 def _evict_everything(engine: Engine) -> None:
     bm = engine.block_manager
-    bm.evict(bm.num_pages)
+    bm.evict(bm.config.num_pages)
     assert bm.stats().pages_cached == 0
 
 
@@ -104,7 +104,7 @@ def test_dp_ranks_share_the_store(tiny_dir: Path) -> None:
         prompt = _prompt(engine.config.vocab_size, 2 * BLOCK + 3, seed=5)
         cold = engine.generate([prompt], GREEDY)[0].token_ids
         for scheduler in engine.schedulers:
-            scheduler.block_manager.evict(scheduler.block_manager.num_pages)
+            scheduler.block_manager.evict(scheduler.block_manager.config.num_pages)
         assert engine.generate([prompt], GREEDY)[0].token_ids == cold
         assert sum(s.block_manager.stats().fetched_pages for s in engine.schedulers) == 2
     finally:

@@ -21,16 +21,8 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv41.deploy.bench import (
-    BenchError,
-    HttpTarget,
-    LatencyStats,
-    RequestRecord,
-    Workload,
-    run_http,
-    run_in_process,
-    summarize,
-)
+from dsv41.deploy.bench import HttpTarget, run_http, run_in_process
+from dsv41.deploy.bench_workload import BenchError, LatencyStats, RequestRecord, Workload, summarize
 from dsv41.deploy.cli import main
 
 FIRST_TOKEN_S = 0.05

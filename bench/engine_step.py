@@ -1,0 +1,161 @@
+"""Benchmark of the engine's host work per decode step as the outputs grow.
+
+``--requests`` requests decode together on one rank for ``--tokens`` output tokens
+each; the engine (scheduler, block manager, prefix hashing, stop checks and
+detokenization, delta outputs) is the real one, over the embedded model's config and
+tokenizer. What the rank does is split in two: its host input work is real — the
+step's batch through the step wire (``StepPacker`` -> bytes -> ``StepUnpacker``, what
+a Ray rank receives) and the step's PAGE addresses (``build_step_addresses``, what the
+runner builds before its forward) — while the forward itself is replaced by a fixed
+cycle of ordinary text tokens, so a step costs no model time and the run reaches 8k
+tokens in a minute. Columns, per step at 64 requests around each output length: the
+engine's own CPU time (``Engine.step`` less the rank's), the wire's, the address
+build's, as medians over the ``--window`` steps ending there. CPU time of the one
+thread that runs it all (torch held to one thread), so other processes on the
+machine do not move the figures.
+
+The property this measures (issue 16): the host's work per step does not grow with
+how many tokens the requests have already generated.
+
+Usage: python3 -m bench.engine_step [--requests 64] [--tokens 8192] [--window 32]
+       [--out bench/results/engine_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from dsv41.actors.step_wire import StepPacker, StepUnpacker
+from dsv41.cache.addressing import PoolShape, SegmentSpec, build_step_addresses
+from dsv41.cluster.batch import ScheduledBatch
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.options import RankLayout, engine_options
+from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.model.source import ModelSource
+from dsv41.model.tiny import embedded_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKPOINTS = (16, 128, 1024, 2048, 4096, 8192)
+TEXT = " the runtime keeps every request's pages and state in pools shared by all of them,"
+
+
+class HostOnlyRank:
+    """One rank's host input work for real, its forward replaced by ``cycle``'s tokens."""
+
+    def __init__(self, shape: PoolShape, cycle: Sequence[int]) -> None:
+        self.shape = shape
+        self.cycle = tuple(cycle)
+        self.packer = StepPacker(session=1)
+        self.unpacker = StepUnpacker()
+        self.wire_s = 0.0
+        self.address_s = 0.0
+
+    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
+        (batch,) = batches
+        start = time.thread_time()
+        received, _ = self.unpacker.unpack(self.packer.pack(batch, []))
+        wired = time.thread_time()
+        specs = [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in received.segments]
+        build_step_addresses(specs, self.shape)
+        self.wire_s += wired - start
+        self.address_s += time.thread_time() - wired
+        sampled = {s.request_id: SampledToken(self.cycle[s.end % len(self.cycle)], None) for s in received.segments if s.sample}
+        return [StepResult(step_id=batch.step_id, sampled=sampled)]
+
+    def restart(self) -> None:
+        raise RuntimeError("a host-only rank has nothing to restart")
+
+
+def run(requests: int, tokens: int, window: int) -> list[dict[str, float]]:
+    torch.set_num_threads(1)
+    source = ModelSource.parse(str(embedded_model_dir()))
+    config, tokenizer = source.config(), source.tokenizer()
+    prompt_len = 32
+    options = engine_options(
+        {
+            "max_num_seqs": requests,
+            "max_num_batched_tokens": requests * prompt_len,
+            "max_model_len": prompt_len + tokens + 1,
+            "cache_memory_bytes": 1 << 40,
+            "num_pages": requests * (-(-(prompt_len + tokens + 1) // 128) + 1),
+        }
+    )
+    cycle = tokenizer.encode(TEXT).ids
+    geometry = RankLayout.build(config, options).geometry
+    shape = PoolShape(
+        block_size=geometry.block_size,
+        window=config.sliding_window,
+        ring_rows=geometry.ring_rows,
+        ratios=tuple(sorted(set(geometry.owner_ratios))),
+    )
+    rank = HostOnlyRank(shape, cycle)
+    engine = Engine(config, tokenizer, options, 1, rank)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(requests):
+        engine.add_request(f"r{i}", [cycle[(i + j) % len(cycle)] for j in range(prompt_len)], params)
+    samples: list[tuple[float, float, float]] = []
+    generated = 0
+    rows = []
+    while engine.has_unfinished_requests():
+        wire_before, address_before = rank.wire_s, rank.address_s
+        start = time.thread_time()
+        outputs = engine.step()
+        total = time.thread_time() - start
+        wire, address = rank.wire_s - wire_before, rank.address_s - address_before
+        if not outputs:
+            continue
+        generated = max(o.num_output_tokens for o in outputs)
+        if len(outputs) != requests:
+            continue  # the prefill step and the last one
+        samples.append((total - wire - address, wire, address))
+        if generated in CHECKPOINTS:
+            last = samples[-window:]
+            rows.append(
+                {
+                    "output_tokens": generated,
+                    "requests": requests,
+                    "engine_ms": statistics.median(s[0] for s in last) * 1e3,
+                    "wire_ms": statistics.median(s[1] for s in last) * 1e3,
+                    "address_ms": statistics.median(s[2] for s in last) * 1e3,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "engine_step.json"))
+    args = parser.parse_args()
+    rows = run(args.requests, args.tokens, args.window)
+    print("| output tokens | engine CPU ms/step | step wire CPU ms/step | PAGE addresses CPU ms/step |")
+    print("|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['output_tokens']} | {r['engine_ms']:.2f} | {r['wire_ms']:.2f} | {r['address_ms']:.2f} |")
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores".strip(),
+        "command": "python3 -m bench.engine_step " + " ".join(sys.argv[1:]),
+        "load_average": os.getloadavg(),
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
