@@ -371,20 +371,21 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
     return include
 
 
-# Body fields read as SamplingParams' fields of the same name: (types allowed, default).
+# Body fields read as SamplingParams' fields of the same name, and the JSON types each
+# may have (an absent one takes SamplingParams' default).
 _NUMBERS = (int, float)
-_SAMPLING_FIELDS: Mapping[str, tuple[tuple[type, ...], Any]] = {
-    "temperature": (_NUMBERS, 1.0),
-    "top_p": (_NUMBERS, 1.0),
-    "top_k": ((int,), -1),
-    "n": ((int,), 1),
-    "seed": ((int,), None),
-    "ignore_eos": ((bool,), False),
-    "presence_penalty": (_NUMBERS, 0.0),
-    "frequency_penalty": (_NUMBERS, 0.0),
-    "repetition_penalty": (_NUMBERS, 1.0),
-    "min_p": (_NUMBERS, 0.0),
-    "min_tokens": ((int,), 0),
+_SAMPLING_FIELDS: Mapping[str, tuple[type, ...]] = {
+    "temperature": _NUMBERS,
+    "top_p": _NUMBERS,
+    "top_k": (int,),
+    "n": (int,),
+    "seed": (int,),
+    "ignore_eos": (bool,),
+    "presence_penalty": _NUMBERS,
+    "frequency_penalty": _NUMBERS,
+    "repetition_penalty": _NUMBERS,
+    "min_p": _NUMBERS,
+    "min_tokens": (int,),
 }
 
 
@@ -394,7 +395,9 @@ def _read_sampling(
     """SamplingParams' keyword arguments from the body, each of the type JSON allows
     (``max_tokens`` only when given): what :func:`build_params` builds the request's
     one SamplingParams from, which checks the ranges."""
-    fields: dict[str, Any] = {name: _optional(body, name, kinds, default) for name, (kinds, default) in _SAMPLING_FIELDS.items()}
+    fields: dict[str, Any] = {
+        name: _optional(body, name, kinds, None) for name, kinds in _SAMPLING_FIELDS.items() if body.get(name) is not None
+    }
     for name in ("stop", "stop_token_ids"):
         value = body.get(name)
         value = () if value is None else (value,) if name == "stop" and isinstance(value, str) else value
@@ -599,7 +602,7 @@ class ChatCompletionRequest:
 
     @property
     def n(self) -> int:
-        return self.sampling_fields["n"]
+        return self.sampling_fields.get("n", SamplingParams.n)
 
     @property
     def top_logprobs(self) -> int:
