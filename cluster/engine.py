@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -40,11 +40,13 @@ from dsv41.cluster.sampler import prompt_logprobs
 from dsv41.cluster.sampling_guide import SamplingGuide, penalty_counts
 from dsv41.cluster.scheduler import Scheduler
 from dsv41.cluster.stopping import StopChecker
-from dsv41.cluster.structured_output import GrammarCache, StructuredOutputManager, grammar_tokenizer_info
 from dsv41.model.config import V41Config
 from dsv41.model.kernels import load_kernels
 from dsv41.model.params import ModelParams
 from dsv41.model.source import ModelSource
+
+if TYPE_CHECKING:
+    from dsv41.cluster.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +200,9 @@ class Engine(EngineClient):
         """The grammar matchers and compiled-grammar cache, built with the first
         request that has a grammar (the vocabulary tables cost a pass over it)."""
         if self._structured is None:
+            # xgrammar takes seconds to import: only an engine asked for a grammar pays it.
+            from dsv41.cluster.structured_output import GrammarCache, StructuredOutputManager, grammar_tokenizer_info
+
             info = grammar_tokenizer_info(self.tokenizer, self.config.vocab_size, [self.config.eos_token_id])
             self._structured = StructuredOutputManager(GrammarCache(info))
         return self._structured
