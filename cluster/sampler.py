@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from dsv41.cluster.request import SamplingParams
-from dsv41.cluster.sampling_guide import BITMASK_WORD_BITS, SamplingGuide, bitmask_words
+from dsv41.cluster.sampling_guide import BITMASK_WORD_BITS, BITMASK_WORD_BYTES, SamplingGuide, bitmask_words
 
 _U64_MASK = (1 << 64) - 1
 
@@ -92,8 +92,8 @@ class SamplingMetadata:
     log(min_p) per row (-inf: off). The sparse tensors name (row, token) pairs:
     ``bias_*`` a value added to the logit (logit bias; -inf for a stop token masked by
     min_tokens), ``penalty_*`` a token of the row's prompt or output with its count in
-    the output. ``allowed_tokens`` [R, bitmask words] int32 is the grammars' packed
-    mask (a row without a grammar allows every token), None when no row has one.
+    the output. ``allowed_tokens`` [G, bitmask words] int32 holds the packed masks of
+    the ``allowed_rows`` [G] that have a grammar (None when no row has one).
     """
 
     temperature: torch.Tensor  # [R] float32
@@ -112,7 +112,8 @@ class SamplingMetadata:
     penalty_rows: torch.Tensor | None = None  # [N] int64
     penalty_tokens: torch.Tensor | None = None  # [N] int64
     penalty_counts: torch.Tensor | None = None  # [N] int32
-    allowed_tokens: torch.Tensor | None = None  # [R, W] int32
+    allowed_rows: torch.Tensor | None = None  # [G] int64
+    allowed_tokens: torch.Tensor | None = None  # [G, W] int32
 
     def __post_init__(self) -> None:
         rows = len(self.num_logprobs)
@@ -148,14 +149,19 @@ class SamplingMetadata:
             for name, value, dtype in zip(names, values, dtypes):
                 if value.dtype != dtype:
                     raise SamplerError(f"{name}: must be {dtype}, got {value.dtype}")
+        if (self.allowed_rows is None) != (self.allowed_tokens is None):
+            raise SamplerError("allowed_rows, allowed_tokens: give both or neither")
         if self.allowed_tokens is not None and (
-            self.allowed_tokens.dtype != torch.int32
+            self.allowed_rows.dtype != torch.int64
+            or self.allowed_rows.dim() != 1
+            or self.allowed_tokens.dtype != torch.int32
             or self.allowed_tokens.dim() != 2
-            or self.allowed_tokens.shape[0] != rows
+            or self.allowed_tokens.shape[0] != self.allowed_rows.shape[0]
         ):
             raise SamplerError(
-                f"allowed_tokens: must be an int32 tensor of shape ({rows}, words), "
-                f"got {self.allowed_tokens.dtype} {tuple(self.allowed_tokens.shape)}"
+                f"allowed_tokens: must be an int32 tensor of shape (len(allowed_rows), words) beside int64 "
+                f"allowed_rows, got {self.allowed_tokens.dtype} {tuple(self.allowed_tokens.shape)} and "
+                f"{self.allowed_rows.dtype} {tuple(self.allowed_rows.shape)}"
             )
 
     @property
@@ -217,10 +223,12 @@ class SamplingMetadata:
             fields["penalty_rows"] = row_tensor(list(rows_), torch.int64)
             fields["penalty_tokens"] = row_tensor(list(tokens_), torch.int64)
             fields["penalty_counts"] = row_tensor(list(counts_), torch.int32)
-        if any(g is not None and g.allowed_tokens is not None for g in guides):
+        masked = [row for row, g in enumerate(guides) if g is not None and g.allowed_tokens is not None]
+        if masked:
             if vocab_size is None:
                 raise SamplerError("vocab_size: needed to read the guides' token masks")
-            fields["allowed_tokens"] = _packed_masks(guides, bitmask_words(vocab_size), device)
+            fields["allowed_rows"] = row_tensor(masked, torch.int64)
+            fields["allowed_tokens"] = _packed_masks([guides[row] for row in masked], bitmask_words(vocab_size), device)
         return cls(
             temperature=row_tensor([p.temperature for p in params], torch.float32),
             top_k=row_tensor([p.top_k for p in params], torch.int64),
@@ -232,16 +240,13 @@ class SamplingMetadata:
         )
 
 
-def _packed_masks(guides: Sequence[SamplingGuide | None], words: int, device: torch.device | str) -> torch.Tensor:
-    """The rows' packed masks [R, words] int32: a row without a grammar allows all."""
-    masks = torch.full((len(guides), words), -1, dtype=torch.int32)
-    for row, guide in enumerate(guides):
-        if guide is not None and guide.allowed_tokens is not None:
-            packed = torch.frombuffer(bytearray(guide.allowed_tokens), dtype=torch.int32)
-            if packed.numel() != words:
-                raise SamplerError(f"guides: row {row}'s token mask has {packed.numel()} words (allowed: {words})")
-            masks[row] = packed
-    return masks.to(device)
+def _packed_masks(guides: Sequence[SamplingGuide], words: int, device: torch.device | str) -> torch.Tensor:
+    """The guides' packed masks [len(guides), words] int32, moved once to ``device``."""
+    data = b"".join(guide.allowed_tokens for guide in guides)
+    if len(data) != len(guides) * words * BITMASK_WORD_BYTES:
+        sizes = sorted({len(guide.allowed_tokens) // BITMASK_WORD_BYTES for guide in guides})
+        raise SamplerError(f"guides: token masks of {sizes} words (allowed: {words})")
+    return torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(guides), words).to(device)
 
 
 def unpack_token_mask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -283,9 +288,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         _check_logits(logits, self.vocab_size, metadata.num_rows)
-        if metadata.allowed_tokens is not None:
+        if metadata.allowed_rows is not None:
             allowed = unpack_token_mask(metadata.allowed_tokens, self.vocab_size)
-            logits = logits.masked_fill(~allowed, float("-inf"))
+            masked = logits.index_select(0, metadata.allowed_rows).masked_fill(~allowed, float("-inf"))
+            logits = logits.index_copy(0, metadata.allowed_rows, masked)
         reported = logits
         logits = _apply_penalties(_apply_bias(logits, metadata), metadata)
         token_ids = logits.argmax(dim=-1)
@@ -320,18 +326,22 @@ def _apply_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tenso
 
 
 def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """vLLM's penalties on the rows' prompt and output tokens (a dense [R, vocab]
-    scatter of the sparse counts; rows without penalties have factor 1 and 0)."""
+    """vLLM's penalties on the rows' prompt and output tokens: the penalised rows' sparse
+    counts scattered into a dense [rows with penalties, vocab] block (the other rows
+    are left as they are)."""
     if metadata.penalty_rows is None:
         return logits
-    index = (metadata.penalty_rows, metadata.penalty_tokens)
-    seen = torch.zeros_like(logits, dtype=torch.bool).index_put(index, torch.ones_like(metadata.penalty_rows, dtype=torch.bool))
-    counts = torch.zeros_like(logits).index_put(index, metadata.penalty_counts.to(logits.dtype))
-    repetition = metadata.repetition_penalty.unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - metadata.frequency_penalty.unsqueeze(1) * counts
-    return logits - metadata.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    rows = torch.unique(metadata.penalty_rows)
+    index = (torch.searchsorted(rows, metadata.penalty_rows), metadata.penalty_tokens)
+    block = logits.index_select(0, rows)
+    seen = torch.zeros_like(block, dtype=torch.bool).index_put(index, torch.ones_like(metadata.penalty_rows, dtype=torch.bool))
+    counts = torch.zeros_like(block).index_put(index, metadata.penalty_counts.to(block.dtype))
+    repetition = metadata.repetition_penalty.index_select(0, rows).unsqueeze(1)
+    penalised = torch.where(block > 0, block / repetition, block * repetition)
+    block = torch.where(seen, penalised, block)
+    block = block - metadata.frequency_penalty.index_select(0, rows).unsqueeze(1) * counts
+    block = block - metadata.presence_penalty.index_select(0, rows).unsqueeze(1) * (counts > 0).to(block.dtype)
+    return logits.index_copy(0, rows, block)
 
 
 def _mask_min_p(logits: torch.Tensor, min_p_log: torch.Tensor) -> torch.Tensor:

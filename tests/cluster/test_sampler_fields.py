@@ -160,12 +160,14 @@ def test_unpacked_mask_reads_xgrammars_bit_order() -> None:
 
 
 def test_penalised_rows_need_their_guides_and_masks_need_the_vocabulary() -> None:
-    """No silent skip: a penalised row without a guide, or a mask without the
-    vocabulary size, is refused."""
+    """No silent skip: a penalised row without a guide, a mask without the vocabulary
+    size, or a mask of another size, is refused."""
     with pytest.raises(SamplerError, match="^guides: row 0 has penalties"):
         SamplingMetadata.from_params([SamplingParams(presence_penalty=1.0)], [0], [0])
     with pytest.raises(SamplerError, match="^vocab_size"):
         SamplingMetadata.from_params([SamplingParams()], [0], [0], guides=[SamplingGuide(_packed({1}))])
+    with pytest.raises(SamplerError, match=r"^guides: token masks of \[1\] words \(allowed: 3\)"):
+        SamplingMetadata.from_params([SamplingParams()], [0], [0], guides=[SamplingGuide(b"\0" * 4)], vocab_size=VOCAB)
 
 
 @pytest.mark.parametrize(
