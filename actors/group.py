@@ -265,7 +265,7 @@ class RankGroup:
         self._packers = session_packers(self.dp.world)
         self._exchange(transport, padding, DPMetadata.of(0, padding).to_wire(), opts.start_timeout_s)
 
-    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor) -> list[StepResult]:
+    def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
         return self._exchange(self._running(), batches, metadata, self.group_options.step_timeout_s)
 
     def health(self) -> list[int]:
@@ -281,10 +281,10 @@ class RankGroup:
         return self._transport
 
     def _exchange(
-        self, transport: StepTransport, batches: Sequence[ScheduledBatch], metadata: torch.Tensor, timeout_s: float
+        self, transport: StepTransport, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None, timeout_s: float
     ) -> list[StepResult]:
         with self._recording_failure():
-            words = metadata.tolist()
+            words = None if metadata is None else metadata.tolist()
             steps = [packer.pack(batch, words) for packer, batch in zip(self._packers, batches)]
             packed = transport.exchange(steps, timeout_s)
         return [unpack_result(result) for result in packed]

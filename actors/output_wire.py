@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dsv41.cluster.request import FinishReason, RequestOutput
+from dsv41.cluster.request import FinishReason, PhaseTimes, RequestOutput
 
 # One request's delta: (request_id, new token ids, new text, new logprob entries or
 # None, new prompt logprob entries or None, finish reason value or None, stop reason,
-# output tokens so far).
-OutputDelta = tuple[str, tuple[int, ...], str, tuple | None, tuple | None, str | None, Any, int]
+# output tokens so far, (queue_s, prefill_s) on the first token's output or None).
+OutputDelta = tuple[
+    str, tuple[int, ...], str, tuple | None, tuple | None, str | None, Any, int, tuple[float, float] | None
+]
 # One step's outputs on the wire: the step's number and its deltas.
 OutputFrame = tuple[int, list[OutputDelta]]
 
@@ -48,6 +50,7 @@ class OutputSender:
                 None if output.finish_reason is None else output.finish_reason.value,
                 output.stop_reason,
                 output.num_output_tokens,
+                None if output.phase_times is None else (output.phase_times.queue_s, output.phase_times.prefill_s),
             )
             for output in outputs
         ]
@@ -75,6 +78,17 @@ class OutputReceiver:
                 prompt_logprobs=prompt_logprobs,
                 text=text,
                 stop_reason=stop_reason,
+                phase_times=None if phase_times is None else PhaseTimes(*phase_times),
             )
-            for request_id, token_ids, text, logprobs, prompt_logprobs, finish_reason, stop_reason, num_output_tokens in deltas
+            for (
+                request_id,
+                token_ids,
+                text,
+                logprobs,
+                prompt_logprobs,
+                finish_reason,
+                stop_reason,
+                num_output_tokens,
+                phase_times,
+            ) in deltas
         ]

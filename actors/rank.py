@@ -59,7 +59,7 @@ class RankActor:
         self._worker = DPRank.load(self.model, self.options, self.dp, self.rank, group, self.offload)
         return self.rank
 
-    def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor) -> StepResult:
+    def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor | None) -> StepResult:
         if self._worker is None:
             raise RuntimeError(f"rank {self.rank}: execute() before join()")
         return self._worker.execute(batch, metadata_wire)
@@ -68,7 +68,8 @@ class RankActor:
         """``execute`` over the step wire (``actors.step_wire``): a StepPacker's bytes
         in, ``pack_result``'s bytes out."""
         batch, metadata_words = self._unpacker.unpack(step)
-        return pack_result(self.execute(batch, torch.tensor(metadata_words, dtype=torch.int64)))
+        metadata = None if metadata_words is None else torch.tensor(metadata_words, dtype=torch.int64)
+        return pack_result(self.execute(batch, metadata))
 
     def serve_steps(self, host: str, port: int, token: bytes, timeout_s: float) -> None:
         """Connects to a socket transport's driver and serves its steps from a thread

@@ -2,8 +2,8 @@
 
 Owns the step wire between the group's driver and one rank: ``StepPacker`` (the
 driver's end, one per rank and wire session) turns a ScheduledBatch and the step's DP
-metadata words into bytes; ``StepUnpacker`` (the rank's end) turns them back into the
-same ScheduledBatch; ``pack_result`` / ``unpack_result`` do the same for a StepResult.
+metadata words (None for a group of one rank) into bytes; ``StepUnpacker`` (the
+rank's end) turns them back into the same ScheduledBatch; ``pack_result`` / ``unpack_result`` do the same for a StepResult.
 
 A running request's segment repeats most of itself step after step: its sampling
 parameters never change and its PAGE table only grows. The packer remembers, per
@@ -62,7 +62,7 @@ class StepPacker:
         self.capacity = capacity
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
 
-    def pack(self, batch: ScheduledBatch, metadata_words: list[int]) -> bytes:
+    def pack(self, batch: ScheduledBatch, metadata_words: list[int] | None) -> bytes:
         rows = []
         for segment in batch.segments:
             values = list(_segment_values(segment))
@@ -103,7 +103,7 @@ class StepUnpacker:
         self.session: int | None = None
         self._sent: dict[str, _Sent] = {}
 
-    def unpack(self, data: bytes) -> tuple[ScheduledBatch, list[int]]:
+    def unpack(self, data: bytes) -> tuple[ScheduledBatch, list[int] | None]:
         session, step_id, forgotten, rows, metadata_words = pickle.loads(data)
         if session != self.session:
             self.session, self._sent = session, {}

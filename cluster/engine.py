@@ -311,6 +311,7 @@ class Engine(EngineClient):
         batches = tuple(self._guided(s.schedule()) for s in self.schedulers)
         if all(b.is_empty for b in batches):
             return []
+        self._mark_scheduled(batches, time.monotonic())
         self._step_id += 1
         metadata = None
         if self.world > 1:
@@ -322,9 +323,10 @@ class Engine(EngineClient):
             results = self.executor.execute(batches, metadata)
         except RankFailure as exc:
             return self.recover(f"a rank failed: {exc}")
+        sampled_at = time.monotonic()
         outputs: list[RequestOutput] = []
         for scheduler, batch, result in zip(self.schedulers, batches, results):
-            outputs.extend(self._apply(scheduler, batch, result))
+            outputs.extend(self._apply(scheduler, batch, result, sampled_at))
         return outputs
 
     def _guided(self, batch: ScheduledBatch) -> ScheduledBatch:
@@ -349,7 +351,18 @@ class Engine(EngineClient):
             changed = True
         return replace(batch, segments=tuple(segments)) if changed else batch
 
-    def _apply(self, scheduler: Scheduler, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+    def _mark_scheduled(self, batches: Sequence[ScheduledBatch], now: float) -> None:
+        """Stamps the requests the scheduler gives rows for the first time (their queue
+        time ends here; a preempted request keeps its first stamp, as in vLLM)."""
+        for batch in batches:
+            for seg in batch.segments:
+                request = self._requests.get(seg.request_id)
+                if request is not None and request.scheduled_time is None:
+                    request.scheduled_time = now
+
+    def _apply(
+        self, scheduler: Scheduler, batch: ScheduledBatch, result: StepResult, sampled_at: float
+    ) -> list[RequestOutput]:
         """Commits a batch's forward on its scheduler; returns the requests that got a
         token or finished in it."""
         outputs: list[RequestOutput] = []
@@ -362,6 +375,8 @@ class Engine(EngineClient):
                 self._record_prompt_logprobs(request, seg, result.row_logits[seg.request_id])
             if seg.sample:
                 sampled = result.sampled[seg.request_id]
+                if request.first_token_time is None:
+                    request.first_token_time = sampled_at
                 request.append_output_token(sampled.token_id, sampled.logprobs)
                 if seg.guide is not None and seg.guide.allowed_tokens is not None:
                     self.structured.accept(seg.request_id, sampled.token_id)

@@ -144,6 +144,13 @@ class SamplingParams:
     that many tokens are out. ``logit_bias`` maps token ids to a bias in [-100, 100]
     added to their logits (stored as sorted ``(id, bias)`` pairs). ``structured_outputs``
     constrains the output to a grammar (:class:`StructuredOutputs`).
+
+    ``skip_special_tokens`` (vLLM's default: on) leaves the tokenizer's special tokens
+    out of the decoded text, except those in ``kept_special_token_ids`` (the markers a
+    protocol's parser reads from the output, such as ``</think>``).
+    ``spaces_between_special_tokens`` is vLLM's: a ``tokenizers`` (fast) tokenizer's
+    decoder puts no space of its own around special tokens, so, as in vLLM's fast
+    detokenizer, it changes nothing for a ByteLevel tokenizer like DeepSeek's.
     """
 
     max_tokens: int = 16
@@ -157,6 +164,9 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    kept_special_token_ids: tuple[int, ...] | list[int] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -178,8 +188,9 @@ class SamplingParams:
             raise SamplingParamsError(f"top_k: must be -1 (off) or an integer in 1..{MAX_INT64}, got {short_repr(self.top_k)}")
         if self.seed is not None and not _is_int(self.seed):
             raise SamplingParamsError(f"seed: must be None or an integer, got {short_repr(self.seed)}")
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError(f"ignore_eos: must be a bool, got {short_repr(self.ignore_eos)}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name}: must be a bool, got {short_repr(getattr(self, name))}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n: must be an integer in 1..{MAX_N}, got {short_repr(self.n)}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -187,7 +198,10 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise SamplingParamsError(f"{name}: must be None or an integer in 0..{MAX_LOGPROBS}, got {short_repr(value)}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _normalise_token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(
+            self, "kept_special_token_ids", _normalise_token_ids("kept_special_token_ids", self.kept_special_token_ids)
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
@@ -258,11 +272,11 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
+def _normalise_token_ids(name: str, ids: object) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-        raise SamplingParamsError(f"stop_token_ids: must be a list of integers >= 0, got {short_repr(ids)}")
+        raise SamplingParamsError(f"{name}: must be a list of integers >= 0, got {short_repr(ids)}")
     if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise SamplingParamsError(f"stop_token_ids: must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        raise SamplingParamsError(f"{name}: must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
     return tuple(ids)
 
 
@@ -334,6 +348,17 @@ _FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
+class PhaseTimes:
+    """Where a sequence spent the time before its first token, in seconds of the
+    engine's clock: ``queue_s`` from its arrival until the scheduler first gave it rows,
+    ``prefill_s`` from then until its first token was sampled (vLLM's queued and
+    prefill intervals; a preemption after that counts in neither)."""
+
+    queue_s: float
+    prefill_s: float
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one request gained in one step (vLLM's ``RequestOutputKind.DELTA``): the
     engine's step hands these back, so a step's work per request does not grow with the
@@ -349,7 +374,9 @@ class RequestOutput:
     up to its whole text, cut before a matched stop string. ``num_output_tokens`` counts
     every token generated so far. ``stop_reason`` is the stop string or stop token id
     that ended the request (``None`` for EOS, length, abort and error).
-    ``CumulativeOutputs`` adds deltas up where a caller wants the whole output so far.
+    ``phase_times`` is set on the output that carries the first token (``None`` on
+    every other). ``CumulativeOutputs`` adds deltas up where a caller wants the whole
+    output so far.
     """
 
     request_id: str
@@ -361,6 +388,7 @@ class RequestOutput:
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
     text: str = ""
     stop_reason: int | str | None = None
+    phase_times: PhaseTimes | None = None
 
     def __post_init__(self) -> None:
         if self.finished != (self.finish_reason is not None):
@@ -428,6 +456,57 @@ def _extended(held: list | None, new: tuple | None) -> list | None:
     return held
 
 
+class OutputText:
+    """A request's decoded text, grown a token's piece at a time: appending, reading
+    the tail, cutting the tail and reading what follows an offset cost what they touch,
+    not the text's length (a ``str`` grown with ``+`` is copied whole per token)."""
+
+    def __init__(self, text: str = "") -> None:
+        self._pieces: list[str] = []
+        self._length = 0
+        self.append(text)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __str__(self) -> str:
+        return "".join(self._pieces)
+
+    def append(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+            self._length += len(text)
+
+    def since(self, start: int, end: int | None = None) -> str:
+        """The characters ``[start, end)`` (``end`` None: to the end), read from the
+        back: O(the characters from ``start`` on)."""
+        end = self._length if end is None else end
+        if not 0 <= start <= end <= self._length:
+            raise ValueError(f"since: [{start}, {end}) is not inside the text's {self._length} characters")
+        pieces, position = [], self._length
+        for piece in reversed(self._pieces):
+            if position <= start:
+                break
+            pieces.append(piece)
+            position -= len(piece)
+        text = "".join(reversed(pieces))
+        return text[start - position : end - position]
+
+    def tail(self, chars: int) -> str:
+        """The last ``chars`` characters (all of them when shorter)."""
+        return self.since(max(self._length - chars, 0))
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` characters: O(the characters cut)."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"truncate: {length} is not inside the text's {self._length} characters")
+        while self._length > length:
+            last = self._pieces.pop()
+            self._length -= len(last)
+            if self._length < length:
+                self.append(last[: length - self._length])
+
+
 @dataclass(eq=False)
 class Request:
     """The scheduler's mutable record of one request (compared by identity).
@@ -435,7 +514,8 @@ class Request:
     ``num_computed_tokens`` is the cursor: tokens whose KV the cache holds.
     ``sampling_seed`` is the seed the sampler actually uses (``params.seed`` or one
     drawn from the engine's :class:`SeedSource`). ``output_text`` is the decoded
-    output (complete characters only until the request finishes) and the two
+    output (an :class:`OutputText`: complete characters only until the request
+    finishes) and the two
     ``text_*_offset`` fields are the incremental detokeniser's cursor into
     :attr:`all_token_ids`; ``cluster.stopping`` maintains all three.
     """
@@ -448,7 +528,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     stop_reason: int | str | None = None
-    output_text: str = ""
+    output_text: OutputText = field(default_factory=OutputText)
     output_token_ids: list[int] = field(init=False, default_factory=list)
     logprobs: list[dict[int, float]] | None = field(init=False)
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
@@ -461,6 +541,10 @@ class Request:
     # One list of prompt + output ids, appended in step with output_token_ids, so the
     # detokeniser and the runner read a window of it without concatenating per step.
     _all_token_ids: list[int] = field(init=False, repr=False)
+    # The engine's clock when the scheduler first gave the request rows, and when its
+    # first token was sampled (None until then): its first output's PhaseTimes.
+    scheduled_time: float | None = field(init=False, default=None, repr=False)
+    first_token_time: float | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -533,6 +617,11 @@ class Request:
                 f"request {self.request_id!r}: text shrank below what was handed out ({visible} < {self._sent_text})"
             )
         tokens = self.output_token_ids[self._sent_tokens :]
+        phase_times = None
+        if tokens and self._sent_tokens == 0 and self.scheduled_time is not None and self.first_token_time is not None:
+            phase_times = PhaseTimes(
+                queue_s=self.scheduled_time - self.arrival_time, prefill_s=self.first_token_time - self.scheduled_time
+            )
         output = RequestOutput(
             request_id=self.request_id,
             token_ids=tuple(tokens),
@@ -543,8 +632,9 @@ class Request:
             prompt_logprobs=(
                 None if self.prompt_logprobs is None else tuple(self.prompt_logprobs[self._sent_prompt_logprobs :])
             ),
-            text=self.output_text[self._sent_text : visible],
+            text=self.output_text.since(self._sent_text, visible),
             stop_reason=self.stop_reason,
+            phase_times=phase_times,
         )
         self._sent_tokens = len(self.output_token_ids)
         self._sent_text = visible

@@ -6,8 +6,11 @@ the request's decoded text with a ``tokenizers.Tokenizer``.
 
 The text is stable under streaming: a token that leaves an incomplete UTF-8 character
 (the decode ends in U+FFFD) adds nothing until a later token completes it; only when
-the request finishes is such a tail decoded as it stands. Special tokens are kept
-(``<think>``, ``｜DSML｜``: the reasoning and tool parsers downstream read them).
+the request finishes is such a tail decoded as it stands. Special tokens are left out
+when the request skips them (``SamplingParams.skip_special_tokens``, vLLM's default),
+but for those it keeps (``kept_special_token_ids``: ``<think>``, ``｜DSML｜``, which the
+reasoning and tool parsers downstream read). The text grows by what each token adds
+(``cluster.request.OutputText``): a token costs O(its text), whatever the output's length.
 
 Must not import: torch, ray, ``model``, ``cache``, ``actors``, ``deploy``; from
 ``cluster`` only ``cluster.request``.
@@ -19,7 +22,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from dsv41.cluster.request import Request, RequestStatus
+from dsv41.cluster.request import DETOKENIZE_CONTEXT_TOKENS, Request, RequestStatus, SamplingParams
 
 _REPLACEMENT_CHARACTER = "\ufffd"
 
@@ -52,6 +55,11 @@ class StopChecker:
             )
         self._tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        self._special_ids = frozenset(
+            token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special
+        )
+        # The skipped ids per kept set: a handful of kept sets (one per protocol) in a server's life.
+        self._skipped_by_kept: dict[tuple[int, ...], frozenset[int]] = {}
 
     def check_stop(self, request: Request) -> bool:
         """Account for the request's newest output token; finish it if it stops.
@@ -67,23 +75,27 @@ class StopChecker:
         is_stop_token = is_stop_token_id or (token_id == self.eos_token_id and not params.ignore_eos)
         reached_length = request.num_output_tokens >= params.max_tokens
 
-        # A stop string completed now must end in the new text, so it starts no
-        # earlier than this (also the end of what snapshots may already have shown).
-        search_from = max(len(request.output_text) - params.max_stop_length + 1, 0)
+        text = request.output_text
         text_end = request.num_tokens - 1 if is_stop_token else request.num_tokens
         new_text, resolved = self._decode_new_text(request, text_end, flush=is_stop_token or reached_length)
-        # An unresolved tail is searched too (without its replacement characters), so a
-        # request stops at the very token whose text completes a stop string even when
-        # that token also starts an incomplete character.
-        text = request.output_text + (new_text if resolved else new_text.rstrip(_REPLACEMENT_CHARACTER))
-        stop_string_match = _first_stop_string(text, params.stop, search_from)
-        if stop_string_match is not None:
-            start, stop_string = stop_string_match
-            request.output_text = text[:start]
-            request.finish(RequestStatus.FINISHED_STOPPED, stop_string)
-            return True
+        if params.stop:
+            # A stop string completed now must end in the new text, so it starts no
+            # earlier than this (also the end of what snapshots may already have shown).
+            search_from = max(len(text) - params.max_stop_length + 1, 0)
+            tail = text.since(search_from)
+            # An unresolved tail is searched too (without its replacement characters),
+            # so a request stops at the very token whose text completes a stop string
+            # even when that token also starts an incomplete character.
+            searched = tail + (new_text if resolved else new_text.rstrip(_REPLACEMENT_CHARACTER))
+            stop_string_match = _first_stop_string(searched, params.stop)
+            if stop_string_match is not None:
+                start, stop_string = stop_string_match
+                text.truncate(min(search_from + start, len(text)))
+                text.append(searched[len(tail) : start])
+                request.finish(RequestStatus.FINISHED_STOPPED, stop_string)
+                return True
         if resolved:
-            request.output_text = text
+            text.append(new_text)
         if is_stop_token:
             request.finish(RequestStatus.FINISHED_STOPPED, token_id if is_stop_token_id else None)
         elif reached_length:
@@ -97,11 +109,19 @@ class StopChecker:
 
         ``[text_prefix_offset, text_read_offset)`` are the tokens of the last emitted
         piece (at first, prompt tokens for context); decoding them with and without the
-        new tokens and taking the difference renders the new tokens in context.
+        new tokens and taking the difference renders the new tokens in context. A
+        skipped special token with nothing pending adds nothing and moves the offsets
+        on at once, the context kept to at most ``DETOKENIZE_CONTEXT_TOKENS`` tokens, so
+        a run of them costs O(1) a token.
         """
         token_ids = request.all_token_ids
-        emitted = self._decode(token_ids[request.text_prefix_offset : request.text_read_offset])
-        extended = self._decode(token_ids[request.text_prefix_offset : end])
+        skipped = self._skipped_ids(request.params)
+        if request.text_read_offset == end - 1 and token_ids[end - 1] in skipped:
+            request.text_read_offset = end
+            request.text_prefix_offset = max(request.text_prefix_offset, end - DETOKENIZE_CONTEXT_TOKENS)
+            return "", True
+        emitted = self._decode(token_ids[request.text_prefix_offset : request.text_read_offset], skipped)
+        extended = self._decode(token_ids[request.text_prefix_offset : end], skipped)
         new_text = extended[len(emitted) :]
         if not flush and (not new_text or extended.endswith(_REPLACEMENT_CHARACTER)):
             return new_text, False
@@ -109,12 +129,26 @@ class StopChecker:
         request.text_read_offset = end
         return new_text, True
 
-    def _decode(self, token_ids: Sequence[int]) -> str:
+    def _skipped_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The ids left out of the text: the special tokens but the kept ones, when the
+        request skips special tokens."""
+        if not params.skip_special_tokens:
+            return frozenset()
+        kept = params.kept_special_token_ids
+        skipped = self._skipped_by_kept.get(kept)
+        if skipped is None:
+            skipped = self._special_ids - frozenset(kept)
+            self._skipped_by_kept[kept] = skipped
+        return skipped
+
+    def _decode(self, token_ids: Sequence[int], skipped: frozenset[int]) -> str:
+        if skipped:
+            token_ids = [t for t in token_ids if t not in skipped]
         return self._tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
-def _first_stop_string(text: str, stop: tuple[str, ...], search_from: int) -> tuple[int, str] | None:
-    found = [(index, order, s) for order, s in enumerate(stop) if (index := text.find(s, search_from)) >= 0]
+def _first_stop_string(text: str, stop: tuple[str, ...]) -> tuple[int, str] | None:
+    found = [(index, order, s) for order, s in enumerate(stop) if (index := text.find(s)) >= 0]
     if not found:
         return None
     index, _, stop_string = min(found)

@@ -5,8 +5,9 @@ Serve YAML's ``args:``), :func:`make_engine` (the one place a replica's engine i
 ``backend: local`` in process, ``backend: ray`` an ``actors.group`` engine group),
 :class:`LLMServer` (the deployment whose every replica owns one engine, driven by an
 ``AsyncEngine``), :class:`OpenAIIngress` (the FastAPI deployment: ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``, and the gRPC
-``Generate`` of ``deploy.grpc_service`` on its own listener), :func:`build_app`, the
+``/v1/chat/completions``, ``/v1/models`` and ``/v1/models/{id}``, vLLM's ``/tokenize``,
+``/detokenize``, ``/tokenizer_info`` (``deploy.tokenizer_api``) and ``/version``,
+``/health``, ``/metrics``, and the gRPC ``Generate`` of ``deploy.grpc_service`` on its own listener), :func:`build_app`, the
 ``import_path`` of ``deploy/configs/*.yaml``, and :func:`run_app`, ``serve.run`` with a
 deadline.
 
@@ -48,13 +49,14 @@ backend it builds). Must not be imported by ``model``, ``cache``, ``cluster``, `
 
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, Mapping
 
 import grpc
 from fastapi import FastAPI, Request
@@ -67,13 +69,15 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from dsv41.cluster.interface import EngineClient
-
 from dsv41.cluster.options import engine_options
 from dsv41.cluster.request import MAX_N, CumulativeOutputs, RequestOutput, SamplingParams
 from dsv41.deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
+from dsv41.deploy.chat_parser import OUTPUT_MARKERS
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
 from dsv41.deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
-from dsv41.deploy.metrics import METRICS_CONTENT_TYPE, ServingMetrics
+from dsv41.deploy.metrics import DEFAULT_METRICS_PREFIX, METRICS_CONTENT_TYPE
+from dsv41.deploy.ray_metrics import check_metrics_options, replica_metrics
+from dsv41.deploy.tokenizer_api import TokenizerEndpoints
 from dsv41.deploy.openai_api import (
     REFUSALS,
     SSE_DONE,
@@ -85,10 +89,7 @@ from dsv41.deploy.openai_api import (
     bad_request,
     bearer_matches,
     chat_completion_response,
-    chunk,
-    completion_choice,
-    completion_logprobs,
-    completion_response,
+    CompletionWriter,
     error_for,
     internal_error,
     model_not_found,
@@ -149,6 +150,7 @@ class AppArgs:
     :data:`OPEN_ROUTES`, all of them by default) and on the gRPC call. ``limits``:
     ``RequestLimits`` fields. ``grpc_port``: where the ingress serves
     ``dsv41.GenerateService`` (None: no gRPC), on ``grpc_host`` (loopback by default).
+    ``metrics_prefix``, ``ray_metrics``: the metrics' names and Ray export (deploy/ray_metrics.py).
     """
 
     model: str | None = None
@@ -174,6 +176,8 @@ class AppArgs:
     limits: Mapping[str, Any] = field(default_factory=dict)
     grpc_host: str = LOOPBACK_HOST
     grpc_port: int | None = None
+    metrics_prefix: str = DEFAULT_METRICS_PREFIX
+    ray_metrics: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -238,6 +242,7 @@ class AppArgs:
             raise ValueError(f"grpc_host: {self.grpc_host!r} (allowed: an address to listen on)")
         if self.grpc_port is not None and not (isinstance(self.grpc_port, int) and 0 <= self.grpc_port <= 65535):
             raise ValueError(f"grpc_port: {self.grpc_port!r} (allowed: a port 0..65535, 0 for any free one, or null)")
+        check_metrics_options(self.metrics_prefix, self.ray_metrics)
         # Refuse bad engine options here, before Serve starts a replica that would die on them.
         engine_options(self.engine_options())
 
@@ -424,11 +429,22 @@ class LLMServer:
         self._group: "EngineGroup | None" = engine if args.backend == "ray" else None
         self.tokenizer = engine.tokenizer
         self.prompts = PromptEncoder(engine.tokenizer)
+        added = {token.content: token_id for token_id, token in engine.tokenizer.get_added_tokens_decoder().items()}
+        self.chat_marker_ids = tuple(added[marker] for marker in OUTPUT_MARKERS if marker in added)
         self.limits = args.request_limits()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.config.vocab_size
-        self.metrics = ServingMetrics(self.model_name)
+        self.metrics = replica_metrics(self.model_name, self.max_model_len, args.metrics_prefix, args.ray_metrics)
         self.engine = AsyncEngine(engine, self.metrics)
+        config = engine.config
+        self.tokenizer_endpoints = TokenizerEndpoints(
+            engine.tokenizer,
+            self.prompts,
+            max_model_len=self.max_model_len,
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+        )
 
     # -- Serve hooks ------------------------------------------------------------------
 
@@ -469,25 +485,22 @@ class LLMServer:
     def metrics_text(self) -> bytes:
         return self.metrics.render()
 
+    def tokenize(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any] | OpenAIError:
+        return self._tokenizer_answer(self.tokenizer_endpoints.tokenize, body, request_id)
+
+    def detokenize(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any] | OpenAIError:
+        return self._tokenizer_answer(self.tokenizer_endpoints.detokenize, body, request_id)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return self.tokenizer_endpoints.tokenizer_info()
+
     async def completions(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any] | OpenAIError:
         try:
             request, prompts, params = self._completion_request(body)
             finals = await _whole_outputs(self._run(prompts, params))
         except REFUSALS as exc:
             return error_for(exc, request_id)
-        choices = []
-        for index in sorted(finals):
-            output = finals[index]
-            logprobs = (
-                None
-                if output.logprobs is None
-                else completion_logprobs(self.tokenizer, output.token_ids, output.logprobs, 0)
-            )
-            choices.append(completion_choice(index, output.text, logprobs, output.finish_reason.value))
-        generated = sum(len(o.token_ids) for o in finals.values())
-        return completion_response(
-            _response_id("cmpl"), self.model_name, now(), choices, usage(sum(map(len, prompts)), generated)
-        )
+        return CompletionWriter(request, prompts, _response_id("cmpl"), self.model_name, now(), self.tokenizer).response(finals)
 
     async def completions_stream(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[str | OpenAIError]:
         """SSE events; the first item is an OpenAIError instead when refused."""
@@ -498,48 +511,35 @@ class LLMServer:
         except REFUSALS as exc:
             yield error_for(exc, request_id)
             return
-        response_id, created = _response_id("cmpl"), now()
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        writer = CompletionWriter(request, prompts, _response_id("cmpl"), self.model_name, now(), self.tokenizer)
         try:
             async for index, output in _starting_with(first, outputs):
-                text_from = sent_text.get(index, 0)
-                sent_text[index] = text_from + len(output.text)
-                sent_tokens[index] = sent_tokens.get(index, 0) + len(output.token_ids)
-                if not output.text and not output.finished and not (output.token_ids and output.logprobs is not None):
-                    continue
-                logprobs = (
-                    None
-                    if output.logprobs is None
-                    else completion_logprobs(self.tokenizer, output.token_ids, output.logprobs, text_from)
-                )
-                finish = None if output.finish_reason is None else output.finish_reason.value
-                choice = completion_choice(index, output.text, logprobs, finish)
-                yield chunk("text_completion", response_id, self.model_name, created, [choice])
+                for event in writer.events(index, output):
+                    yield event
         except REFUSALS as exc:
             # The status line is already sent: the error ends the stream as an event.
             yield sse(error_for(exc, request_id).body())
             yield SSE_DONE
             return
-        if request.include_usage:
-            counts = usage(sum(map(len, prompts)), sum(sent_tokens.values()))
-            yield chunk("text_completion", response_id, self.model_name, created, [], counts)
-        yield SSE_DONE
+        for event in writer.closing():
+            yield event
 
     async def generate_stream(
         self, body: dict[str, Any], request_id: str | None = None
     ) -> AsyncIterator[dict[str, Any] | OpenAIError]:
         """The token deltas of one prompt (a completions body with one prompt, ``n`` 1, no
-        logprobs), for the gRPC ingress and ``deploy.client``: ``{"token_ids", "text",
+        logprobs, no echo), for the gRPC ingress and ``deploy.client``: ``{"token_ids", "text",
         "finish_reason", "usage"}`` per step, the last with ``finish_reason`` and
         ``usage`` set. An OpenAIError item ends the stream (the first item when refused)."""
         try:
             # The served model is implied: a token stream's callers address a deployment.
-            _, prompts, params = self._completion_request({"model": self.model_name, **body})
+            request, prompts, params = self._completion_request({"model": self.model_name, **body})
             if len(prompts) != 1:
                 raise bad_request("prompt", f"prompt: {len(prompts)} prompts (allowed: one per token stream)")
-            if params.n != 1 or params.logprobs is not None:
-                name = "n" if params.n != 1 else "logprobs"
+            asked = {"n": params.n != 1, "logprobs": params.logprobs is not None, "echo": request.echo}
+            asked["prompt_logprobs"] = params.prompt_logprobs is not None
+            name = next((field for field, given in asked.items() if given), None)
+            if name is not None:
                 raise bad_request(name, f"{name}: {body[name]!r} (allowed: absent on a token stream)")
             outputs = self._run(prompts, params)
             first = await anext(outputs)
@@ -595,6 +595,15 @@ class LLMServer:
 
     # -- internals --------------------------------------------------------------------
 
+    def _tokenizer_answer(
+        self, endpoint: Callable[[Mapping[str, Any]], dict[str, Any]], body: dict[str, Any], request_id: str | None
+    ) -> dict[str, Any] | OpenAIError:
+        try:
+            self._check_model(body)
+            return endpoint(body)
+        except REFUSALS as exc:
+            return error_for(exc, request_id)
+
     def _check_model(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
         if isinstance(model, str) and model and model != self.model_name:
@@ -631,7 +640,7 @@ class LLMServer:
             response_format=request.response_format,
         )
         prompt = tuple(self.prompts.encode_pieces(pieces, max_tokens=self.max_model_len - 1))
-        params = request.params(len(prompt), self.max_model_len)
+        params = replace(request.params(len(prompt), self.max_model_len), kept_special_token_ids=self.chat_marker_ids)
         self._check_prompt(prompt, params)
         return request, prompt, params
 
@@ -656,7 +665,6 @@ class LLMServer:
                     yield prompt_index * params.n + _sample_index(output), output
 
         return indexed()
-
 
 
 async def _starting_with(
@@ -805,8 +813,35 @@ class OpenAIIngress:
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
             return _error_response(unauthorized())
-        card = {"id": self.model_name, "object": "model", "created": now(), "owned_by": "dsv41"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    @api.get("/v1/models/{model_id:path}")
+    async def retrieve_model(self, request: Request, model_id: str) -> Response:
+        if not self._authorized(request):
+            return _error_response(unauthorized())
+        if model_id != self.model_name:
+            return _error_response(model_not_found(model_id, self.model_name))
+        return JSONResponse(self._model_card())
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, "tokenize")
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._answer(request, "detokenize")
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _error_response(unauthorized())
+        return JSONResponse(await self.llm.tokenizer_info.remote())
+
+    @api.get("/version")
+    async def version(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _error_response(unauthorized())
+        return JSONResponse({"version": importlib.metadata.version("dsv41")})
 
     @api.get("/health")
     async def health(self, request: Request) -> Response:
@@ -826,13 +861,16 @@ class OpenAIIngress:
             return _error_response(unauthorized())
         return Response(content=await self.llm.metrics_text.remote(), media_type=METRICS_CONTENT_TYPE)
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "dsv41"}
+
     def _authorized(self, request: Request) -> bool:
         key = self.options.api_key
         if key is None or request.url.path in self.options.public_routes:
             return True
         return bearer_matches(request.headers.get("authorization"), key)
 
-    async def _answer(self, request: Request, method: str, stream_method: str) -> Response:
+    async def _answer(self, request: Request, method: str, stream_method: str | None = None) -> Response:
         request_id = _request_id(request)
         try:
             if not self._authorized(request):
@@ -841,7 +879,7 @@ class OpenAIIngress:
                 raise unsupported_media_type(request.headers.get("content-type"))
             limits = self.options.limits
             body = parse_body(await _read_body(request, limits.max_body_bytes), limits)
-            if body.get("stream") is True:
+            if stream_method is not None and body.get("stream") is True:
                 events = getattr(self.llm.options(stream=True), stream_method).remote(body, request_id)
                 first = await anext(events)
                 if isinstance(first, OpenAIError):

@@ -12,8 +12,9 @@ it). A request the engine itself ends in error (finish reason ``error``: its gro
 a rank and restarts) raises :class:`RequestFailedError` from its stream, and the engine
 serves on. Either is counted as a failed request, never as a finished one. The
 messages of both are fit for a client: what went wrong inside is the error's
-``__cause__`` and the log's. It also measures each sequence's TTFT, inter-token and
-end-to-end latency.
+``__cause__`` and the log's. It also measures each sequence's TTFT, inter-token,
+decode and end-to-end latency (its queue and prefill times are the engine's,
+``RequestOutput.phase_times``).
 
 Must not import: ``ray``, ``torch``, ``model``, ``actors``, or the HTTP modules of
 ``deploy`` (``openai_api``, ``app``); from ``deploy`` only ``deploy.metrics``.
@@ -32,8 +33,8 @@ from typing import AsyncIterator, Sequence
 from dsv41.cluster.interface import EngineClient
 
 from dsv41.cluster.options import EngineError
-from dsv41.cluster.request import FinishReason, RequestOutput, SamplingParams, SamplingParamsError
-from dsv41.deploy.metrics import EngineLoad, ServingMetrics
+from dsv41.cluster.request import FinishReason, PhaseTimes, RequestOutput, SamplingParams, SamplingParamsError
+from dsv41.deploy.metrics import EngineLoad, FinishedSequence, ServingMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ _END = _End()
 
 @dataclass
 class _SampleTiming:
+    first_token_time: float | None = None
     last_token_time: float | None = None
+    phase_times: PhaseTimes | None = None
 
 
 @dataclass
@@ -74,6 +77,7 @@ class _Stream:
     outputs: asyncio.Queue[RequestOutput | BaseException | _End]
     num_samples: int
     arrival_time: float
+    num_prompt_tokens: int
     admitted: bool = False
     num_finished: int = 0
     samples: dict[str, _SampleTiming] = field(default_factory=dict)
@@ -108,6 +112,25 @@ class _Shutdown:
 _Command = _Add | _Abort | _Shutdown
 
 
+def _finished_sequence(output: RequestOutput, stream: _Stream, timing: _SampleTiming, now: float) -> FinishedSequence:
+    """What a finished sequence's histograms observe: its decode time from when its
+    first and last tokens reached this loop, its queue and prefill times the engine's."""
+    assert output.finish_reason is not None
+    phases = timing.phase_times
+    decode = None
+    if timing.first_token_time is not None and timing.last_token_time is not None:
+        decode = timing.last_token_time - timing.first_token_time
+    return FinishedSequence(
+        finish_reason=output.finish_reason.value,
+        e2e_latency=now - stream.arrival_time,
+        num_prompt_tokens=stream.num_prompt_tokens,
+        num_generation_tokens=output.num_output_tokens,
+        queue_time=None if phases is None else phases.queue_s,
+        prefill_time=None if phases is None else phases.prefill_s,
+        decode_time=decode,
+    )
+
+
 def parent_request_id(sample_id: str) -> str:
     """The request id a sample id belongs to (itself for ``n`` == 1)."""
     parent, separator, _ = sample_id.rpartition(SAMPLE_ID_SEPARATOR)
@@ -117,14 +140,24 @@ def parent_request_id(sample_id: str) -> str:
 def engine_load(engine: EngineClient) -> EngineLoad:
     """What the engine holds now, summed over its DP ranks. Runs on the engine thread."""
     stats = engine.stats()
+    ranks = stats.ranks
     return EngineLoad(
         requests_running=stats.requests_running,
         requests_waiting=stats.requests_waiting,
-        num_pages=sum(s.num_pages for s in stats.ranks),
-        pages_used=sum(s.pages_used for s in stats.ranks),
-        prefix_lookup_tokens=sum(s.lookup_tokens for s in stats.ranks),
-        prefix_hit_tokens=sum(s.hit_tokens for s in stats.ranks),
-        offload_fetched_pages=sum(s.fetched_pages for s in stats.ranks),
+        num_pages=sum(s.num_pages for s in ranks),
+        pages_used=sum(s.pages_used for s in ranks),
+        prefix_lookup_tokens=sum(s.lookup_tokens for s in ranks),
+        prefix_hit_tokens=sum(s.hit_tokens for s in ranks),
+        preemptions=sum(stats.preemptions),
+        pages_cached=sum(s.pages_cached for s in ranks),
+        num_slots=sum(s.num_slots for s in ranks),
+        slots_used=sum(s.slots_used for s in ranks),
+        images=sum(s.images for s in ranks),
+        image_pages=sum(s.image_pages for s in ranks),
+        evictions=sum(s.evictions for s in ranks),
+        image_evictions=sum(s.image_evictions for s in ranks),
+        offload_fetched_pages=sum(s.fetched_pages for s in ranks),
+        offload_fetched_images=sum(s.fetched_images for s in ranks),
     )
 
 
@@ -164,10 +197,11 @@ class AsyncEngine:
         if SAMPLE_ID_SEPARATOR in request_id:
             raise EngineError(f"request_id: {request_id!r} contains {SAMPLE_ID_SEPARATOR!r} (sample ids use it)")
         outputs: asyncio.Queue[RequestOutput | BaseException | _End] = asyncio.Queue()
-        stream = _Stream(asyncio.get_running_loop(), outputs, params.n, time.monotonic())
+        prompt = tuple(prompt_token_ids)
+        stream = _Stream(asyncio.get_running_loop(), outputs, params.n, time.monotonic(), len(prompt))
         with self._lock:
             self.check_health()
-            self._commands.put(_Add(request_id, tuple(prompt_token_ids), params, stream))
+            self._commands.put(_Add(request_id, prompt, params, stream))
         completed = False
         try:
             while True:
@@ -228,7 +262,6 @@ class AsyncEngine:
             command.stream.deliver(exc)
             return
         self._streams[command.request_id] = command.stream
-        self.metrics.observe_admitted(len(command.prompt_token_ids))
 
     def _abort(self, request_id: str) -> None:
         # A request that finished (or was refused) before the abort arrived has no stream.
@@ -249,14 +282,18 @@ class AsyncEngine:
                     len(output.token_ids),
                     first_token_latency=now - stream.arrival_time if first else None,
                     gap=None if timing.last_token_time is None else now - timing.last_token_time,
+                    num_prompt_tokens=stream.num_prompt_tokens,
                 )
+                if first:
+                    timing.first_token_time = now
+                    timing.phase_times = output.phase_times
                 timing.last_token_time = now
             if output.finish_reason == FinishReason.ERROR:
                 self._fail(request_id, stream)
                 continue
             if output.finished:
                 assert output.finish_reason is not None
-                self.metrics.observe_finished(output.finish_reason.value, now - stream.arrival_time)
+                self.metrics.observe_finished(_finished_sequence(output, stream, timing, now))
                 stream.num_finished += 1
             stream.deliver(output)
             if output.finished and stream.num_finished == stream.num_samples:

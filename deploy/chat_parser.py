@@ -35,6 +35,7 @@ from typing import Any
 from dsv41.deploy.chat_protocol import (
     CALL_BLOCK_START,
     CALLS_END_TAG,
+    DSML,
     INVOKE_END_TAG,
     INVOKE_TAG_START,
     PARAMETER_END_TAG,
@@ -45,6 +46,9 @@ from dsv41.deploy.chat_protocol import (
     to_json,
 )
 
+# The special tokens this parser reads from an answer: a chat answer decodes them even
+# when it skips special tokens (SamplingParams.kept_special_token_ids).
+OUTPUT_MARKERS = (THINK_END, DSML)
 _INVOKE_LEAD = "\n" + INVOKE_TAG_START
 _INVOKE_END = "\n" + INVOKE_END_TAG
 _BLOCK_END = "\n" + CALLS_END_TAG

@@ -689,9 +689,11 @@ class PromptEncoder:
             ids += self._text.encode("".join(pending), add_special_tokens=False).ids
         return ids
 
-    def encode_text(self, text: str, *, max_tokens: int | None = None, field: str = "prompt") -> list[int]:
+    def encode_text(
+        self, text: str, *, max_tokens: int | None = None, field: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
         self._check_fits(len(text.encode()), 0, max_tokens, field)
-        return self._tokenizer.encode(text).ids
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _check_fits(self, text_bytes: int, specials: int, max_tokens: int | None, field: str) -> None:
         if max_tokens is None or self.longest_token_bytes is None:

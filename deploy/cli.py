@@ -31,6 +31,10 @@ DEFAULT_START_TIMEOUT_S = 600.0
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT = 8000, 9000
 API_KEY_ENV = "DSV41_API_KEY"
+# Ray's token authentication (Ray 2.60): the mode's variable, and where `ray.init` of a
+# new cluster writes the token that drivers of the same user read.
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+RAY_TOKEN_FILE = "~/.ray/auth_token"
 
 
 def _ray_runtime_env() -> dict[str, dict[str, str]]:
@@ -320,6 +324,11 @@ def _serve_settings(args: argparse.Namespace) -> tuple[str, int, str, dict[str, 
         app_args["limits"] = {**app_args.get("limits", {}), "max_body_bytes": args.max_body_bytes}
     if args.auth_all_routes:
         app_args["public_routes"] = []
+    if not (args.model or app_args.get("model")):
+        from dsv41.deploy.app import TINY_MODEL_NAME
+
+        # The embedded model's name, not its directory's ("tiny-trained"), as the YAML's.
+        app_args.setdefault("served_model_name", TINY_MODEL_NAME)
     # Made here, once, rather than by replicas racing to write the same directory.
     app_args["model"] = args.model or app_args.get("model") or str(default_model_dir())
     return host, port, route_prefix, app_args
@@ -340,8 +349,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(f"dsv41 serve: {exc}") from exc
 
-    # Replicas import the project from this checkout, whatever else is installed.
-    ray.init(include_dashboard=False, runtime_env=_ray_runtime_env())
+    # A cluster of its own ("local"): never one that RAY_ADDRESS or `ray start` left on
+    # the machine. Replicas import the project from this checkout, whatever else is installed.
+    ray.init(address="local", include_dashboard=False, runtime_env=_ray_runtime_env())
     # After ray.init, which installs its own SIGTERM handler (one that aborts the process).
     # The handler takes no lock: one that did (Event.set) deadlocked when a second signal
     # landed while the first handler held it (seen with Ctrl-C twice). While the
@@ -371,6 +381,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             raise SystemExit(f"dsv41 serve: {signal.Signals(received[0]).name} before the application was running") from None
         starting = False
         _print_serving(parsed, host, port, route_prefix, grpc_address)
+        _print_ray_connection(ray.get_runtime_context().gcs_address)
         while not received:
             time.sleep(0.2)
         print("shutting down ...", file=sys.stderr, flush=True)
@@ -397,6 +408,21 @@ def _print_serving(parsed: "AppArgs", host: str, port: int, route_prefix: str, g
     if parsed.api_key:
         public = ", ".join(parsed.public_routes) or "none"
         print(f"an API key is required (Authorization: Bearer KEY) on every route but: {public}", flush=True)
+
+
+def _print_ray_connection(gcs_address: str) -> None:
+    """How a Python driver reaches the application through a DeploymentHandle: the Ray
+    address, and the token authentication a cluster Ray 2.60 starts has on by default
+    (a driver given an explicit address enables it only with RAY_AUTH_MODE=token)."""
+    token_auth = os.environ.get(RAY_AUTH_MODE_ENV, "").lower() == "token"
+    print(f"Ray cluster at {gcs_address} (started by this command; it stops with it); a Python handle:", flush=True)
+    code = (
+        f"import ray; from dsv41.deploy.client import generate, llm_handle; ray.init(address={gcs_address!r}); "
+        f"print(generate(llm_handle({SERVE_APP_NAME!r}), 'hello', max_tokens=8))"
+    )
+    print(f"  {'RAY_AUTH_MODE=token ' if token_auth else ''}python3 -c \"{code}\"", flush=True)
+    if token_auth:
+        print(f"  (token auth: the driver reads the token from {RAY_TOKEN_FILE} or $RAY_AUTH_TOKEN)", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -187,6 +187,8 @@ def complete_dataset(
     if taken:
         raise ValueError(f"ds: has the output column(s) {taken} already (rename them first)")
     _check_sampling(sampling)
+    import ray.data
+
     return ds.map_batches(
         _CompleteBatch,
         fn_constructor_kwargs={
@@ -196,6 +198,7 @@ def complete_dataset(
         },
         batch_format="pyarrow",
         batch_size=batch_size,
-        concurrency=concurrency,
+        # A fixed pool of `concurrency` actors (map_batches' own `concurrency` is deprecated).
+        compute=ray.data.ActorPoolStrategy(size=concurrency),
         num_cpus=num_cpus,
     )

@@ -6,7 +6,8 @@ mapping of every refusal, :data:`REFUSALS`, onto it), :class:`CompletionRequest`
 :class:`ChatCompletionRequest` (a request body read field by field, every unknown or
 unsupported field refused with a 400 that names it, turned into ``SamplingParams``),
 and the writers of completion and chat responses, stream chunks, usage and logprobs:
-:func:`chat_completion_response` and :class:`ChatStreamWriter` assemble a chat answer
+:class:`CompletionWriter` assembles a completion answer (echo, prompt logprobs, whole
+or streamed), :func:`chat_completion_response` and :class:`ChatStreamWriter` a chat answer
 (reasoning, content, ``tool_calls``, finish reason) from the engine's outputs, read by
 ``deploy.chat_parser``. Nothing here runs a request.
 
@@ -27,12 +28,18 @@ Choices where the docs are unsure, each made in one place (marked (?) where made
   completion request gets OpenAI's 16.
 - thinking mode is asked for with ``chat_template_kwargs.thinking`` (vLLM's and
   SGLang's way for DeepSeek models); ``reasoning_effort`` alone turns it on.
-- completion text and chat content keep special tokens as the engine decodes them
-  (the chat parser needs them; EOS is never decoded).
+- completion text and chat content leave special tokens out unless
+  ``skip_special_tokens`` is false (vLLM's default); a chat answer keeps the markers
+  its parser reads (``deploy.chat_parser.OUTPUT_MARKERS``) either way. EOS is never
+  decoded.
+- an echoed prompt with ``max_tokens`` 0 reports no completion tokens and finish
+  reason ``length`` (OpenAI's answer; vLLM counts the one token its engine ran and
+  dropped).
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -40,7 +47,9 @@ import re
 import time
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from tokenizers import decoders
 
 from dsv41.cluster.options import EngineError
 from dsv41.cluster.request import (
@@ -70,7 +79,6 @@ MAX_ERROR_MESSAGE_CHARS = 1024
 # Fields the OpenAI API defines that this server does not implement: accepted only at
 # the value that means "off", so a request never silently gets less than it asked for.
 _OFF_VALUES: Mapping[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "suffix": (None,),
     "best_of": (None, 1),
 }
@@ -95,8 +103,19 @@ _COMMON_FIELDS = (
     "min_tokens",
     "logit_bias",
     "structured_outputs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
 )
-COMPLETION_FIELDS = (*_COMMON_FIELDS, "prompt", "logprobs", "echo", "suffix", "best_of")
+COMPLETION_FIELDS = (
+    *_COMMON_FIELDS,
+    "prompt",
+    "max_completion_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "echo",
+    "suffix",
+    "best_of",
+)
 CHAT_FIELDS = (
     *_COMMON_FIELDS,
     "messages",
@@ -386,11 +405,17 @@ _SAMPLING_FIELDS: Mapping[str, tuple[type, ...]] = {
     "repetition_penalty": _NUMBERS,
     "min_p": _NUMBERS,
     "min_tokens": (int,),
+    "skip_special_tokens": (bool,),
+    "spaces_between_special_tokens": (bool,),
 }
 
 
 def _read_sampling(
-    body: Mapping[str, Any], max_tokens_field: str, logprobs: int | None, structured: StructuredOutputs | None
+    body: Mapping[str, Any],
+    max_tokens_field: str,
+    logprobs: int | None,
+    structured: StructuredOutputs | None,
+    prompt_logprobs: int | None = None,
 ) -> Mapping[str, Any]:
     """SamplingParams' keyword arguments from the body, each of the type JSON allows
     (``max_tokens`` only when given): what :func:`build_params` builds the request's
@@ -411,6 +436,7 @@ def _read_sampling(
         fields["max_tokens"] = max_tokens
     fields["logit_bias"] = _read_logit_bias(body.get("logit_bias"))
     fields["logprobs"] = logprobs
+    fields["prompt_logprobs"] = prompt_logprobs
     fields["structured_outputs"] = structured
     return MappingProxyType(fields)
 
@@ -472,30 +498,61 @@ def _read_prompts(prompt: Any) -> tuple[Prompt, ...]:
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    """A ``/v1/completions`` body. ``logprobs`` is OpenAI's integer (top alternatives)."""
+    """A ``/v1/completions`` body. ``logprobs`` is OpenAI's integer (top alternatives).
+
+    ``echo`` puts each prompt (its text, and with ``logprobs`` its tokens' entries,
+    ``None`` for the first) before the choice's completion; ``max_tokens`` 0 is allowed
+    with it and answers the prompt alone (``generates`` False: the engine runs one step
+    for the prompt's logprobs, its token dropped). ``prompt_logprobs`` is vLLM's extra
+    field (the choice's ``prompt_logprobs``); with ``echo``, ``logprobs`` asks for them."""
 
     model: str
     prompts: tuple[Prompt, ...]
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    echo: bool = False
+    generates: bool = True
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "CompletionRequest":
         _check_fields(body, COMPLETION_FIELDS)
         stream = _optional(body, "stream", (bool,), False)
         logprobs = _optional(body, "logprobs", (int,), None)
+        echo = _optional(body, "echo", (bool,), False)
+        prompt_logprobs = _optional(body, "prompt_logprobs", (int,), None)
+        if prompt_logprobs is not None and stream:
+            raise bad_request(
+                "prompt_logprobs", "prompt_logprobs: not available with stream: true (echo with logprobs streams them)"
+            )
         if "prompt" not in body:
             raise bad_request("prompt", "prompt: required")
+        if "max_tokens" in body and "max_completion_tokens" in body:
+            raise bad_request("max_tokens", "max_tokens: give max_tokens or max_completion_tokens, not both")
+        max_tokens_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = body.get(max_tokens_field)
+        prompt_only = isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens == 0
+        if prompt_only and not echo:
+            raise bad_request(max_tokens_field, f"{max_tokens_field}: 0 needs echo: true (allowed: an integer >= 1)")
+        if prompt_logprobs is None and echo:
+            prompt_logprobs = logprobs
         return cls(
             model=_model(body),
             prompts=_read_prompts(body["prompt"]),
             sampling=build_params(
-                _read_sampling(body, "max_tokens", logprobs, completion_structured_outputs(body)),
+                _read_sampling(
+                    {**body, max_tokens_field: 1} if prompt_only else body,
+                    max_tokens_field,
+                    logprobs,
+                    completion_structured_outputs(body),
+                    prompt_logprobs,
+                ),
                 DEFAULT_COMPLETION_MAX_TOKENS,
             ),
             stream=stream,
             include_usage=_include_usage(body, stream),
+            echo=echo,
+            generates=not prompt_only,
         )
 
     def params(self) -> SamplingParams:
@@ -628,45 +685,240 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted (what ``tokenizers``' ByteLevel pre-tokenizer
+    maps each byte to): a character of a ByteLevel token's string back to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(shifted)}}
+
+
+_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=8)
+def _added_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's added tokens, read once per tokenizer (token_bytes
+    runs for every logprob entry)."""
+    return frozenset(tokenizer.get_added_tokens_decoder())
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> list[int]:
+    """The token's own bytes (OpenAI's logprob ``bytes``): for a byte-level BPE token
+    (DeepSeek's) the bytes its string stands for, which may be part of a character; a
+    byte-fallback token ``<0xNN>`` its byte; an added token, or a token of any other
+    tokenizer, the UTF-8 of its text."""
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None or token_id in _added_token_ids(tokenizer):
+        return list(token_text(tokenizer, token_id).encode())
+    if isinstance(tokenizer.decoder, decoders.ByteLevel) and all(c in _BYTE_LEVEL_ALPHABET for c in piece):
+        return [_BYTE_LEVEL_ALPHABET[c] for c in piece]
+    fallback = _BYTE_FALLBACK_TOKEN.fullmatch(piece)
+    if fallback is not None:
+        return [int(fallback.group(1), 16)]
+    return list(token_text(tokenizer, token_id).encode())
+
+
+# OpenAI's stand-in for a logprob of -inf (JSON has no infinity), as vLLM writes it.
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _ranked(entry: Mapping[int, float]) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])
+
+
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: tuple[int, ...], entries: tuple[dict[int, float], ...], text_offset: int
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    entries: Sequence[Mapping[int, float] | None],
+    text_offset: int,
 ) -> dict[str, Any]:
     """OpenAI's completion ``logprobs`` object for these tokens; ``text_offset`` is
-    where the first one starts in the choice's text."""
+    where the first one starts in the choice's text. An entry of ``None`` (an echoed
+    prompt's first token: nothing predicts it) has ``None`` for its logprob and its
+    alternatives. Alternatives with the same text keep the best logprob."""
     tokens = [token_text(tokenizer, t) for t in token_ids]
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
+    top_logprobs: list[dict[str, float] | None] = []
+    for entry in entries:
+        if entry is None:
+            top_logprobs.append(None)
+            continue
+        alternatives: dict[str, float] = {}
+        for alt, lp in _ranked(entry):
+            alternatives.setdefault(token_text(tokenizer, alt), _logprob(lp))
+        top_logprobs.append(alternatives)
     return {
         "tokens": tokens,
-        "token_logprobs": [entry[t] for t, entry in zip(token_ids, entries)],
-        "top_logprobs": [
-            {token_text(tokenizer, alt): lp for alt, lp in sorted(entry.items(), key=lambda kv: -kv[1])}
-            for entry in entries
-        ],
+        "token_logprobs": [None if entry is None else _logprob(entry[t]) for t, entry in zip(token_ids, entries)],
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_field(
+    tokenizer: Tokenizer, prompt: Sequence[int], entries: Sequence[Mapping[int, float] | None], top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token ``None`` (the
+    first) or ``{token id: {"logprob", "rank", "decoded_token"}}`` for the top ``top``
+    and the prompt's own token. ``rank`` (1 = the most likely) is known for the top
+    ``top``; the prompt's token outside them has rank ``None`` (past ``top``, not counted)."""
+    field: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(prompt, entries):
+        if entry is None:
+            field.append(None)
+            continue
+        ranked = _ranked(entry)
+        outside = len(entry) > top  # the prompt's token is not among the top
+        field.append(
+            {
+                str(alt): {
+                    "logprob": _logprob(lp),
+                    "rank": None if outside and alt == token_id else rank,
+                    "decoded_token": token_text(tokenizer, alt),
+                }
+                for rank, (alt, lp) in enumerate(ranked, start=1)
+            }
+        )
+    return field
 
 
 def chat_logprobs(
     tokenizer: Tokenizer, token_ids: tuple[int, ...], entries: tuple[dict[int, float], ...], top: int
 ) -> dict[str, Any]:
-    """OpenAI's chat ``logprobs`` object: per token its logprob and the ``top`` best."""
+    """OpenAI's chat ``logprobs`` object: per token its logprob, its own bytes and the
+    ``top`` best."""
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": token_text(tokenizer, token_id), "logprob": _logprob(logprob), "bytes": token_bytes(tokenizer, token_id)}
 
     return {
         "content": [
             {
                 **item(t, entry[t]),
-                "top_logprobs": [item(alt, lp) for alt, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top]],
+                "top_logprobs": [item(alt, lp) for alt, lp in _ranked(entry)[:top]],
             }
             for t, entry in zip(token_ids, entries)
         ]
     }
+
+
+class CompletionWriter:
+    """One completion answer, whole (:meth:`response`) or streamed (:meth:`events`,
+    :meth:`closing`), from the engine's outputs of each choice (index = prompt * n +
+    sample, in any interleaving of the choices).
+
+    With ``echo`` a choice starts with its prompt: the prompt's text (a text prompt as
+    given, token ids decoded with special tokens), and with ``logprobs`` the prompt's
+    tokens and entries before the completion's (a stream: on the choice's first chunk).
+    A request that does not generate (``max_tokens`` 0) answers the prompt alone,
+    finish reason ``length``, no completion tokens (?). With ``prompt_logprobs`` asked,
+    a whole answer's choices carry vLLM's ``prompt_logprobs``."""
+
+    _KIND = "text_completion"
+
+    def __init__(
+        self,
+        request: CompletionRequest,
+        prompts: Sequence[tuple[int, ...]],
+        response_id: str,
+        model: str,
+        created: int,
+        tokenizer: Tokenizer,
+    ) -> None:
+        self._request = request
+        self._prompts = prompts
+        self._response_id = response_id
+        self._model = model
+        self._created = created
+        self._tokenizer = tokenizer
+        self._echoed: set[int] = set()
+        self._sent_text: dict[int, int] = {}
+        self._sent_tokens: dict[int, int] = {}
+
+    def response(self, finals: Mapping[int, RequestOutput]) -> dict[str, Any]:
+        """The non-streamed answer from each choice's whole output."""
+        sampling = self._request.sampling
+        choices = []
+        for index in sorted(finals):
+            output = finals[index]
+            text, token_ids, entries = self._piece(index, output)
+            logprobs = None if entries is None else completion_logprobs(self._tokenizer, token_ids, entries, 0)
+            choice = completion_choice(index, text, logprobs, self._finish_reason(output))
+            if sampling.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_field(
+                    self._tokenizer, self._prompt(index), output.prompt_logprobs or (), sampling.prompt_logprobs
+                )
+            choices.append(choice)
+        return completion_response(
+            self._response_id, self._model, self._created, choices, usage(self._prompt_tokens(), sum(self._sent_tokens.values()))
+        )
+
+    def events(self, index: int, output: RequestOutput) -> list[str]:
+        """The chunk a delta of choice ``index`` adds (none while it adds no text, no
+        logprobs and does not finish)."""
+        text_from = self._sent_text.get(index, 0)
+        text, token_ids, entries = self._piece(index, output)
+        self._sent_text[index] = text_from + len(text)
+        if not text and not output.finished and not (token_ids and entries is not None):
+            return []
+        logprobs = None if entries is None else completion_logprobs(self._tokenizer, token_ids, entries, text_from)
+        choice = completion_choice(index, text, logprobs, self._finish_reason(output))
+        return [chunk(self._KIND, self._response_id, self._model, self._created, [choice])]
+
+    def closing(self) -> list[str]:
+        """The usage chunk (with ``stream_options.include_usage``) and ``[DONE]``."""
+        events = []
+        if self._request.include_usage:
+            counts = usage(self._prompt_tokens(), sum(self._sent_tokens.values()))
+            events.append(chunk(self._KIND, self._response_id, self._model, self._created, [], counts))
+        return [*events, SSE_DONE]
+
+    def _prompt(self, index: int) -> tuple[int, ...]:
+        return self._prompts[index // self._request.sampling.n]
+
+    def _prompt_tokens(self) -> int:
+        return sum(map(len, self._prompts))
+
+    def _finish_reason(self, output: RequestOutput) -> str | None:
+        if output.finish_reason is None:
+            return None
+        return output.finish_reason.value if self._request.generates else "length"
+
+    def _piece(
+        self, index: int, output: RequestOutput
+    ) -> tuple[str, tuple[int, ...], tuple[Mapping[int, float] | None, ...] | None]:
+        """The text, token ids and logprob entries a delta adds to choice ``index``'s
+        answer (the echoed prompt first), counting its completion tokens."""
+        want_logprobs = self._request.sampling.logprobs is not None
+        if self._request.generates:
+            text, token_ids, entries = output.text, output.token_ids, output.logprobs
+        else:
+            text, token_ids, entries = "", (), () if want_logprobs else None
+        self._sent_tokens[index] = self._sent_tokens.get(index, 0) + len(token_ids)
+        if self._request.echo and index not in self._echoed:
+            self._echoed.add(index)
+            prompt = self._prompt(index)
+            given = self._request.prompts[index // self._request.sampling.n]
+            prompt_text = given if isinstance(given, str) else self._tokenizer.decode(list(prompt), skip_special_tokens=False)
+            text, token_ids = prompt_text + text, prompt + token_ids
+            if entries is not None:
+                prompt_entries = output.prompt_logprobs or ()
+                if len(prompt_entries) != len(prompt):
+                    raise RuntimeError(
+                        f"request {output.request_id!r}: {len(prompt_entries)} prompt logprob entries for a prompt of "
+                        f"{len(prompt)} tokens in its first output"
+                    )
+                entries = (*prompt_entries, *entries)
+        return text, token_ids, entries
 
 
 def completion_response(

@@ -82,7 +82,7 @@ def test_dp2_tp_experts_give_the_engines_tokens(ray_cluster: None, tiny_dir: Pat
 def _serves_through_the_async_engine(group: EngineGroup, prompt: list[int]) -> tuple[int, ...]:
     """What a Serve replica does with a group: the AsyncEngine's step loop over it."""
     assert group.config.vocab_size == group.tokenizer.get_vocab_size() and group.max_model_len > len(prompt)
-    serving = AsyncEngine(group, ServingMetrics("tiny"))
+    serving = AsyncEngine(group, ServingMetrics("tiny", max_model_len=group.max_model_len))
 
     async def last_output():
         whole = CumulativeOutputs()

@@ -1,6 +1,6 @@
 """An engine group's OffloadActor: a prefix evicted from a rank's pools, asked again,
 restores from the actor (counted in the ranks' fetched_pages, the metric
-``dsv41_offload_fetched_pages``) and the request gets the tokens of its
+``dsv41:offload_fetched_pages_total``) and the request gets the tokens of its
 uninterrupted run (under ``copy`` every resume is exact)."""
 
 from __future__ import annotations

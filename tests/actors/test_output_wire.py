@@ -30,7 +30,7 @@ def test_frames_carry_every_steps_outputs_exactly(tiny_dir: Path) -> None:
     """A mix of greedy, sampled with logprobs and prompt logprobs, n=3 and stop-string
     requests, one of them aborted midway: at every step the receiver's outputs,
     through pickle, equal the engine's own deltas (tokens, text, logprobs, reasons,
-    counts)."""
+    counts, phase times)."""
     engine = Engine.from_pretrained(tiny_dir, **OPTIONS)
     stop = _stop_string(engine, PROMPTS[0])
     requests = {
@@ -44,15 +44,19 @@ def test_frames_carry_every_steps_outputs_exactly(tiny_dir: Path) -> None:
         engine.add_request(request_id, prompt, params)
     sender, receiver = OutputSender(), OutputReceiver()
     seen = set()
+    timed = set()
     steps = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         assert receiver.outputs(pickle.loads(pickle.dumps(sender.frame(outputs)))) == outputs
+        timed.update(o.request_id for o in outputs if o.phase_times is not None)
         seen.update((o.request_id, o.finish_reason, o.stop_reason) for o in outputs if o.finished)
         steps += 1
         if steps == 3:
             assert engine.abort("aborted")
     assert ("stopped", "stop", stop) in seen
+    # Every sequence's first-token output carried its phase times across.
+    assert timed == {"greedy", "stopped", "logprobs", "aborted"} | {f"samples#{i}" for i in range(3)}
     assert {f"samples#{i}" for i in range(3)} <= {rid for rid, _, _ in seen}
 
 

@@ -17,6 +17,7 @@ from dsv41.cluster.request import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     FinishReason,
+    OutputText,
     Request,
     RequestOutput,
     RequestStatus,
@@ -253,12 +254,41 @@ def test_running_text_holds_back_a_possible_stop_prefix(stops: list[str], text: 
     characters (they may begin a stop string); once finished the rest follows, so the
     deltas add up to the whole text."""
     request = _request(SamplingParams(stop=stops))
-    request.output_text = text
+    request.output_text = OutputText(text)
     held_back = max((len(s) for s in stops), default=1) - 1
     first = request.take_output().text
     assert first == text[: max(len(text) - held_back, 0)]
     request.finish(RequestStatus.FINISHED_ABORTED)
     assert first + request.take_output().text == text
+
+
+@given(
+    steps=st.lists(
+        st.one_of(st.tuples(st.just("append"), st.text(max_size=5)), st.tuples(st.just("cut"), st.integers(0, 8))),
+        max_size=30,
+    ),
+    reads=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=5),
+)
+def test_output_text_is_the_string_it_grows(steps: list[tuple[str, object]], reads: list[tuple[int, int]]) -> None:
+    """OutputText after any appends and tail cuts reads (whole, tail, any range) as the
+    str built by the same edits."""
+    text, expected = OutputText(), ""
+    for kind, value in steps:
+        if kind == "append":
+            text.append(value)
+            expected += value
+        else:
+            keep = max(len(expected) - value, 0)
+            text.truncate(keep)
+            expected = expected[:keep]
+        assert len(text) == len(expected) and str(text) == expected
+    for chars, _ in reads:
+        assert text.tail(chars) == expected[len(expected) - min(chars, len(expected)) :]
+    for a, b in reads:
+        start, end = sorted((min(a, len(expected)), min(b, len(expected))))
+        assert text.since(start, end) == expected[start:end] and text.since(start) == expected[start:]
+    with pytest.raises(ValueError, match="^since:"):
+        text.since(len(expected) + 1)
 
 
 def test_request_output_checks_its_invariants() -> None:

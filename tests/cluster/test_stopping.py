@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, SamplingParams
+from dsv41.cluster.request import DETOKENIZE_CONTEXT_TOKENS, CumulativeOutputs, Request, RequestOutput, SamplingParams
 from dsv41.cluster.stopping import StopChecker
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -91,7 +91,8 @@ def test_streamed_text_is_the_decode_withholding_only_incomplete_characters(text
     text is the whole decode, special tokens kept, finished by "length"."""
     ids = _encode(text)
     assert _decode(ids) == text
-    request, snapshots = _stream(ids, SamplingParams(max_tokens=len(ids), ignore_eos=True))
+    params = SamplingParams(max_tokens=len(ids), ignore_eos=True, skip_special_tokens=False)
+    request, snapshots = _stream(ids, params)
     _assert_monotonic(snapshots)
     for count, snapshot in enumerate(snapshots[:-1], start=1):
         decoded = _decode(ids[:count])
@@ -157,7 +158,7 @@ def test_stop_strings_cut_at_the_first_token_whose_text_holds_one(
     stop = text[start : data.draw(st.integers(start + 1, min(len(text), start + 6)))]
     stops = [stop, extra_stop]
     ids = _encode(text)
-    _, snapshots = _stream(ids, SamplingParams(max_tokens=len(ids), stop=stops))
+    _, snapshots = _stream(ids, SamplingParams(max_tokens=len(ids), stop=stops, skip_special_tokens=False))
     for count in range(1, len(ids) + 1):
         decoded = _decode(ids[:count])
         hits = [(decoded.find(s), order, s) for order, s in enumerate(stops) if s in decoded]
@@ -173,14 +174,17 @@ def test_stop_strings_cut_at_the_first_token_whose_text_holds_one(
 
 def test_eos_stops_unless_ignored() -> None:
     """EOS ends the request with "stop" and no stop_reason, stays in token_ids but not
-    in the text; with ignore_eos it is an ordinary (special, kept) token."""
+    in the text; with ignore_eos it is an ordinary special token (in the text only when
+    special tokens are not skipped)."""
     ids = _encode("hello") + [EOS_ID] + _encode(" world")
     request, snapshots = _stream(ids, SamplingParams())
     final = snapshots[-1]
     assert final.token_ids == tuple(ids[:2]) and final.text == "hello"
     assert (final.finish_reason, final.stop_reason) == ("stop", None)
-    _, ignoring = _stream(ids, SamplingParams(max_tokens=len(ids), ignore_eos=True))
+    _, ignoring = _stream(ids, SamplingParams(max_tokens=len(ids), ignore_eos=True, skip_special_tokens=False))
     assert ignoring[-1].text == "hello" + EOS + " world"
+    _, skipping = _stream(ids, SamplingParams(max_tokens=len(ids), ignore_eos=True))
+    assert skipping[-1].text == "hello world"
     assert ignoring[-1].finish_reason == "length"
 
 
@@ -211,13 +215,48 @@ def test_stop_beats_length_at_the_same_step(last_token: int, stop: tuple[str, ..
     assert (snapshots[-1].finish_reason, snapshots[-1].stop_reason) == expected
 
 
-def test_special_tokens_are_kept_in_the_text() -> None:
-    """<think>, </think> and ｜DSML｜ reach the text (the parsers downstream need them)."""
+def test_special_tokens_are_kept_in_the_text_when_not_skipped() -> None:
+    """With skip_special_tokens off, <think>, </think> and ｜DSML｜ reach the text."""
     text = "<think>hello</think>｜DSML｜ world"
     ids = _encode(text)
     assert TOKENIZER.token_to_id("｜DSML｜") in ids
-    _, snapshots = _stream(ids, SamplingParams(max_tokens=len(ids)))
+    _, snapshots = _stream(ids, SamplingParams(max_tokens=len(ids), skip_special_tokens=False))
     assert snapshots[-1].text == text
+
+
+MARKERS = ("<think>", "</think>", "｜DSML｜")
+
+
+@settings(max_examples=60)
+@given(pieces=st.lists(st.sampled_from([*TEXT_PIECES, "<｜▁pad▁｜>", BOS]), min_size=1, max_size=12), keep=st.booleans())
+def test_skipped_special_tokens_leave_the_text_and_kept_ones_stay(pieces: list[str], keep: bool) -> None:
+    """By default (skip_special_tokens, as vLLM) the streamed text adds up to the
+    tokenizer's decode with special tokens skipped; with the markers kept
+    (kept_special_token_ids), to the decode of the ids without the other special
+    tokens. Each running snapshot is a prefix of that final text and never shows U+FFFD."""
+    ids = _encode("".join(pieces))
+    kept = tuple(TOKENIZER.token_to_id(m) for m in MARKERS) if keep else ()
+    params = SamplingParams(max_tokens=len(ids), ignore_eos=True, kept_special_token_ids=kept)
+    _, snapshots = _stream(ids, params)
+    special = {TOKENIZER.token_to_id(t) for t in SPECIAL_TOKENS}
+    expected = _decode([t for t in ids if t not in special or t in kept])
+    if not keep:
+        assert expected == TOKENIZER.decode(ids, skip_special_tokens=True)
+    assert snapshots[-1].text == expected
+    for snapshot in snapshots[:-1]:
+        assert expected.startswith(snapshot.text) and "\ufffd" not in snapshot.text
+
+
+def test_a_run_of_skipped_tokens_keeps_the_window_bounded() -> None:
+    """Skipped special tokens with nothing pending move the detokeniser's window on: after
+    a thousand pads its context is at most DETOKENIZE_CONTEXT_TOKENS tokens, and the text
+    that follows still decodes."""
+    pad = TOKENIZER.token_to_id("<｜▁pad▁｜>")
+    pads, _ = _stream([pad] * 1000, SamplingParams(max_tokens=1001))
+    assert pads.text_read_offset - pads.text_prefix_offset <= DETOKENIZE_CONTEXT_TOKENS
+    ids = [pad] * 1000 + _encode(" world")
+    _, snapshots = _stream(ids, SamplingParams(max_tokens=len(ids)))
+    assert snapshots[-1].text == " world"
 
 
 def test_checker_refuses_misuse() -> None:

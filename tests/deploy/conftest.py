@@ -65,18 +65,24 @@ def _scraped_metric(base_url: str, name: str) -> float:
 
 @contextmanager
 def _local_serve(
-    app_args: Mapping[str, Any], *, name: str, worker_env: Mapping[str, Any], grpc_port: int | None = None
+    app_args: Mapping[str, Any],
+    *,
+    name: str,
+    worker_env: Mapping[str, Any],
+    grpc_port: int | None = None,
+    ray_options: Mapping[str, Any] | None = None,
 ) -> Iterator[str]:
     """``build_app(app_args)`` running as ``name`` at ``/`` on a fresh local Ray of
-    SERVE_CLUSTER_CPUS CPUs, behind Serve's HTTP proxy on a free port (and the ingress's
-    gRPC listener on ``grpc_port``); yields the HTTP base URL. Serve and Ray are shut down on exit,
-    also when the start fails."""
+    SERVE_CLUSTER_CPUS CPUs (and ``ray_options``, more ``ray.init`` arguments), behind
+    Serve's HTTP proxy on a free port (and the ingress's gRPC listener on
+    ``grpc_port``); yields the HTTP base URL. Serve and Ray are shut down on exit, also
+    when the start fails."""
     import ray
     from ray import serve
 
     from dsv41.deploy.app import build_app, run_app
 
-    ray.init(num_cpus=SERVE_CLUSTER_CPUS, include_dashboard=False, runtime_env=worker_env)
+    ray.init(num_cpus=SERVE_CLUSTER_CPUS, include_dashboard=False, runtime_env=worker_env, **(ray_options or {}))
     try:
         http_port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
@@ -116,6 +122,6 @@ def metric_fixture() -> Callable[[str, str], float]:
 
 @pytest.fixture(name="local_serve", scope="session")
 def local_serve_fixture(worker_env: dict[str, dict[str, str]]) -> Callable[..., AbstractContextManager[str]]:
-    """``with local_serve(app_args, name=..., grpc_port=None) as base_url``: a live
+    """``with local_serve(app_args, name=..., grpc_port=None, ray_options=None) as base_url``: a live
     application on a local Ray cluster of its own, torn down on exit."""
     return functools.partial(_local_serve, worker_env=worker_env)

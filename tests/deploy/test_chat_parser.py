@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from dsv41.deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, ToolCall, parse_assistant_output
 from dsv41.deploy.chat_protocol import render_chat
+from dsv41.deploy.safe_json import MAX_INT_DIGITS
 
 CallTuple = tuple[str, str]  # (name, arguments): a call without its generated id
 
@@ -216,8 +217,10 @@ _TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters
     lambda s: "</think>" not in s
 )
 _KEY = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters='"｜'), max_size=8)
+# Integers the server's JSON reader accepts in a request (deploy/safe_json.py).
+_INTEGERS = st.integers(-(10**MAX_INT_DIGITS - 1), 10**MAX_INT_DIGITS - 1)
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _TEXT,
+    st.none() | st.booleans() | _INTEGERS | st.floats(allow_nan=False, allow_infinity=False) | _TEXT,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEY, inner, max_size=3),
     max_leaves=6,
 )

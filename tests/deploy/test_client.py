@@ -92,7 +92,7 @@ def test_leaving_a_stream_early_aborts_the_request(handle: DeploymentHandle, met
     """A consumer that stops iterating ``stream`` early aborts its request on the server."""
 
     def aborted() -> float:
-        return metric_value(handle.metrics_text.remote().result().decode(), "dsv41_requests_aborted_total")
+        return metric_value(handle.metrics_text.remote().result().decode(), "dsv41:requests_aborted_total")
 
     before = aborted()
 

@@ -65,11 +65,21 @@ def _assert_openai_error(response: requests.Response, status: int, code: str | N
 
 @pytest.mark.parametrize(
     ("method", "path", "body"),
-    [("POST", "/v1/completions", BODY), ("POST", "/v1/chat/completions", BODY), ("GET", "/v1/models", None), ("GET", "/metrics", None)],
+    [
+        ("POST", "/v1/completions", BODY),
+        ("POST", "/v1/chat/completions", BODY),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/models/tiny", None),
+        ("POST", "/tokenize", b'{"prompt": "hi"}'),
+        ("POST", "/detokenize", b'{"tokens": [5]}'),
+        ("GET", "/tokenizer_info", None),
+        ("GET", "/version", None),
+        ("GET", "/metrics", None),
+    ],
 )
 def test_routes_need_the_key(base_url: str, method: str, path: str, body: bytes | None) -> None:
-    """Without the key, with a wrong one, or with another scheme, every /v1 route (and
-    /metrics, not public here) answers 401 ``invalid_api_key`` with
+    """Without the key, with a wrong one, or with another scheme, every /v1 route, the
+    tokenizer routes and /version (and /metrics, not public here) answer 401 ``invalid_api_key`` with
     ``WWW-Authenticate: Bearer``, before reading the body; with the key it is served."""
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}, {"Authorization": API_KEY}):
         response = requests.request(method, f"{base_url}{path}", data=body, headers={**JSON, **headers}, timeout=60)

@@ -255,14 +255,14 @@ def test_a_dead_rank_fails_the_streams_in_flight_and_the_group_restarts(
     replicas = _replica_actors()
     assert len(replicas) == 1
     _one_placement_group_per_replica(replicas)
-    failed = metric(base_url, "dsv41_requests_failed_total")
+    failed = metric(base_url, "dsv41:requests_failed_total")
     streams = _streams_in_flight(base_url)
     sigkill_actor(_group_actor(r"g\d+-rank1"))
     killed = time.monotonic()
     ended = _join(streams, REQUEST_TIMEOUT_S)
     assert {stream.error()["code"] for stream in streams} == {"request_failed"}
     recovered = _served_again(base_url, greedy, killed)
-    assert metric(base_url, "dsv41_requests_failed_total") == failed + NUM_STREAMS
+    assert metric(base_url, "dsv41:requests_failed_total") == failed + NUM_STREAMS
     metrics = urllib.request.urlopen(f"{base_url}/metrics", timeout=REQUEST_TIMEOUT_S).read().decode()
     assert 'finished_reason="error"' not in metrics
     assert _replica_actors() == replicas

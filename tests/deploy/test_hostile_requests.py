@@ -316,9 +316,9 @@ def test_after_everything_the_server_is_healthy_and_holds_nothing(
     waiting, no PAGE is held, and a plain request is served."""
     assert requests.get(f"{base_url}/health", timeout=30).status_code == 200
     deadline = time.monotonic() + 30
-    while metric(base_url, "dsv41_num_requests_running") + metric(base_url, "dsv41_num_requests_waiting") > 0:
+    while metric(base_url, "dsv41:num_requests_running") + metric(base_url, "dsv41:num_requests_waiting") > 0:
         assert time.monotonic() < deadline, "requests still held"
         time.sleep(0.2)
-    assert metric(base_url, "dsv41_cache_pages_used") == 0
+    assert metric(base_url, "dsv41:cache_pages_used") == 0
     status, answer, _ = _send(base_url, COMPLETIONS, _completion(temperature=0))
     assert status == 200 and answer["usage"]["completion_tokens"] >= 1

@@ -130,7 +130,7 @@ def test_bad_requests_get_openai_errors(base_url: str, client: openai.OpenAI) ->
 
 def test_64_concurrent_requests_all_complete(client: openai.OpenAI, base_url: str, metric: Callable[[str, str], float]) -> None:
     """64 concurrent completions all finish with their tokens, and the counters move."""
-    before = metric(base_url, "dsv41_generation_tokens_total")
+    before = metric(base_url, "dsv41:generation_tokens_total")
 
     def one(i: int) -> int:
         r = client.completions.create(model="tiny", prompt=[5 + i, 6, 7], max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
@@ -138,14 +138,14 @@ def test_64_concurrent_requests_all_complete(client: openai.OpenAI, base_url: st
 
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         assert list(pool.map(one, range(64))) == [3] * 64
-    assert metric(base_url, "dsv41_generation_tokens_total") >= before + 192
-    assert metric(base_url, "dsv41_time_to_first_token_seconds_count") >= 64
+    assert metric(base_url, "dsv41:generation_tokens_total") >= before + 192
+    assert metric(base_url, "dsv41:time_to_first_token_seconds_count") >= 64
 
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(client: openai.OpenAI, base_url: str, metric: Callable[[str, str], float]) -> None:
     """A client that leaves a stream early aborts its request: /metrics shows the abort
     and no PAGE held once the engine is idle."""
-    aborted = metric(base_url, "dsv41_requests_aborted_total")
+    aborted = metric(base_url, "dsv41:requests_aborted_total")
     stream = client.completions.create(
         model="tiny", prompt=[9] * 100, max_tokens=120, temperature=0, extra_body={"ignore_eos": True}, stream=True
     )
@@ -153,12 +153,12 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(client: openai.OpenAI, bas
         pass
     stream.close()
     deadline = __import__("time").monotonic() + 30
-    while metric(base_url, "dsv41_requests_aborted_total") < aborted + 1:
+    while metric(base_url, "dsv41:requests_aborted_total") < aborted + 1:
         assert __import__("time").monotonic() < deadline, "the disconnect did not abort the request"
         __import__("time").sleep(0.2)
     client.completions.create(model="tiny", prompt="x", max_tokens=1)
-    assert metric(base_url, "dsv41_cache_pages_used") == 0
-    assert metric(base_url, "dsv41_num_requests_running") == 0
+    assert metric(base_url, "dsv41:cache_pages_used") == 0
+    assert metric(base_url, "dsv41:num_requests_running") == 0
 
 
 def test_models_and_health(base_url: str, client: openai.OpenAI) -> None:

@@ -107,7 +107,7 @@ def test_a_full_queue_answers_429_and_admitted_requests_complete(base_url: str, 
     request run alone), nothing is aborted and the engine ends holding no request and
     no PAGE."""
     url = f"{base_url}/v1/completions"
-    aborted = metric(base_url, "dsv41_requests_aborted_total")
+    aborted = metric(base_url, "dsv41:requests_aborted_total")
     holder = urllib.request.urlopen(_request(url, _completion([7, 8, 9], HOLDER_TOKENS, stream=True)), timeout=REQUEST_TIMEOUT_S)
     with holder, concurrent.futures.ThreadPoolExecutor(3) as pool:
         # The first event means the holder is running on the replica: its slot is taken.
@@ -135,9 +135,9 @@ def test_a_full_queue_answers_429_and_admitted_requests_complete(base_url: str, 
     assert queued_answer[1] == BURST_TOKENS
     alone_status, _, alone_body = _post(url, _completion(prompt, BURST_TOKENS, stream=False))
     assert queued_answer == _answer(alone_status, alone_body, stream=False)
-    assert metric(base_url, "dsv41_requests_aborted_total") == aborted
-    assert metric(base_url, "dsv41_num_requests_running") == 0
-    assert metric(base_url, "dsv41_cache_pages_used") == 0
+    assert metric(base_url, "dsv41:requests_aborted_total") == aborted
+    assert metric(base_url, "dsv41:num_requests_running") == 0
+    assert metric(base_url, "dsv41:cache_pages_used") == 0
 
 
 def test_an_app_the_cluster_cannot_place_fails_fast(base_url: str, tiny_dir: Path) -> None:

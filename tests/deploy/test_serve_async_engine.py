@@ -21,7 +21,7 @@ PROMPTS = [[5, 9, 200, 17, 3], [40, 41, 42], list(range(60, 100))]
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir: Path) -> Iterator[AsyncEngine]:
-    async_engine = AsyncEngine(Engine.from_pretrained(tiny_dir, block_size=32, max_model_len=256), ServingMetrics("t"))
+    async_engine = AsyncEngine(Engine.from_pretrained(tiny_dir, block_size=32, max_model_len=256), ServingMetrics("t", max_model_len=256))
     yield async_engine
     async_engine.shutdown()
 
@@ -72,7 +72,7 @@ def test_n_samples_share_one_stream_and_each_finishes(engine: AsyncEngine) -> No
 def test_consumer_exit_aborts_the_request_and_frees_its_pages(engine: AsyncEngine) -> None:
     """Closing the stream after its first token (a client disconnect) aborts the
     request: the engine holds no request and no PAGE afterwards, and the abort is counted."""
-    aborted_before = engine.metrics.requests_aborted._value.get()
+    aborted_before = engine.metrics.value("requests_aborted")
 
     async def first_then_leave() -> RequestOutput:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -94,7 +94,7 @@ def test_consumer_exit_aborts_the_request_and_frees_its_pages(engine: AsyncEngin
     # The aborts travel through the command queue; one more request drains it.
     asyncio.run(_collect(engine, "after", PROMPTS[1], GREEDY))
     assert not engine.engine.has_unfinished_requests() and _pages_used(engine) == 0
-    assert engine.metrics.requests_aborted._value.get() == aborted_before + 2
+    assert engine.metrics.value("requests_aborted") == aborted_before + 2
 
 
 def test_refused_request_raises_from_the_stream_and_queues_nothing(engine: AsyncEngine) -> None:
@@ -121,7 +121,7 @@ def test_engine_death_ends_every_request_and_fails_health(tiny_dir: Path) -> Non
     """A step that raises ends every in-flight request with EngineDeadError (whose
     message says only that the step loop failed; the step's exception is its cause),
     marks the engine dead (check_health raises) and refuses later requests at once."""
-    engine = AsyncEngine(_DyingEngine.from_pretrained(tiny_dir, block_size=32), ServingMetrics("t"))
+    engine = AsyncEngine(_DyingEngine.from_pretrained(tiny_dir, block_size=32), ServingMetrics("t", max_model_len=256))
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
     async def run_two() -> list[object]:
@@ -136,7 +136,7 @@ def test_engine_death_ends_every_request_and_fails_health(tiny_dir: Path) -> Non
         engine.check_health()
     with pytest.raises(EngineDeadError):
         asyncio.run(_collect(engine, "c", PROMPTS[0], params))
-    assert engine.metrics.requests_failed._value.get() == 2
+    assert engine.metrics.value("requests_failed") == 2
     engine.shutdown()
 
 
@@ -159,7 +159,7 @@ def test_a_request_the_engine_fails_raises_and_counts_as_failed(tiny_dir: Path) 
     its stream after the snapshots it had, counted once in requests_failed and never
     as a finish reason; the engine serves on: check_health passes and the next request
     gets the tokens of an uninterrupted run."""
-    engine = AsyncEngine(_RankLosingEngine.in_process(tiny_dir, DPLayout(1), block_size=32), ServingMetrics("t"))
+    engine = AsyncEngine(_RankLosingEngine.in_process(tiny_dir, DPLayout(1), block_size=32), ServingMetrics("t", max_model_len=256))
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, n=2)
     got: list[RequestOutput] = []
 
@@ -175,6 +175,6 @@ def test_a_request_the_engine_fails_raises_and_counts_as_failed(tiny_dir: Path) 
     after = asyncio.run(_collect(engine, "after", PROMPTS[1], GREEDY))[-1]
     want = Engine.from_pretrained(tiny_dir, block_size=32).generate([PROMPTS[1]], GREEDY)[0]
     assert after.token_ids == want.token_ids
-    assert engine.metrics.requests_failed._value.get() == 1
+    assert engine.metrics.value("requests_failed") == 1
     assert 'finished_reason="error"' not in engine.metrics.render().decode()
     engine.shutdown()
