@@ -31,7 +31,7 @@ from dsv41.actors.group import GroupOptions, GroupPlacement, RankGroupDead
 from dsv41.actors.output_wire import OutputReceiver
 from dsv41.actors.scheduler import SchedulerActor
 from dsv41.cluster.interface import EngineClient, EngineStats
-from dsv41.cluster.options import engine_options as parse_engine_options
+from dsv41.cluster.options import EngineError, engine_options as parse_engine_options
 from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import Request, RequestOutput, SamplingParams
 from dsv41.model.source import ModelSource
@@ -67,6 +67,11 @@ class EngineGroup(EngineClient):
         self.model = ModelSource.parse(model)
         self.dp = DPLayout(dp, expert_mode, backend)
         self.options = parse_engine_options(dict(engine_options))
+        if self.options.speculative_method is not None:
+            raise EngineError(
+                f"speculative_method: {self.options.speculative_method!r} on the Ray engine group (allowed: None; "
+                "DSpark runs on the in-process engine for now: the step and result wires carry no drafts)"
+            )
         self.group_options = group_options
         self._given_placement = placement
         self._own_placement: PlacementGroup | None = None

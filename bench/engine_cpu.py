@@ -53,9 +53,9 @@ def scheduler_overhead(engine: Engine, running: int, prompt_len: int, steps: int
         spent["schedule"] += time.perf_counter() - t
         return out
 
-    def timed_commit(segment, request):
+    def timed_commit(segment, request, *committed):
         t = time.perf_counter()
-        original_commit(segment, request)
+        original_commit(segment, request, *committed)
         spent["commit"] += time.perf_counter() - t
 
     scheduler.schedule, scheduler.commit = timed_schedule, timed_commit

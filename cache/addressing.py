@@ -32,7 +32,10 @@ class SegmentSpec:
     covers every position up to start + length. Compressed entries whose group ends at
     or below ``write_from`` are already in the prefix cache and are read, not written.
     ``window_start`` is the first position any window may read (a replay's first row:
-    a fresh slot's ring holds nothing below it)."""
+    a fresh slot's ring holds nothing below it). ``tentative``: how many of the last
+    rows are speculative drafts (a verify): the segment then leaves no row pending in
+    its committed compressor tail, and stages every row that may become pending
+    (``staged_tail_row``)."""
 
     slot: int
     page_table: tuple[int, ...]
@@ -40,6 +43,7 @@ class SegmentSpec:
     length: int
     write_from: int = 0
     window_start: int = 0
+    tentative: int = 0
 
     def __post_init__(self) -> None:
         if self.length < 0:
@@ -50,6 +54,11 @@ class SegmentSpec:
             raise ValueError(
                 f"SegmentSpec.window_start: {self.window_start} is past start {self.start} "
                 "(a window cannot begin after the rows the step computes)"
+            )
+        if not 0 <= self.tentative < max(self.length, 1):
+            raise ValueError(
+                f"SegmentSpec.tentative: {self.tentative} (allowed: 0..length - 1 = {self.length - 1}; "
+                "a verify's first row is the committed anchor)"
             )
 
     @property
@@ -101,6 +110,10 @@ class CompressionPlan:
     dst: torch.Tensor  # [G] flat entry row in the owner's planes (page * entries_per_page + row)
     tail_write_rows: torch.Tensor  # [N] rows whose (v, g) stay pending in the STATE tail
     tail_write_slots: torch.Tensor  # [N]
+    # A verify's rows that may be left pending, staged in tail rows >= 1 until acceptance.
+    staged_rows: torch.Tensor  # [M] this step's rows
+    staged_slots: torch.Tensor  # [M]
+    staged_tail_rows: torch.Tensor  # [M] the tail row each is staged in (staged_tail_row)
 
 
 @dataclass(frozen=True)
@@ -236,6 +249,26 @@ def build_step_addresses(
     )
 
 
+def staged_tail_row(start: int, position: int) -> int:
+    """The tail row a verify starting at ``start`` stages position ``position``'s (v, g)
+    in: a ratio-2 token is left pending when the accepted prefix ends on it, which only
+    an even position can be; rows 1, 2, ... in order, row 0 being the committed one."""
+    return (position - start) // 2 + 1
+
+
+def draft_ring_rows(
+    slots: Sequence[int], last_positions: Sequence[int], window_starts: Sequence[int], shape: PoolShape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring rows a DSpark block after target position p reads, per block: flat
+    ring rows of positions p-W+1..p [B, W] (oldest first) and whether each holds one
+    (at or past the block's window start and 0)."""
+    window, ring_rows = shape.window, shape.ring_rows
+    key_pos = _long(last_positions).unsqueeze(1) - window + 1 + torch.arange(window)
+    valid = (key_pos >= _long(window_starts).unsqueeze(1)) & (key_pos >= 0)
+    flat = _long(slots).unsqueeze(1) * ring_rows + key_pos.remainder(ring_rows)
+    return torch.where(valid, flat, NO_ROW), valid
+
+
 def entry_row(seg: SegmentSpec, shape: PoolShape, ratio: int, entry: int) -> int:
     """Flat row of compressed entry ``entry`` of a request in an owner's planes."""
     per_page = shape.entries_per_page(ratio)
@@ -250,6 +283,9 @@ def _compression_plan(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: 
     dst: list[int] = []
     tail_rows: list[int] = []
     tail_slots: list[int] = []
+    staged_rows: list[int] = []
+    staged_slots: list[int] = []
+    staged_tail_rows: list[int] = []
     base = 0
     for seg in segments:
         # Entry j is the group [j*r, (j+1)*r); it completes at its last token and is
@@ -269,7 +305,12 @@ def _compression_plan(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: 
             second_rows.append(base + last - seg.start)
             entry_pos.append(first)
             dst.append(entry_row(seg, shape, ratio, j))
-        if ratio == 2 and seg.length and seg.end % 2 == 1:
+        if ratio == 2 and seg.tentative:
+            for pos in range(seg.start + seg.start % 2, seg.end, 2):
+                staged_rows.append(base + pos - seg.start)
+                staged_slots.append(seg.slot)
+                staged_tail_rows.append(staged_tail_row(seg.start, pos))
+        elif ratio == 2 and seg.length and seg.end % 2 == 1:
             tail_rows.append(base + seg.end - 1 - seg.start)
             tail_slots.append(seg.slot)
         base += seg.length
@@ -282,6 +323,9 @@ def _compression_plan(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: 
         dst=_long(dst),
         tail_write_rows=_long(tail_rows),
         tail_write_slots=_long(tail_slots),
+        staged_rows=_long(staged_rows),
+        staged_slots=_long(staged_slots),
+        staged_tail_rows=_long(staged_tail_rows),
     )
 
 

@@ -396,6 +396,18 @@ class BlockManager:
         blocks.pages.extend(self.pool.take(missing))
         return True
 
+    def shrink(self, request_id: str, num_tokens: int) -> None:
+        """Hands back the request's trailing PAGEs past what ``num_tokens`` tokens need
+        (a speculative verify's lookahead its rejected rows alone reached); a published
+        PAGE is never among them."""
+        blocks = self._request(request_id)
+        keep = max(-(-num_tokens // self.config.block_size), blocks.num_published)
+        if keep >= len(blocks.pages):
+            return
+        extra = blocks.pages[keep:]
+        del blocks.pages[keep:]
+        self.pool.release_all(reversed(extra))
+
     def publish(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Registers every PAGE whose tokens are all computed in the prefix index.
         ``token_ids`` are all the request's tokens so far (prompt, then output). A

@@ -63,3 +63,23 @@ class PlaneIO:
         """[num_slots, 2, head_dim] float32 in place: each slot's pending ratio-2 token's
         v (0) and g (1), the row a non-speculative forward reads and leaves."""
         return self.pools.compressor_tail(owner)[:, COMMITTED_TAIL_ROW]
+
+    def stage_tails(
+        self, owner: int, slots: torch.Tensor, rows: torch.Tensor, v: torch.Tensor, g: torch.Tensor
+    ) -> None:
+        """Stores a speculative verify's rows' (v, g) [N, head_dim] in tail rows ``rows``
+        of ``slots``; the committed row is never among them."""
+        if bool((rows == COMMITTED_TAIL_ROW).any()) or bool((rows >= self.geometry.tail_rows).any()):
+            raise ValueError(f"rows: staged tail rows must lie in 1..{self.geometry.tail_rows - 1}")
+        tails = self.pools.compressor_tail(owner)
+        tails[slots, rows, 0] = v.float()
+        tails[slots, rows, 1] = g.float()
+
+    def commit_staged_tail(self, slot: int, row: int) -> None:
+        """Makes staged tail row ``row`` of ``slot`` its committed pending token, in every
+        ratio-2 owner (the accepted prefix ended on that row's position)."""
+        if not 1 <= row < self.geometry.tail_rows:
+            raise ValueError(f"row: {row} (allowed: a staged tail row 1..{self.geometry.tail_rows - 1})")
+        for owner in self.geometry.tail_owners:
+            tails = self.pools.compressor_tail(owner)
+            tails[slot, COMMITTED_TAIL_ROW] = tails[slot, row]

@@ -56,6 +56,10 @@ class ScheduledSegment:
     fetch: tuple[PageFill, ...] = ()  # offloaded PAGEs/images to write before the forward
     publish: tuple[PagePublish, ...] = ()  # PAGEs/images to send to the offload store after it
     want_prompt_logits: bool = False  # return logits of every row (prompt logprobs, parity)
+    # A speculative verify: the last num_draft_tokens tokens are drafts, run
+    # tentatively after the anchor (the last sampled token); only the accepted prefix
+    # is committed (cluster/speculative.py).
+    num_draft_tokens: int = 0
     # What sampling needs beyond params (grammar mask, penalty counts); set by the
     # engine on sampling segments whose request has a grammar or penalties.
     guide: SamplingGuide | None = None
@@ -63,6 +67,16 @@ class ScheduledSegment:
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError(f"ScheduledSegment {self.request_id}: no tokens")
+        if self.num_draft_tokens and not (
+            0 < self.num_draft_tokens < len(self.token_ids)
+            and self.sample
+            and self.store_after is None
+            and not self.want_prompt_logits
+        ):
+            raise ValueError(
+                f"ScheduledSegment {self.request_id}: num_draft_tokens {self.num_draft_tokens} (allowed: 0, or "
+                f"1..{len(self.token_ids) - 1} on a sampling segment that stores no image and wants no prompt logits)"
+            )
         if self.num_prompt_tokens < 1:
             raise ValueError(
                 f"ScheduledSegment {self.request_id}: num_prompt_tokens {self.num_prompt_tokens} (allowed: >= 1)"

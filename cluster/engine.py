@@ -31,10 +31,25 @@ from dsv41.cache.pools import PoolSize
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
-from dsv41.cluster.options import EngineError, EngineOptions, RankLayout, default_max_model_len, engine_options
+from dsv41.cluster.options import (
+    EngineError,
+    EngineOptions,
+    RankLayout,
+    check_speculation_config,
+    default_max_model_len,
+    engine_options,
+)
 from dsv41.cluster.placement import RankLoad, place
 from dsv41.cluster.ranks import DPError, DPLayout, DPRank, DPStepExecutor, LocalRank, RankFailure, ThreadedRanks
-from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
+from dsv41.cluster.request import (
+    CumulativeOutputs,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    SamplingParamsError,
+    SeedSource,
+)
 from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
 from dsv41.cluster.sampler import prompt_logprobs
 from dsv41.cluster.sampling_guide import SamplingGuide, penalty_counts
@@ -77,6 +92,7 @@ class Engine(EngineClient):
     ) -> None:
         if not isinstance(world, int) or world < 1:
             raise DPError(f"world: {world!r} (allowed: an int >= 1)")
+        check_speculation_config(config, options, world)
         self.config = config
         self.tokenizer = tokenizer
         self.options = options
@@ -113,7 +129,9 @@ class Engine(EngineClient):
         generated slice: model/source.py) into a replica of one rank in this thread.
         Options are EngineOptions' fields; unknown ones are refused."""
         parsed = engine_options(options)
-        params, tokenizer = ModelSource.parse(model).load_params(dtype=parsed.dtype, device=parsed.device)
+        source = ModelSource.parse(model)
+        check_speculation_config(source.config(), parsed)
+        params, tokenizer = source.load_params(dtype=parsed.dtype, device=parsed.device)
         return cls.from_params(params, tokenizer, parsed)
 
     @classmethod
@@ -156,6 +174,7 @@ class Engine(EngineClient):
         sharing one in-process offload store when ``offload_host_bytes`` asks."""
         parsed = engine_options(options)
         source = ModelSource.parse(model)
+        check_speculation_config(source.config(), parsed, dp.world)
         store = RankLayout.build(source.config(), parsed).offload_store(parsed)
         offload = LocalOffload(store) if store is not None else None
         return cls.over(source, dp, ThreadedRanks(source, parsed, dp, offload), parsed, offload)
@@ -230,6 +249,13 @@ class Engine(EngineClient):
             raise EngineError(f"prompt_token_ids: every id must be an integer in [0, {self.config.vocab_size})")
         self._check_fits_pool(request_id, len(prompt), params)
         params.validate_for(self.config.vocab_size, self.max_model_len, len(prompt))
+        if self.options.num_speculative_tokens and (params.structured_outputs is not None or params.uses_penalties):
+            field = "structured_outputs" if params.structured_outputs is not None else "penalties"
+            raise SamplingParamsError(
+                f"{field}: grammars and presence / frequency / repetition penalties are not served with speculative "
+                f"decoding (speculative_method={self.options.speculative_method!r}): a draft's row would be sampled "
+                "without the state the tokens before it leave"
+            )
         if params.structured_outputs is not None:
             self.structured.cache.get(params.structured_outputs)  # compiled (or refused) before anything is queued
         ids = (request_id,) if params.n == 1 else tuple(f"{request_id}#{i}" for i in range(params.n))
@@ -368,22 +394,30 @@ class Engine(EngineClient):
         outputs: list[RequestOutput] = []
         for seg in batch.segments:
             request = self._requests.get(seg.request_id)
-            scheduler.commit(seg, request)
-            if request is None:
-                continue
-            if seg.request_id in result.row_logits:
+            if request is not None and seg.request_id in result.row_logits:
                 self._record_prompt_logprobs(request, seg, result.row_logits[seg.request_id])
-            if seg.sample:
-                sampled = result.sampled[seg.request_id]
-                if request.first_token_time is None:
-                    request.first_token_time = sampled_at
-                request.append_output_token(sampled.token_id, sampled.logprobs)
+            if request is None or not seg.sample:
+                scheduler.commit(seg, request)
+                continue
+            # A verify emits its accepted drafts, then the target's token; the tokens
+            # go in before the commit, which hashes the PAGEs the kept rows fill.
+            accepted = result.accepted.get(seg.request_id, ())
+            if request.first_token_time is None:
+                request.first_token_time = sampled_at
+            stopped = False
+            for token in (*accepted, result.sampled[seg.request_id]):
+                request.append_output_token(token.token_id, token.logprobs)
                 if seg.guide is not None and seg.guide.allowed_tokens is not None:
-                    self.structured.accept(seg.request_id, sampled.token_id)
-                if self.stop_checker.check_stop(request):
-                    scheduler.finish(request)
-                    self._forget(request)
-                outputs.append(request.take_output())
+                    self.structured.accept(seg.request_id, token.token_id)
+                stopped = self.stop_checker.check_stop(request)
+                if stopped:
+                    break
+            committed = seg.end - seg.num_draft_tokens + len(accepted)
+            scheduler.commit(seg, request, min(committed, request.num_tokens), result.drafts.get(seg.request_id, ()))
+            if stopped:
+                scheduler.finish(request)
+                self._forget(request)
+            outputs.append(request.take_output())
         return outputs
 
     def recover(self, reason: str) -> list[RequestOutput]:

@@ -34,6 +34,9 @@ DEFAULT_CACHE_BYTES = 512 << 20
 # model's own limit (1,048,576 positions) would admit requests that run for hours;
 # 4,096 tokens prefill in seconds.
 CPU_DEFAULT_MAX_MODEL_LEN = 4096
+SPECULATIVE_METHODS = ("dspark",)
+# The spec's native DSpark drafts five tokens a step: its whole block (dspark_block_size).
+DSPARK_NUM_SPECULATIVE_TOKENS = 5
 
 
 class EngineError(ValueError):
@@ -78,6 +81,10 @@ class EngineOptions:
     offload_host_bytes: int = 0
     offload_disk_dir: str | None = None
     offload_disk_bytes: int = 0
+    # Speculative decoding (cluster/speculative.py): None, or "dspark" (the checkpoint's
+    # mtp stages draft num_speculative_tokens per step; None: the spec's 5).
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -122,11 +129,65 @@ class EngineOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise EngineError(f"{name}: {value!r} (allowed: a positive integer)")
+        self._check_speculation()
         threshold = self.long_prefill_token_threshold
         if threshold is None:
             object.__setattr__(self, "long_prefill_token_threshold", default_prefill_threshold(self.max_num_batched_tokens))
         elif not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise EngineError(f"long_prefill_token_threshold: {threshold!r} (allowed: None, 0 = off, or a positive integer)")
+
+
+    def _check_speculation(self) -> None:
+        """Resolves ``num_speculative_tokens`` (0 without a method, the spec's 5 with
+        DSpark) and refuses what the spec refuses with speculation, before any weight."""
+        method, count = self.speculative_method, self.num_speculative_tokens
+        if method is None:
+            if count not in (None, 0):
+                raise EngineError(
+                    f"num_speculative_tokens: {count!r} without speculative_method (allowed: None or 0, "
+                    "or set speculative_method='dspark')"
+                )
+            object.__setattr__(self, "num_speculative_tokens", 0)
+            return
+        if method not in SPECULATIVE_METHODS:
+            raise EngineError(f"speculative_method: {method!r} (allowed: None, {', '.join(map(repr, SPECULATIVE_METHODS))})")
+        if count is None:
+            count = DSPARK_NUM_SPECULATIVE_TOKENS
+            object.__setattr__(self, "num_speculative_tokens", count)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise EngineError(
+                f"num_speculative_tokens: {count!r} with speculative_method {method!r} (allowed: the checkpoint's "
+                f"dspark_block_size, {DSPARK_NUM_SPECULATIVE_TOKENS} for V4.1)"
+            )
+        if (self.kv_cache_dtype, self.index_cache_dtype) != ("bf16", "fp8"):
+            raise EngineError(
+                f"speculative_method: {method!r} with kv_cache_dtype={self.kv_cache_dtype!r}, "
+                f"index_cache_dtype={self.index_cache_dtype!r} (allowed: kv_cache_dtype 'bf16' and "
+                "index_cache_dtype 'fp8': the spec refuses packed speculative caches)"
+            )
+
+
+def check_speculation_config(config: V41Config, options: EngineOptions, world: int = 1) -> None:
+    """Refuses, from the config alone (before any weight is read), speculation the
+    checkpoint or the replica cannot run: a checkpoint without DSpark stages, a count
+    other than its block, more than one DP rank."""
+    if options.speculative_method is None:
+        return
+    if not config.topology.dspark_layers:
+        raise EngineError(
+            f"speculative_method: {options.speculative_method!r}, but the checkpoint has no DSpark stages "
+            f"(num_nextn_predict_layers {config.num_nextn_predict_layers}: no mtp.* stages) (allowed: None)"
+        )
+    if options.num_speculative_tokens != config.dspark_block_size:
+        raise EngineError(
+            f"num_speculative_tokens: {options.num_speculative_tokens} (allowed: {config.dspark_block_size}, the "
+            "checkpoint's dspark_block_size: DSpark drafts its whole block)"
+        )
+    if world != 1:
+        raise EngineError(
+            f"speculative_method: {options.speculative_method!r} with {world} DP ranks (allowed: one rank; DSpark "
+            "under DP attention is not implemented here yet: the draft stages' MoE joins no DP exchange)"
+        )
 
 
 def default_prefill_threshold(max_num_batched_tokens: int) -> int:
@@ -165,11 +226,13 @@ class RankLayout:
 
     @classmethod
     def build(cls, config: V41Config, options: EngineOptions) -> "RankLayout":
+        check_speculation_config(config, options)
         geometry = pool_geometry(
             config,
             block_size=options.block_size,
             kv_cache_dtype=options.kv_cache_dtype,
             index_cache_dtype=options.index_cache_dtype,
+            num_speculative_tokens=options.num_speculative_tokens,
             encoder_replay=options.state_transfer == "replay",
         )
         slots = options.num_state_slots or options.max_num_seqs

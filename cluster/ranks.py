@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
 from dsv41.cluster.offload_connector import OffloadConnector
-from dsv41.cluster.options import EngineOptions, RankLayout
+from dsv41.cluster.options import EngineOptions, RankLayout, check_speculation_config
 from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
 from dsv41.model.kernels import load_kernels
 from dsv41.model.kernels.interface import PagedKernels
@@ -178,6 +178,7 @@ class ThreadedRanks:
     def __init__(
         self, model: ModelSource, options: EngineOptions, dp: DPLayout, offload: OffloadConnector | None = None
     ) -> None:
+        check_speculation_config(model.config(), options, dp.world)
         self.model = model
         self.options = options
         self.dp = dp

@@ -8,7 +8,9 @@ forward (model/runtime), sampling, advancing each slot's cursor after the forwar
 offload traffic its segments name: fetched PAGEs and images written before anything
 else of the step, completed ones published after the forward. Under decoder SWA
 bounded replay it also derives, from each segment, the rows its decoder runs
-(``decoder_view``; model/bounded_replay.py states the rule).
+(``decoder_view``; model/bounded_replay.py states the rule). With speculation
+(cluster/speculative.py) a verify segment's rows are all sampled, only its accepted
+prefix advances the cursor, and every sampling segment gets its next drafts.
 
 Must not import: actors, deploy, ray.
 """
@@ -21,7 +23,14 @@ from typing import Callable
 
 import torch
 
-from dsv41.cache.addressing import DecoderAddresses, PoolShape, SegmentSpec, build_decoder_addresses, build_step_addresses
+from dsv41.cache.addressing import (
+    DecoderAddresses,
+    PoolShape,
+    SegmentSpec,
+    StepAddresses,
+    build_decoder_addresses,
+    build_step_addresses,
+)
 from dsv41.cache.checkpoints import Checkpoints
 from dsv41.cache.geometry import CURSOR_POSITION, V41PoolGeometry
 from dsv41.cache.plane_io import PlaneIO
@@ -29,6 +38,7 @@ from dsv41.cache.pools import PoolSize, V41Pools
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
 from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.sampler import Sampler, SamplingMetadata
+from dsv41.cluster.speculative import DraftRequest, Speculator, accepted_count
 from dsv41.model.bounded_replay import tail_start
 from dsv41.model.device import move_tensors
 from dsv41.model.kernels.interface import PagedKernels
@@ -92,6 +102,10 @@ class StepResult:
     # and those rows' top-k selections per selecting layer.
     row_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     row_selections: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    # Speculation: the drafts a verify accepted (emitted before ``sampled``, the
+    # target's token after them), and each sampling request's drafts for its next step.
+    accepted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -130,6 +144,16 @@ class ModelRunner:
         )
         self.hashing = params.engram_hashing
         self.history_len = config.engram_max_ngram_size - 1
+        self.speculator = None
+        if geometry.num_speculative_tokens:
+            self.speculator = Speculator(
+                params,
+                self.runtime.kernels,
+                self.store,
+                self.shape,
+                geometry.num_speculative_tokens,
+                batch_invariant,
+            )
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         if batch.is_empty:
@@ -147,27 +171,40 @@ class ModelRunner:
         # the pools' device.
         compressed = self.params.token_map[tokens]
         histories = self.pools.cursor[[seg.slot for seg in segments], CURSOR_POSITION + 1 :].cpu()
-        specs = [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in segments]
-        addresses = build_step_addresses(specs, self.shape)
+        specs = [
+            SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start, s.num_draft_tokens)
+            for s in segments
+        ]
+        if self.speculator is None and any(s.num_draft_tokens for s in segments):
+            raise RuntimeError("a segment carries drafts, but this rank does not speculate (num_speculative_tokens 0)")
+        addresses = move_tensors(build_step_addresses(specs, self.shape), self.pools.device)
         logit_rows, logit_ranges, sample_rows = self.logit_rows(segments)
         device = self.pools.device
         decoder = self._decoder_addresses(segments, specs) if self.decoder_replay else None
+        decoder = None if decoder is None else move_tensors(decoder, device)
         output = self.runtime.forward(
             tokens.to(device),
             self._ngrams(segments, compressed, histories),
-            move_tensors(addresses, device),
+            addresses,
             self.store,
             logit_rows.to(device),
-            decoder=None if decoder is None else move_tensors(decoder, device),
+            decoder=decoder,
+            capture_layers=() if self.speculator is None else self.speculator.capture_layers,
         )
-        self._advance_cursors(segments, compressed, histories)
+        accepted, sampled, committed = self._verify(segments, self._sample(segments, output.logits, sample_rows))
+        self._advance_cursors(segments, compressed, histories, committed)
+        drafts_next: dict[str, tuple[int, ...]] = {}
+        if self.speculator is not None:
+            stage = addresses if decoder is None else decoder.plan
+            drafts_next = self._speculate(
+                self.speculator, segments, output.layer_inputs, stage, committed, accepted, sampled
+            )
         for seg in segments:
             if seg.store_after is not None:
                 self.checkpoints.store(seg.slot, seg.store_after)
         for seg in segments:
             for unit in seg.publish:
                 self._connector().publish(unit.key, self.pools.read_pages(unit.pages))
-        sampled = self._sample(segments, output.logits, sample_rows)
         row_logits = {rid: output.logits[a:b].cpu() for rid, (a, b) in logit_ranges.items()}
         row_selections = {}
         base = 0
@@ -177,7 +214,14 @@ class ModelRunner:
                     layer: picked[base : base + seg.length].cpu() for layer, picked in output.selections.items()
                 }
             base += seg.length
-        return StepResult(step_id=batch.step_id, sampled=sampled, row_logits=row_logits, row_selections=row_selections)
+        return StepResult(
+            step_id=batch.step_id,
+            sampled=sampled,
+            row_logits=row_logits,
+            row_selections=row_selections,
+            accepted={rid: tokens for rid, tokens in accepted.items() if tokens},
+            drafts=drafts_next,
+        )
 
     @torch.no_grad()
     def execute_padding(self, step_id: int) -> StepResult:
@@ -189,6 +233,56 @@ class ModelRunner:
         return StepResult(step_id=step_id)
 
     # -- around the forward -------------------------------------------------------------
+
+    @staticmethod
+    def _verify(
+        segments: tuple[ScheduledSegment, ...], drawn: dict[str, tuple[SampledToken, ...]]
+    ) -> tuple[dict[str, tuple[SampledToken, ...]], dict[str, SampledToken], dict[str, int]]:
+        """Each sampling segment's accepted drafts (a verify's: those equal to the
+        tokens drawn at the rows before them) and the token drawn after them; and every
+        segment's committed rows (a verify: its anchor and accepted drafts)."""
+        accepted: dict[str, tuple[SampledToken, ...]] = {}
+        sampled: dict[str, SampledToken] = {}
+        committed = {seg.request_id: seg.length for seg in segments}
+        for seg in segments:
+            if not seg.sample:
+                continue
+            tokens = drawn[seg.request_id]
+            drafts = seg.token_ids[seg.length - seg.num_draft_tokens :] if seg.num_draft_tokens else ()
+            count = accepted_count(drafts, [t.token_id for t in tokens])
+            accepted[seg.request_id], sampled[seg.request_id] = tokens[:count], tokens[count]
+            committed[seg.request_id] = seg.length - seg.num_draft_tokens + count
+        return accepted, sampled, committed
+
+    def _speculate(
+        self,
+        speculator: Speculator,
+        segments: tuple[ScheduledSegment, ...],
+        layer_inputs: dict[int, torch.Tensor],
+        stage: StepAddresses,
+        committed: dict[str, int],
+        accepted: dict[str, tuple[SampledToken, ...]],
+        sampled: dict[str, SampledToken],
+    ) -> dict[str, tuple[int, ...]]:
+        """After a speculating forward: the drafter's rings from its rows (the
+        decoder's, under decoder replay), each verify's staged tail committed, and a
+        block drafted after every sampling request that has tokens left to generate."""
+        speculator.write_context(layer_inputs, stage)
+        wanted = []
+        for seg in segments:
+            if not seg.sample:
+                continue
+            end = seg.start + committed[seg.request_id]
+            if seg.num_draft_tokens:
+                speculator.commit_tail(seg.slot, seg.start, end)
+            emitted = len(accepted[seg.request_id]) + 1
+            if seg.params.max_tokens - seg.output_index - emitted <= 1:
+                continue
+            window_start = decoder_view(seg, self.shape.window)[1] if self.decoder_replay else seg.window_start
+            wanted.append(
+                DraftRequest(seg.request_id, seg.slot, sampled[seg.request_id].token_id, end - 1, window_start)
+            )
+        return speculator.draft(wanted)
 
     def _decoder_addresses(
         self, segments: tuple[ScheduledSegment, ...], specs: list[SegmentSpec]
@@ -233,14 +327,21 @@ class ModelRunner:
         return torch.cat(parts)
 
     def _advance_cursors(
-        self, segments: tuple[ScheduledSegment, ...], compressed: torch.Tensor, histories: torch.Tensor
+        self,
+        segments: tuple[ScheduledSegment, ...],
+        compressed: torch.Tensor,
+        histories: torch.Tensor,
+        committed: dict[str, int],
     ) -> None:
+        """Each slot's cursor past the rows its segment commits (a verify: its
+        accepted prefix), and its Engram history over those rows' tokens."""
         base = 0
         for i, seg in enumerate(segments):
             cursor = self.pools.cursor[seg.slot]
-            cursor[CURSOR_POSITION] = seg.end
+            kept = committed[seg.request_id]
+            cursor[CURSOR_POSITION] = seg.start + kept
             if self.hashing is not None:
-                chunk = compressed[base : base + seg.length]
+                chunk = compressed[base : base + kept]
                 cursor[CURSOR_POSITION + 1 :] = self.hashing.next_history(chunk, histories[i])
             base += seg.length
 
@@ -249,8 +350,9 @@ class ModelRunner:
         segments: tuple[ScheduledSegment, ...],
     ) -> tuple[torch.Tensor, dict[str, tuple[int, int]], list[int]]:
         """Which rows the head runs on: every row of segments that want them, the last
-        row of each sampling segment. Returns the rows, each wanting segment's range in
-        the logits, and each sampling segment's logits row."""
+        row of each sampling segment (a verify: its anchor's and every draft's). Returns
+        the rows, each wanting segment's range in the logits, and the logits rows the
+        sampler draws from, each sampling segment's in order."""
         rows: list[int] = []
         ranges: dict[str, tuple[int, int]] = {}
         sample_rows: list[int] = []
@@ -262,29 +364,39 @@ class ModelRunner:
                 if seg.sample:
                     sample_rows.append(len(rows) - 1)
             elif seg.sample:
-                sample_rows.append(len(rows))
-                rows.append(base + seg.length - 1)
+                drawn = range(base + seg.length - 1 - seg.num_draft_tokens, base + seg.length)
+                sample_rows.extend(range(len(rows), len(rows) + len(drawn)))
+                rows.extend(drawn)
             base += seg.length
         return torch.tensor(rows, dtype=torch.long), ranges, sample_rows
 
     def _sample(
         self, segments: tuple[ScheduledSegment, ...], logits: torch.Tensor, sample_rows: list[int]
-    ) -> dict[str, SampledToken]:
+    ) -> dict[str, tuple[SampledToken, ...]]:
+        """Every sampling segment's drawn tokens: one, or a verify's one per row, each
+        at the output index its token would have (the anchor's row first)."""
         sampling = [seg for seg in segments if seg.sample]
         if not sampling:
             return {}
+        per_row = [(seg, i) for seg in sampling for i in range(seg.num_draft_tokens + 1)]
+        # A guide is the request's state after its committed tokens: it cannot mask or
+        # penalise rows after drafts, so the engine refuses such requests under
+        # speculation.
+        guided_verify = [seg.request_id for seg in sampling if seg.guide is not None and seg.num_draft_tokens]
+        if guided_verify:
+            raise ValueError(f"segments {guided_verify}: a verify with drafts cannot carry a sampling guide")
         metadata = SamplingMetadata.from_params(
-            [s.params for s in sampling],
-            [s.seed for s in sampling],
-            [s.output_index for s in sampling],
+            [seg.params for seg, _ in per_row],
+            [seg.seed for seg, _ in per_row],
+            [seg.output_index + i for seg, i in per_row],
             device=logits.device,
-            guides=[s.guide for s in sampling],
+            guides=[seg.guide for seg, _ in per_row],
             vocab_size=self.sampler.vocab_size,
             eos_token_id=self.eos_token_id,
         )
         out = self.sampler(logits[sample_rows], metadata)
-        return {
-            seg.request_id: SampledToken(int(token), logprobs)
-            for seg, token, logprobs in zip(sampling, out.token_ids.tolist(), out.logprobs)
-        }
+        drawn: dict[str, list[SampledToken]] = {seg.request_id: [] for seg in sampling}
+        for (seg, _), token, logprobs in zip(per_row, out.token_ids.tolist(), out.logprobs):
+            drawn[seg.request_id].append(SampledToken(int(token), logprobs))
+        return {rid: tuple(tokens) for rid, tokens in drawn.items()}
 

@@ -17,6 +17,10 @@ before and after the forward. A request resumes only where its state is exact (a
 restored image, or a reset slot at the hit's forward start), so a scheduled run
 produces the tokens of an uninterrupted one; under ``replay`` a hit legitimately
 changes logits (the spec's accuracy note).
+With speculation (drafts from the runner) a decoding request's step is a verify:
+its anchor and the drafts its last step left (cut to the token budget and to what the
+request may still generate), PAGEs grown for every row, and the commit keeps the
+accepted prefix alone, handing back lookahead PAGEs no kept row reaches.
 
 Must not import: model arithmetic, actors, deploy, ray.
 """
@@ -72,6 +76,7 @@ class _Progress:
     prep: SlotReset | StateImage | None  # applied to the slot before its next forward
     image_cut: int  # COPY: the prompt's last shareable PAGE boundary, where a chunk ends
     fills: tuple[PageFill, ...] = ()  # offloaded units the first forward writes first
+    drafts: tuple[int, ...] = ()  # speculation: the drafts after the request's last token
 
 
 class Scheduler:
@@ -106,6 +111,10 @@ class Scheduler:
         self._progress: dict[str, _Progress] = {}
         self._step_id = 0
         self.num_preemptions = 0
+        # Speculation: verify steps committed, drafts they verified, drafts accepted.
+        self.num_verifies = 0
+        self.num_drafts_verified = 0
+        self.num_drafts_accepted = 0
 
     @property
     def copies_images(self) -> bool:
@@ -154,7 +163,11 @@ class Scheduler:
         return ScheduledBatch(step_id=self._step_id, segments=segments)
 
     def _chunk(self, request: Request, budget: int) -> int:
+        """The rows of ``request`` this step runs: its next prefill chunk, or its
+        decode row and the drafts it verifies."""
         start = request.num_computed_tokens
+        if start == request.num_tokens - 1 and request.num_output_tokens:
+            return 1 + self._num_drafts(request, budget)
         count = min(request.num_tokens - start, budget)
         if self.config.long_prefill_token_threshold and count > 1:
             count = min(count, self.config.long_prefill_token_threshold)
@@ -162,6 +175,14 @@ class Scheduler:
         if self.copies_images and start < cut < start + count:
             count = cut - start
         return count
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """The drafts a decoding request's step verifies: those its last step left,
+        within the step's token budget (the anchor's row counts too) and below its
+        last token to generate (the rows verified never pass what decoding computes)."""
+        drafts = self._progress[request.request_id].drafts
+        left = request.params.max_tokens - request.num_output_tokens
+        return max(0, min(len(drafts), budget - 1, left - 1))
 
     def _grow_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Gives ``request`` PAGEs for ``num_tokens``, preempting the newest running
@@ -276,8 +297,10 @@ class Scheduler:
         end = start + count
         prep, progress.prep = progress.prep, None
         fills, progress.fills = progress.fills, ()
+        known = min(end, request.num_tokens)
+        drafts = progress.drafts[: end - known]
         store_after = None
-        if self.copies_images and end % self.cache.block_size == 0:
+        if self.copies_images and end % self.cache.block_size == 0 and not drafts:
             pages = self.block_manager.allocate_pages(self.image_pages)
             if pages is not None:
                 store_after = StateImage(
@@ -288,10 +311,10 @@ class Scheduler:
             slot=self.block_manager.slot(request.request_id),
             page_table=self.block_manager.page_table(request.request_id),
             start=start,
-            token_ids=tuple(request.all_token_ids[start:end]),
+            token_ids=tuple(request.all_token_ids[start:known]) + drafts,
             write_from=progress.write_from,
             window_start=progress.window_start,
-            sample=end == request.num_tokens,
+            sample=known == request.num_tokens,
             params=request.params,
             seed=request.sampling_seed,
             output_index=request.num_output_tokens,
@@ -300,8 +323,10 @@ class Scheduler:
             restore=prep if isinstance(prep, StateImage) else None,
             store_after=store_after,
             fetch=fills,
-            publish=self._publications(request, start, end, progress.write_from, store_after),
+            # A verify's drafts are tentative: only the anchor's row is sure to be kept.
+            publish=self._publications(request, start, known, progress.write_from, store_after),
             want_prompt_logits=request.params.prompt_logprobs is not None and start < request.num_prompt_tokens,
+            num_draft_tokens=len(drafts),
         )
 
     def _publications(
@@ -330,17 +355,38 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------------------
 
-    def commit(self, segment: ScheduledSegment, request: Request | None) -> None:
+    def commit(
+        self,
+        segment: ScheduledSegment,
+        request: Request | None,
+        committed_end: int | None = None,
+        drafts: tuple[int, ...] = (),
+    ) -> None:
         """Records that ``segment``'s forward ran: the image it restored is let go,
-        the request's cursor advances, its full PAGEs are published and a checkpoint
-        image taken at a PAGE boundary is attached to the prefix index (or handed back
-        when nothing wants it)."""
+        the request's cursor advances to ``committed_end`` (None: the segment's end; a
+        verify keeps its accepted prefix and hands back lookahead PAGEs past it), its
+        full PAGEs are published and a checkpoint image taken at a PAGE boundary is
+        attached to the prefix index (or handed back when nothing wants it).
+        ``drafts``: what the request's next step verifies (speculation)."""
         image_kept = False
         if request is not None and request.request_id in self._progress:
+            end = segment.end if committed_end is None else committed_end
+            if not segment.start < end <= segment.end:
+                raise SchedulerError(
+                    f"committed_end: {committed_end} (allowed: in ({segment.start}, {segment.end}], the rows that ran)"
+                )
             if segment.restore is not None:
                 self.block_manager.restored(request.request_id)
-            request.num_computed_tokens = segment.end
-            self.block_manager.publish(request.request_id, request.all_token_ids, segment.end)
+            request.num_computed_tokens = end
+            self._progress[request.request_id].drafts = drafts
+            if segment.num_draft_tokens:
+                self.num_verifies += 1
+                self.num_drafts_verified += segment.num_draft_tokens
+                self.num_drafts_accepted += end - (segment.end - segment.num_draft_tokens)
+            if end < segment.end:
+                # The next step's anchor row is the first a later forward computes.
+                self.block_manager.shrink(request.request_id, end + 1)
+            self.block_manager.publish(request.request_id, request.all_token_ids, end)
             if segment.store_after is not None:
                 image_kept = self.block_manager.attach_image(request.request_id, segment.end, segment.store_after)
         if segment.store_after is not None and not image_kept:

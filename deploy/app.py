@@ -244,7 +244,12 @@ class AppArgs:
             raise ValueError(f"grpc_port: {self.grpc_port!r} (allowed: a port 0..65535, 0 for any free one, or null)")
         check_metrics_options(self.metrics_prefix, self.ray_metrics)
         # Refuse bad engine options here, before Serve starts a replica that would die on them.
-        engine_options(self.engine_options())
+        options = engine_options(self.engine_options())
+        if options.speculative_method is not None and self.backend != "local":
+            raise ValueError(
+                f"engine.speculative_method: {options.speculative_method!r} with backend {self.backend!r} (allowed "
+                "with speculation: backend 'local'; the Ray engine group's wires carry no drafts yet)"
+            )
 
     @classmethod
     def from_dict(cls, args: Mapping[str, Any]) -> "AppArgs":

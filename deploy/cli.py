@@ -141,6 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise SystemExit("--dp: must be a positive integer")
     model_dir = _model_dir(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    options = _speculation_options(args)
     if args.backend == "ray":
         import ray
 
@@ -149,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         # Workers import the project from where this CLI runs it.
         ray.init(runtime_env=_ray_runtime_env())
         try:
-            with EngineGroup(str(model_dir), dp=args.dp) as group:
+            with EngineGroup(str(model_dir), dp=args.dp, **options) as group:
                 _generate(args, group.generate, _tokenizer(model_dir), params)
         finally:
             ray.shutdown()
@@ -158,12 +159,29 @@ def cmd_generate(args: argparse.Namespace) -> None:
         from dsv41.cluster.engine import Engine
         from dsv41.cluster.ranks import DPLayout
 
-        engine = Engine.in_process(model_dir, DPLayout(args.dp))
+        engine = Engine.in_process(model_dir, DPLayout(args.dp), **options)
     else:
         from dsv41.cluster.engine import Engine
 
-        engine = Engine.from_pretrained(model_dir)
+        engine = Engine.from_pretrained(model_dir, **options)
     _generate(args, engine.generate, engine.tokenizer, params)
+
+
+def _speculation_options(args: argparse.Namespace) -> dict[str, object]:
+    """The engine options of --method / --num-speculative-tokens (none when not given)."""
+    options: dict[str, object] = {}
+    if args.method is not None:
+        options["speculative_method"] = args.method
+    if args.num_speculative_tokens is not None:
+        options["num_speculative_tokens"] = args.num_speculative_tokens
+    return options
+
+
+def _add_speculation_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=("dspark",), default=None, help="speculative decoding: DSpark (the mtp stages)")
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="drafts per step (default with --method dspark: 5)"
+    )
 
 
 def _tokenizer(model_dir: Path):
@@ -222,6 +240,8 @@ def cmd_validate(args: argparse.Namespace) -> None:
             kernel_backend=args.kernel_backend,
             batch_invariant=args.batch_invariant,
             dtype=args.dtype,
+            speculative_method=args.method,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
         with _ray_validation_groups(model, shape) if on_ray else nullcontext(None) as factory:
             report = run_validation(
@@ -329,6 +349,9 @@ def _serve_settings(args: argparse.Namespace) -> tuple[str, int, str, dict[str, 
 
         # The embedded model's name, not its directory's ("tiny-trained"), as the YAML's.
         app_args.setdefault("served_model_name", TINY_MODEL_NAME)
+    speculation = _speculation_options(args)
+    if speculation:
+        app_args["engine"] = {**app_args.get("engine", {}), **speculation}
     # Made here, once, rather than by replicas racing to write the same directory.
     app_args["model"] = args.model or app_args.get("model") or str(default_model_dir())
     return host, port, route_prefix, app_args
@@ -465,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print {name: token ids} as JSON")
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="ranks in this process, or Ray actors")
     p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (experts sharded over them)")
+    _add_speculation_arguments(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("geometry", help="print the PAGE/STATE plane table and bytes")
@@ -502,6 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-size", type=int, default=32, help="PAGE tokens (the workload scales with it; >= window - 1 for replay)"
     )
     p.add_argument("--scenarios", help="comma-separated scenario names (default: every one the replica supports)")
+    _add_speculation_arguments(p)
     p.set_defaults(func=cmd_validate)
 
     from dsv41.deploy.bench import add_bench_arguments
@@ -543,6 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse larger request bodies with 413 (default: the config's limits, else 8 MiB)",
     )
     p.add_argument("--config", help="Serve YAML with one application of dsv41.deploy.app:build_app")
+    _add_speculation_arguments(p)
     p.add_argument(
         "--start-timeout",
         type=_positive_number,
@@ -556,12 +582,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from dsv41.cluster.options import EngineError
     from dsv41.model.config import ConfigError
 
     try:
         args.func(args)
     except ConfigError as exc:
         raise SystemExit(f"config error: {exc}") from exc
+    except EngineError as exc:
+        raise SystemExit(f"dsv41 {args.command}: {exc}") from exc
 
 
 if __name__ == "__main__":

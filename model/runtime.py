@@ -61,6 +61,11 @@ class CompressionAddresses(Protocol):
     dst: torch.Tensor
     tail_write_rows: torch.Tensor
     tail_write_slots: torch.Tensor
+    # A speculative verify's rows that may become pending: staged in the slot's tail
+    # row ``staged_tail_rows`` (never the committed row 0) until acceptance commits one.
+    staged_rows: torch.Tensor
+    staged_slots: torch.Tensor
+    staged_tail_rows: torch.Tensor
 
 
 class TileAddresses(Protocol):
@@ -138,6 +143,12 @@ class PagedStore(PlaneSource, Protocol):
         """[slots, 2, head_dim] fp32: each slot's pending ratio-2 token's v (0) and g (1)."""
         ...
 
+    def stage_tails(
+        self, owner: int, slots: torch.Tensor, rows: torch.Tensor, v: torch.Tensor, g: torch.Tensor
+    ) -> None:
+        """Stores speculative rows' (v, g) [N, head_dim] in tail rows ``rows`` (>= 1) of ``slots``."""
+        ...
+
 
 # The MoE of one layer for the step's rows; the distributed runner replaces it with one
 # that joins expert shards across ranks.
@@ -189,6 +200,10 @@ class StepOutput:
     # Per selecting layer, [R, index_topk] entry ids (EMPTY-padded): for parity tests.
     # Under decoder replay a decoder layer's rows outside its stage hold EMPTY only.
     selections: dict[int, torch.Tensor]
+    # Per layer of ``capture_layers``: the residual streams entering it [rows, hc,
+    # hidden] (before its Engram) of the rows it runs: under decoder replay a decoder
+    # layer's are the decoder rows' (what the DSpark drafter's features read).
+    layer_inputs: dict[int, torch.Tensor]
 
 
 class PagedRuntime:
@@ -228,6 +243,7 @@ class PagedRuntime:
         store: PagedStore,
         logit_rows: torch.Tensor,
         decoder: DecoderPlan | None = None,
+        capture_layers: tuple[int, ...] = (),
     ) -> StepOutput:
         """token_ids [R] (on the weights' device); engram_ngrams [R, max_ngram]
         compressed ids at t, t-1, ... (pad-substituted; on the host, where the Engram
@@ -236,9 +252,10 @@ class PagedRuntime:
         gets in any other step. ``decoder``: decoder SWA bounded replay's rows (None:
         every row runs every layer); every logit row must be one of them. Every
         layer's MoE is called, in layer order, on the rows that reach it, none
-        included: a DP exchange's collectives meet every peer's."""
+        included: a DP exchange's collectives meet every peer's. ``capture_layers``:
+        target layers whose input streams the output carries (``layer_inputs``)."""
         with batch_invariant(self.batch_invariant):
-            return self._forward(token_ids, engram_ngrams, plan, store, logit_rows, decoder)
+            return self._forward(token_ids, engram_ngrams, plan, store, logit_rows, decoder, capture_layers)
 
     def moe_padding(self, layers: Sequence[LayerParams]) -> None:
         """Each of ``layers``' MoE on zero rows, in order: the side of a DP exchange's
@@ -255,8 +272,10 @@ class PagedRuntime:
         store: PagedStore,
         logit_rows: torch.Tensor,
         decoder: DecoderPlan | None,
+        capture_layers: tuple[int, ...],
     ) -> StepOutput:
         cfg = self.config
+        layer_inputs: dict[int, torch.Tensor] = {}
         rows = token_ids.numel()
         streams = self.params.embed[token_ids].to(self.dtype).unsqueeze(1)
         streams = streams.expand(rows, cfg.hc_mult, cfg.hidden_size).contiguous()
@@ -280,7 +299,10 @@ class PagedRuntime:
                 ngrams, stage = ngrams[decoder.rows.to(ngrams.device)], decoder.plan
                 if decoder.rows.numel() == 0:
                     self.moe_padding(self.params.layers[i:])
+                    layer_inputs.update({lid: streams for lid in capture_layers if lid >= layer.layer_id})
                     break
+            if layer.layer_id in capture_layers:
+                layer_inputs[layer.layer_id] = streams
             if layer.engram is not None:
                 streams = layer.engram.apply(
                     layer.layer_id, streams, self.params.engram_hashing, ngrams, cfg.rms_norm_eps
@@ -308,7 +330,7 @@ class PagedRuntime:
         selections = state.selections
         if decoder is not None and queries is not None:
             selections = self._step_selections(selections, rows, decoder.rows, queries)
-        return StepOutput(logits=linear(h, self.params.head.float()), selections=selections)
+        return StepOutput(logits=linear(h, self.params.head.float()), selections=selections, layer_inputs=layer_inputs)
 
     def _last_layer(
         self,
@@ -376,6 +398,9 @@ class PagedRuntime:
         if plan.ratio == 2:
             v, g = ratio2_projections(h, w)
             pooled = self.kernels.pool_ratio2(v, g, plan, store.tail_plane(owner))
+            if plan.staged_rows.numel():
+                rows = plan.staged_rows
+                store.stage_tails(owner, plan.staged_slots, plan.staged_tail_rows, v[rows], g[rows])
         else:
             pooled = ratio1_latent(h[plan.second_rows], w)
         entries = finish_entries(pooled, w, cfg.rms_norm_eps, layer.rope, plan.entry_positions, self.dtype)

@@ -66,6 +66,29 @@ def trained_tiny_dir() -> Path:
     return TRAINED_TINY_DIR
 
 
+# A prompt in the style of the corpus the shipped trained model was trained on (it is not in it).
+CODE_PROMPT = '''class Registry:
+    """A mapping of names to handlers."""
+
+    def __init__(self):
+        self._handlers = {}
+
+    def register(self, name, handler):
+        """Register handler under name."""
+        if name in self._handlers:
+            raise ValueError("duplicate name: %r" % (name,))
+        self._handlers[name] = handler
+
+    def get(self, name):
+'''
+
+
+@pytest.fixture(scope="session")
+def code_prompt() -> str:
+    """CODE_PROMPT: Python source like the trained checkpoint's corpus."""
+    return CODE_PROMPT
+
+
 @pytest.fixture(scope="session")
 def tiny_alt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """TINY_ALT: other sizes and weights with the same layer-mode pattern (plain)."""

@@ -449,3 +449,23 @@ def test_has_room_answers_what_allocate_prompt_will(held: int, slots_taken: int,
     tokens = prefix + list(range(5000, 5000 + length))
     hit = bm.lookup(tokens)
     assert bm.has_room(len(tokens), hit) == bm.allocate_prompt("new", tokens, hit)
+
+
+def test_shrink_hands_back_lookahead_pages_and_never_a_published_one() -> None:
+    """A speculative verify grows PAGEs for rows it may reject; shrinking to the kept
+    tokens frees the trailing PAGEs past them, keeps the table's head, never drops a
+    published PAGE (its hash entry would lose its owner) and leaves the invariants."""
+    bm = _manager(StateTransfer.REPLAY)
+    tokens = list(range(2 * B + 1))
+    _run(bm, "r", tokens)
+    assert bm.grow("r", 4 * B)
+    table = bm.page_table("r")
+    used = bm.stats().pages_used
+    bm.shrink("r", 2 * B + 2)
+    assert bm.page_table("r") == table[:3]
+    assert bm.stats().pages_used == used - 1
+    bm.shrink("r", 1)
+    assert bm.page_table("r") == table[:2]  # the two published PAGEs stay
+    bm.check_invariants()
+    bm.free("r")
+    bm.check_invariants()

@@ -286,31 +286,14 @@ def test_rejection_sampling_emits_the_target_distribution() -> None:
     assert statistic(drafted) > 10 * threshold
 
 
-# A prompt in the style of the corpus the shipped model was trained on (it is not in it).
-CODE_PROMPT = '''class Registry:
-    """A mapping of names to handlers."""
-
-    def __init__(self):
-        self._handlers = {}
-
-    def register(self, name, handler):
-        """Register handler under name."""
-        if name in self._handlers:
-            raise ValueError("duplicate name: %r" % (name,))
-        self._handlers[name] = handler
-
-    def get(self, name):
-'''
-
-
-def test_the_trained_drafter_is_accepted_and_speculation_stays_exact(trained_tiny_dir: Path) -> None:
+def test_the_trained_drafter_is_accepted_and_speculation_stays_exact(trained_tiny_dir: Path, code_prompt: str) -> None:
     """On the shipped trained checkpoint, speculative greedy still emits exactly the
     plain greedy tokens, and drafts are accepted: on this prompt 1.67 of 5 per
     verification (measured 2026-12-01; 0.79 on held-out stdlib text, BENCHMARKS.md),
     against ~0 for random weights; the bound leaves room for another CPU's rounding."""
     params, checkpoint = load_model_params(trained_tiny_dir)
     target = ReferenceModel(params)
-    prompt = checkpoint.tokenizer.encode(CODE_PROMPT).ids
+    prompt = checkpoint.tokenizer.encode(code_prompt).ids
     run = ReferenceDrafter(target).speculative_greedy(prompt, 32)
     plain: list[int] = []
     for _ in range(32):

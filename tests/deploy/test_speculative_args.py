@@ -1,0 +1,37 @@
+"""The serving surface's speculation options: YAML ``engine:`` and the CLI flags reach
+EngineOptions, and a Ray engine group with speculation is refused before Serve starts."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dsv41.cluster.options import engine_options
+from dsv41.deploy.app import AppArgs
+from dsv41.deploy.cli import _speculation_options, build_parser, main
+
+
+def test_yaml_engine_options_and_cli_flags_select_dspark() -> None:
+    """``engine: {speculative_method: dspark}`` is DSpark 5 (the spec's count), and
+    ``--method dspark --num-speculative-tokens 5`` gives the same engine options."""
+    args = AppArgs.from_dict({"engine": {"speculative_method": "dspark"}})
+    options = engine_options(args.engine_options())
+    assert (options.speculative_method, options.num_speculative_tokens) == ("dspark", 5)
+    parsed = build_parser().parse_args(["generate", "--prompt", "x", "--max-tokens", "3", "--method", "dspark", "--num-speculative-tokens", "5"])
+    assert _speculation_options(parsed) == {"speculative_method": "dspark", "num_speculative_tokens": 5}
+    assert _speculation_options(argparse.Namespace(method=None, num_speculative_tokens=None)) == {}
+
+
+def test_a_ray_group_with_speculation_is_refused_before_serve_starts() -> None:
+    """The Ray engine group's wires carry no drafts yet: AppArgs refuses the pair,
+    naming the backend that would work."""
+    with pytest.raises(ValueError, match="allowed with speculation: backend 'local'"):
+        AppArgs.from_dict({"backend": "ray", "engine": {"speculative_method": "dspark"}, "ray_actor_options": {"num_cpus": 1}})
+
+
+def test_the_cli_names_a_refusal_instead_of_a_traceback() -> None:
+    """`dsv41 generate --method dspark --dp 2` exits with the engine's reason, before
+    any weight is read."""
+    with pytest.raises(SystemExit, match="dsv41 generate: speculative_method: 'dspark' with 2 DP ranks"):
+        main(["generate", "--prompt", "x", "--max-tokens", "4", "--method", "dspark", "--dp", "2"])
