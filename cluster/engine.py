@@ -250,7 +250,10 @@ class Engine(EngineClient):
         self._check_fits_pool(request_id, len(prompt), params)
         params.validate_for(self.config.vocab_size, self.max_model_len, len(prompt))
         if self.options.num_speculative_tokens and (params.structured_outputs is not None or params.uses_penalties):
-            field = "structured_outputs" if params.structured_outputs is not None else "penalties"
+            field = "structured_outputs" if params.structured_outputs is not None else next(
+                name for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1))
+                if getattr(params, name) != off
+            )
             raise SamplingParamsError(
                 f"{field}: grammars and presence / frequency / repetition penalties are not served with speculative "
                 f"decoding (speculative_method={self.options.speculative_method!r}): a draft's row would be sampled "

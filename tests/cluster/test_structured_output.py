@@ -198,3 +198,17 @@ def test_penalties_run_through_the_engine_and_change_the_greedy_text(engine: Eng
 def test_output_markers_are_the_protocols() -> None:
     """The markers a grammar may spell are chat_protocol's."""
     assert OUTPUT_MARKERS == (THINK_END, DSML)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"structured_outputs": StructuredOutputs(regex="[a-z]+")}, "structured_outputs"), ({"frequency_penalty": 1.0}, "frequency_penalty")],
+)
+def test_grammars_and_penalties_are_refused_under_speculation(trained_tiny_dir: Path, fields: dict, field: str) -> None:
+    """A verify's draft rows would be sampled without the matcher or token counts the
+    tokens before them leave, so a speculating engine refuses such requests, naming
+    the field and why, with nothing queued."""
+    engine = Engine.from_pretrained(trained_tiny_dir, block_size=32, speculative_method="dspark")
+    with pytest.raises(SamplingParamsError, match=f"^{field}: .*speculative decoding"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, **fields))
+    assert engine.request("r") is None
