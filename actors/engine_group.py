@@ -31,7 +31,8 @@ from dsv41.actors.group import GroupOptions, GroupPlacement, RankGroupDead
 from dsv41.actors.output_wire import OutputReceiver
 from dsv41.actors.scheduler import SchedulerActor
 from dsv41.cluster.interface import EngineClient, EngineStats
-from dsv41.cluster.options import EngineError, engine_options as parse_engine_options
+from dsv41.cluster.options import EngineError, check_replica_options
+from dsv41.cluster.options import engine_options as parse_engine_options
 from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import Request, RequestOutput, SamplingParams
 from dsv41.model.source import ModelSource
@@ -72,6 +73,7 @@ class EngineGroup(EngineClient):
                 f"speculative_method: {self.options.speculative_method!r} on the Ray engine group (allowed: None; "
                 "DSpark runs on the in-process engine for now: the step and result wires carry no drafts)"
             )
+        check_replica_options(self.model.config(), self.options, self.dp.world)
         self.group_options = group_options
         self._given_placement = placement
         self._own_placement: PlacementGroup | None = None

@@ -107,11 +107,28 @@ class ScheduledBatch:
         return not self.segments
 
 
-DP_METADATA_LAYOUT = 2  # bump when the wire layout below changes
+DP_METADATA_LAYOUT = 3  # bump when the wire layout below changes
 
 
 class DPMetadataError(ValueError):
     """A packed DP metadata tensor this build cannot read; the message says why."""
+
+
+@dataclass(frozen=True)
+class MicrobatchRows:
+    """One microbatch of a rank's step under prefill two-batch overlap: its rows, and
+    how many of them the decoder's layers run and how many reach the LM head."""
+
+    num_tokens: int
+    decoder_rows: int
+    query_rows: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.query_rows <= self.decoder_rows <= self.num_tokens or self.num_tokens < 1:
+            raise DPMetadataError(
+                f"MicrobatchRows: {self.num_tokens} rows, {self.decoder_rows} decoder, {self.query_rows} query "
+                "(allowed: 0 <= query_rows <= decoder_rows <= num_tokens, num_tokens >= 1)"
+            )
 
 
 @dataclass(frozen=True)
@@ -120,13 +137,17 @@ class RankStepInfo:
     one-token decode), the requests whose prompt this step finishes there (their
     first token is sampled), and how many of its rows the decoder's layers run and
     how many reach the LM head (the last layer's FFN): under decoder SWA bounded
-    replay fewer than its rows (None: every row)."""
+    replay fewer than its rows (None: every row). ``microbatches``: where prefill
+    two-batch overlap is on, the two microbatches the rank's rows split into (none:
+    the rank cannot split them); whether the step runs split is every rank's to
+    agree (cluster/tbo.runs_split)."""
 
     num_tokens: int
     is_prefill: bool
     finished_prompts: tuple[str, ...] = ()
     decoder_rows: int | None = None
     query_rows: int | None = None
+    microbatches: tuple[MicrobatchRows, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
@@ -140,10 +161,22 @@ class RankStepInfo:
                 f"RankStepInfo.decoder_rows / query_rows: {self.decoder_rows} / {self.query_rows} "
                 f"(allowed: 0 <= query_rows <= decoder_rows <= num_tokens {self.num_tokens})"
             )
+        if self.microbatches:
+            sums = tuple(sum(getattr(mb, f) for mb in self.microbatches) for f in MICROBATCH_FIELDS)
+            if len(self.microbatches) != 2 or sums != (self.num_tokens, self.decoder_rows, self.query_rows):
+                raise DPMetadataError(
+                    f"RankStepInfo.microbatches: {len(self.microbatches)} summing to {sums} (allowed: none, or two "
+                    f"summing to the rank's rows, decoder rows and query rows "
+                    f"{(self.num_tokens, self.decoder_rows, self.query_rows)})"
+                )
 
     @classmethod
     def of(
-        cls, batch: ScheduledBatch, decoder_rows: int | None = None, query_rows: int | None = None
+        cls,
+        batch: ScheduledBatch,
+        decoder_rows: int | None = None,
+        query_rows: int | None = None,
+        microbatches: tuple[MicrobatchRows, ...] = (),
     ) -> "RankStepInfo":
         decode = [s.sample and s.length == 1 and s.output_index > 0 for s in batch.segments]
         return cls(
@@ -152,6 +185,7 @@ class RankStepInfo:
             finished_prompts=tuple(s.request_id for s in batch.segments if s.sample and s.output_index == 0),
             decoder_rows=decoder_rows,
             query_rows=query_rows,
+            microbatches=microbatches,
         )
 
 
@@ -161,8 +195,9 @@ class DPMetadata:
     the MoE exchange pads to the largest rank's rows at each layer and cuts each
     rank's rows out.
 
-    Wire layout 2 (one flat int64 tensor): ``[layout, step_id, world]`` then per rank
-    ``[num_tokens, is_prefill, decoder_rows, query_rows, num_finished]`` and per
+    Wire layout 3 (one flat int64 tensor): ``[layout, step_id, world]`` then per rank
+    ``[num_tokens, is_prefill, decoder_rows, query_rows, num_microbatches]``, per
+    microbatch ``[num_tokens, decoder_rows, query_rows]``, ``[num_finished]`` and per
     finished request ``[num_bytes, *utf8_bytes]``."""
 
     step_id: int
@@ -178,13 +213,21 @@ class DPMetadata:
         step_id: int,
         batches: tuple[ScheduledBatch, ...],
         stage_rows: Sequence[tuple[int, int]] | None = None,
+        microbatches: Sequence[tuple[MicrobatchRows, ...]] | None = None,
     ) -> "DPMetadata":
         """``stage_rows``: each rank's (decoder rows, query rows) under decoder replay
-        (None: every row runs every layer)."""
+        (None: every row runs every layer); ``microbatches``: each rank's two-batch
+        overlap split (None: overlap is off)."""
         stages = stage_rows if stage_rows is not None else [(None, None)] * len(batches)
-        if len(stages) != len(batches):
-            raise DPMetadataError(f"stage_rows: {len(stages)} entries for {len(batches)} ranks")
-        return cls(step_id=step_id, ranks=tuple(RankStepInfo.of(b, *stage) for b, stage in zip(batches, stages)))
+        splits = microbatches if microbatches is not None else [()] * len(batches)
+        if len(stages) != len(batches) or len(splits) != len(batches):
+            raise DPMetadataError(
+                f"stage_rows / microbatches: {len(stages)} / {len(splits)} entries for {len(batches)} ranks"
+            )
+        return cls(
+            step_id=step_id,
+            ranks=tuple(RankStepInfo.of(b, *stage, split) for b, stage, split in zip(batches, stages, splits)),
+        )
 
     @property
     def row_counts(self) -> tuple[int, ...]:
@@ -193,15 +236,26 @@ class DPMetadata:
     def decoder_row_counts(self, decoder_layers: Sequence[int]) -> dict[int, tuple[int, ...]]:
         """Every rank's MoE rows at each of ``decoder_layers`` (the decoder's layer
         ids, in order): its decoder rows, and at the last layer its query rows."""
-        counts = {layer: tuple(r.decoder_rows for r in self.ranks) for layer in decoder_layers[:-1]}
-        if decoder_layers:
-            counts[decoder_layers[-1]] = tuple(r.query_rows for r in self.ranks)
-        return counts
+        return _decoder_counts(self.ranks, decoder_layers)
+
+    def microbatch_counts(
+        self, index: int, decoder_layers: Sequence[int]
+    ) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
+        """Microbatch ``index``'s every-rank row counts and, at ``decoder_layers``,
+        decoder row counts (as row_counts / decoder_row_counts are the step's); every
+        rank must have split."""
+        if not all(r.microbatches for r in self.ranks):
+            raise DPMetadataError("microbatch_counts: a rank did not split this step")
+        split = [r.microbatches[index] for r in self.ranks]
+        return tuple(mb.num_tokens for mb in split), _decoder_counts(split, decoder_layers)
 
     def to_wire(self) -> torch.Tensor:
         words = [DP_METADATA_LAYOUT, self.step_id, len(self.ranks)]
         for rank in self.ranks:
             words += [rank.num_tokens, int(rank.is_prefill), rank.decoder_rows, rank.query_rows]
+            words.append(len(rank.microbatches))
+            for mb in rank.microbatches:
+                words += [getattr(mb, f) for f in MICROBATCH_FIELDS]
             words.append(len(rank.finished_prompts))
             for request_id in rank.finished_prompts:
                 raw = request_id.encode()
@@ -221,16 +275,38 @@ class DPMetadata:
         ranks = []
         try:
             for _ in range(world):
-                num_tokens, is_prefill, decoder_rows, query_rows, num_finished = words[at : at + 5]
+                num_tokens, is_prefill, decoder_rows, query_rows, num_microbatches = words[at : at + 5]
                 at += 5
+                microbatches = []
+                for _ in range(num_microbatches):
+                    microbatches.append(MicrobatchRows(*words[at : at + len(MICROBATCH_FIELDS)]))
+                    at += len(MICROBATCH_FIELDS)
+                num_finished = words[at]
+                at += 1
                 finished = []
                 for _ in range(num_finished):
                     size = words[at]
                     finished.append(bytes(words[at + 1 : at + 1 + size]).decode())
                     at += 1 + size
-                ranks.append(RankStepInfo(num_tokens, bool(is_prefill), tuple(finished), decoder_rows, query_rows))
-        except (IndexError, ValueError, UnicodeDecodeError) as exc:
+                ranks.append(
+                    RankStepInfo(
+                        num_tokens, bool(is_prefill), tuple(finished), decoder_rows, query_rows, tuple(microbatches)
+                    )
+                )
+        except (IndexError, TypeError, ValueError, UnicodeDecodeError) as exc:
             raise DPMetadataError(f"wire: truncated or corrupt layout-{DP_METADATA_LAYOUT} tensor ({exc})") from exc
         if at != len(words):
             raise DPMetadataError(f"wire: {len(words) - at} words after the last rank (a corrupt tensor)")
         return cls(step_id=step_id, ranks=tuple(ranks))
+
+
+MICROBATCH_FIELDS = ("num_tokens", "decoder_rows", "query_rows")
+
+
+def _decoder_counts(
+    ranks: Sequence[RankStepInfo | MicrobatchRows], decoder_layers: Sequence[int]
+) -> dict[int, tuple[int, ...]]:
+    counts = {layer: tuple(r.decoder_rows for r in ranks) for layer in decoder_layers[:-1]}
+    if decoder_layers:
+        counts[decoder_layers[-1]] = tuple(r.query_rows for r in ranks)
+    return counts

@@ -35,7 +35,7 @@ from dsv41.cluster.options import (
     EngineError,
     EngineOptions,
     RankLayout,
-    check_speculation_config,
+    check_replica_options,
     default_max_model_len,
     engine_options,
 )
@@ -55,6 +55,7 @@ from dsv41.cluster.sampler import prompt_logprobs
 from dsv41.cluster.sampling_guide import SamplingGuide, penalty_counts
 from dsv41.cluster.scheduler import Scheduler
 from dsv41.cluster.stopping import StopChecker
+from dsv41.cluster.tbo import microbatch_rows, split
 from dsv41.model.config import V41Config
 from dsv41.model.kernels import load_kernels
 from dsv41.model.params import ModelParams
@@ -92,7 +93,7 @@ class Engine(EngineClient):
     ) -> None:
         if not isinstance(world, int) or world < 1:
             raise DPError(f"world: {world!r} (allowed: an int >= 1)")
-        check_speculation_config(config, options, world)
+        check_replica_options(config, options, world)
         self.config = config
         self.tokenizer = tokenizer
         self.options = options
@@ -130,7 +131,7 @@ class Engine(EngineClient):
         Options are EngineOptions' fields; unknown ones are refused."""
         parsed = engine_options(options)
         source = ModelSource.parse(model)
-        check_speculation_config(source.config(), parsed)
+        check_replica_options(source.config(), parsed, 1)
         params, tokenizer = source.load_params(dtype=parsed.dtype, device=parsed.device)
         return cls.from_params(params, tokenizer, parsed)
 
@@ -138,6 +139,7 @@ class Engine(EngineClient):
     def from_params(cls, params: ModelParams, tokenizer: Tokenizer, options: EngineOptions) -> "Engine":
         """A replica of one rank in this thread over loaded weights (moved to
         ``options.device``), with its own offload store when ``offload_host_bytes`` asks."""
+        check_replica_options(params.config, options, 1)
         layout = RankLayout.build(params.config, options)
         store = layout.offload_store(options)
         offload = LocalOffload(store) if store is not None else None
@@ -174,7 +176,7 @@ class Engine(EngineClient):
         sharing one in-process offload store when ``offload_host_bytes`` asks."""
         parsed = engine_options(options)
         source = ModelSource.parse(model)
-        check_speculation_config(source.config(), parsed, dp.world)
+        check_replica_options(source.config(), parsed, dp.world)
         store = RankLayout.build(source.config(), parsed).offload_store(parsed)
         offload = LocalOffload(store) if store is not None else None
         return cls.over(source, dp, ThreadedRanks(source, parsed, dp, offload), parsed, offload)
@@ -344,10 +346,13 @@ class Engine(EngineClient):
         self._step_id += 1
         metadata = None
         if self.world > 1:
-            stages = None
-            if self.options.decoder_swa_bounded_replay:
-                stages = [stage_rows(b, self.config.sliding_window) for b in batches]
-            metadata = DPMetadata.of(self._step_id, batches, stages).to_wire()
+            window = self.config.sliding_window if self.options.decoder_swa_bounded_replay else None
+            stages = None if window is None else [stage_rows(b, window) for b in batches]
+            microbatches = None
+            if self.options.enable_tbo_prefill:
+                token_split = self.options.tbo_prefill_token_split
+                microbatches = [microbatch_rows(split(b, token_split), window) for b in batches]
+            metadata = DPMetadata.of(self._step_id, batches, stages, microbatches).to_wire()
         try:
             results = self.executor.execute(batches, metadata)
         except RankFailure as exc:

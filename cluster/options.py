@@ -76,6 +76,16 @@ class EngineOptions:
     # FFN. It changes a prompt's last logits from a full prefill's (the spec's
     # accuracy note); prompt logits and prompt logprobs always run the full prefill.
     decoder_swa_bounded_replay: bool = True
+    # Prefill two-batch overlap under DP attention (cluster/tbo.py; the spec's
+    # --enable-tbo prefill): a prefill step's rows run as two microbatches, one's MoE
+    # collectives in flight while the other computes. Needs more than one DP rank.
+    # tbo_prefill_min_tokens: every rank's rows at least this (ATOM_TBO_PREFILL_MIN_
+    # TOKENS; the default is not tuned: no GPU measured it). tbo_prefill_token_split:
+    # the cut may fall inside a request (ATOM_TBO_PREFILL_TOKEN_SPLIT=1, the default),
+    # else only between requests.
+    enable_tbo_prefill: bool = False
+    tbo_prefill_min_tokens: int = 256
+    tbo_prefill_token_split: bool = True
     # Offload store of PAGE units and STATE images (0: none): host bytes, then an
     # optional disk tier.
     offload_host_bytes: int = 0
@@ -130,6 +140,12 @@ class EngineOptions:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise EngineError(f"{name}: {value!r} (allowed: a positive integer)")
         self._check_speculation()
+        for name in ("enable_tbo_prefill", "tbo_prefill_token_split"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineError(f"{name}: {getattr(self, name)!r} (allowed: True, False)")
+        minimum = self.tbo_prefill_min_tokens
+        if not isinstance(minimum, int) or isinstance(minimum, bool) or minimum < 0:
+            raise EngineError(f"tbo_prefill_min_tokens: {minimum!r} (allowed: an integer >= 0)")
         threshold = self.long_prefill_token_threshold
         if threshold is None:
             object.__setattr__(self, "long_prefill_token_threshold", default_prefill_threshold(self.max_num_batched_tokens))
@@ -167,10 +183,9 @@ class EngineOptions:
             )
 
 
-def check_speculation_config(config: V41Config, options: EngineOptions, world: int = 1) -> None:
+def check_speculation_config(config: V41Config, options: EngineOptions) -> None:
     """Refuses, from the config alone (before any weight is read), speculation the
-    checkpoint or the replica cannot run: a checkpoint without DSpark stages, a count
-    other than its block, more than one DP rank."""
+    checkpoint cannot run: one without DSpark stages, or a count other than its block."""
     if options.speculative_method is None:
         return
     if not config.topology.dspark_layers:
@@ -183,10 +198,25 @@ def check_speculation_config(config: V41Config, options: EngineOptions, world: i
             f"num_speculative_tokens: {options.num_speculative_tokens} (allowed: {config.dspark_block_size}, the "
             "checkpoint's dspark_block_size: DSpark drafts its whole block)"
         )
-    if world != 1:
+
+
+def check_replica_options(config: V41Config, options: EngineOptions, world: int) -> None:
+    """Refuses, from the config alone (before any weight is read), options the
+    checkpoint or a replica of ``world`` DP ranks cannot run: speculation the
+    checkpoint cannot run or over more than one DP rank; prefill two-batch overlap on
+    one rank (the spec refuses plain TP and effective single-rank DP attention alike:
+    one rank has no collectives to hide)."""
+    check_speculation_config(config, options)
+    if options.speculative_method is not None and world != 1:
         raise EngineError(
             f"speculative_method: {options.speculative_method!r} with {world} DP ranks (allowed: one rank; DSpark "
             "under DP attention is not implemented here yet: the draft stages' MoE joins no DP exchange)"
+        )
+    if options.enable_tbo_prefill and world < 2:
+        raise EngineError(
+            f"enable_tbo_prefill: True on a replica of {world} DP rank (allowed: DP attention over >= 2 ranks; "
+            "prefill two-batch overlap hides one microbatch's MoE collectives across the DP ranks behind the other's "
+            "attention, and one rank has no collectives to hide)"
         )
 
 

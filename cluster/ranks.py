@@ -24,8 +24,9 @@ import torch.distributed as dist
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
 from dsv41.cluster.offload_connector import OffloadConnector
-from dsv41.cluster.options import EngineOptions, RankLayout, check_speculation_config
+from dsv41.cluster.options import EngineOptions, RankLayout, check_replica_options
 from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
+from dsv41.cluster.tbo import TBOOptions, microbatch_rows, runs_split, split
 from dsv41.model.kernels import load_kernels
 from dsv41.model.kernels.interface import PagedKernels
 from dsv41.model.loader import ExpertShard
@@ -94,9 +95,13 @@ class DPRank:
         offload: OffloadConnector | None = None,
         batch_invariant: bool = False,
         decoder_replay: bool = False,
+        tbo: TBOOptions | None = None,
     ) -> None:
+        if tbo is not None and exchange is None:
+            raise DPError(f"tbo: {tbo} on a rank without an exchange (allowed: a rank of a replica of >= 2 ranks)")
         self.rank = rank
         self.exchange = exchange
+        self.tbo = tbo
         self.decoder_layers = params.config.topology.decoder_layers
         self.runner = ModelRunner(
             params,
@@ -123,6 +128,7 @@ class DPRank:
         """Loads the rank's expert shard of ``model`` (and everything else whole) on
         its device and joins ``group`` (required when ``dp.world`` > 1); ``offload``
         is the replica's offload store, shared by every rank."""
+        check_replica_options(model.config(), options, dp.world)
         params, _ = model.load_params(dtype=options.dtype, device=options.device, shard=dp.shard(rank))
         kernels = load_kernels(options.kernel_backend)
         exchange = None
@@ -130,7 +136,14 @@ class DPRank:
             if group is None:
                 raise DPError(f"group: None for rank {rank} of a {dp.world}-rank replica (allowed: its process group)")
             exchange = DPExpertExchange(
-                params.config, group, rank, dp.backend, kernels, dp.expert_mode, bool(options.batch_invariant)
+                params.config,
+                group,
+                rank,
+                dp.backend,
+                kernels,
+                dp.expert_mode,
+                bool(options.batch_invariant),
+                device=options.device,
             )
         layout = RankLayout.build(params.config, options)
         return cls(
@@ -143,13 +156,16 @@ class DPRank:
             offload=offload,
             batch_invariant=bool(options.batch_invariant),
             decoder_replay=options.decoder_swa_bounded_replay,
+            tbo=TBOOptions.of(options),
         )
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor | None) -> StepResult:
         """Runs this rank's batch of a step (padding when it has no rows). Under
         decoder replay the decoder's layers run fewer rows: the exchange learns every
         rank's count at each of them from the metadata. A rank alone (no exchange)
-        reads no metadata."""
+        reads no metadata. Under prefill two-batch overlap, when every rank agrees
+        from the metadata (cluster/tbo.runs_split), its forward runs as the two
+        microbatches the metadata names, each with its MoE's own counts."""
         if self.exchange is None:
             return self.runner.execute(batch)
         if metadata_wire is None:
@@ -166,10 +182,23 @@ class DPRank:
                 f"rank {self.rank}: batch of {batch.num_tokens} rows ({expected[0]} decoder, {expected[1]} "
                 f"query), the step's metadata says {own.num_tokens} ({stages[0]}, {stages[1]})"
             )
-        self.exchange.begin_step(metadata.row_counts, metadata.decoder_row_counts(self.decoder_layers))
+        parts = None
+        microbatches = []
+        if self.tbo is not None and runs_split(metadata, self.tbo.min_tokens):
+            parts = split(batch, self.tbo.token_split)
+            rows = microbatch_rows(parts, self.runner.shape.window if self.runner.decoder_replay else None)
+            if parts is None or rows != own.microbatches:
+                raise DPError(
+                    f"rank {self.rank}: batch splits into microbatches {rows}, the step's metadata says "
+                    f"{own.microbatches}"
+                )
+            microbatches = [metadata.microbatch_counts(i, self.decoder_layers) for i in range(len(parts))]
+        self.exchange.begin_step(metadata.row_counts, metadata.decoder_row_counts(self.decoder_layers), microbatches)
         if batch.is_empty:
             return self.runner.execute_padding(batch.step_id)
-        return self.runner.execute(batch)
+        if parts is None:
+            return self.runner.execute(batch)
+        return self.runner.execute(batch, [(part, self.exchange.microbatch(i)) for i, part in enumerate(parts)])
 
 
 class ThreadedRanks:
@@ -178,7 +207,7 @@ class ThreadedRanks:
     def __init__(
         self, model: ModelSource, options: EngineOptions, dp: DPLayout, offload: OffloadConnector | None = None
     ) -> None:
-        check_speculation_config(model.config(), options, dp.world)
+        check_replica_options(model.config(), options, dp.world)
         self.model = model
         self.options = options
         self.dp = dp

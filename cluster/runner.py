@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -44,7 +44,8 @@ from dsv41.model.device import move_tensors
 from dsv41.model.kernels.interface import PagedKernels
 from dsv41.model.linalg import batch_invariant, cpu_threads
 from dsv41.model.params import LayerParams, ModelParams
-from dsv41.model.runtime import PagedRuntime
+from dsv41.model.microbatch import MoESteps
+from dsv41.model.runtime import Microbatch, PagedRuntime
 
 
 class DecoderReplayError(RuntimeError):
@@ -155,7 +156,12 @@ class ModelRunner:
                 batch_invariant,
             )
 
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def execute(
+        self, batch: ScheduledBatch, microbatches: Sequence[tuple[ScheduledBatch, MoESteps]] = ()
+    ) -> StepResult:
+        """Runs ``batch``; with ``microbatches`` (prefill two-batch overlap: its rows
+        cut in consecutive parts, cluster/tbo.split_batch, each with its MoE) its
+        forward runs as those parts interleaved, everything around it as one step."""
         if batch.is_empty:
             return StepResult(step_id=batch.step_id)
         segments = batch.segments
@@ -171,26 +177,32 @@ class ModelRunner:
         # the pools' device.
         compressed = self.params.token_map[tokens]
         histories = self.pools.cursor[[seg.slot for seg in segments], CURSOR_POSITION + 1 :].cpu()
-        specs = [
-            SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start, s.num_draft_tokens)
-            for s in segments
-        ]
         if self.speculator is None and any(s.num_draft_tokens for s in segments):
             raise RuntimeError("a segment carries drafts, but this rank does not speculate (num_speculative_tokens 0)")
-        addresses = move_tensors(build_step_addresses(specs, self.shape), self.pools.device)
         logit_rows, logit_ranges, sample_rows = self.logit_rows(segments)
         device = self.pools.device
-        decoder = self._decoder_addresses(segments, specs) if self.decoder_replay else None
-        decoder = None if decoder is None else move_tensors(decoder, device)
-        output = self.runtime.forward(
-            tokens.to(device),
-            self._ngrams(segments, compressed, histories),
-            addresses,
-            self.store,
-            logit_rows.to(device),
-            decoder=decoder,
-            capture_layers=() if self.speculator is None else self.speculator.capture_layers,
-        )
+        ngrams = self._ngrams(segments, compressed, histories)
+        if not microbatches:
+            addresses, decoder = self._plan(segments)
+            output = self.runtime.forward(
+                tokens.to(device),
+                ngrams,
+                addresses,
+                self.store,
+                logit_rows.to(device),
+                decoder=decoder,
+                capture_layers=() if self.speculator is None else self.speculator.capture_layers,
+            )
+        else:
+            # Never with a speculator: speculation runs on one rank, TBO on several
+            # (options.check_replica_options).
+            parts = []
+            for part, moe in microbatches:
+                plan, part_decoder = self._plan(part.segments)
+                part_tokens = torch.tensor([t for seg in part.segments for t in seg.token_ids], dtype=torch.long)
+                part_rows = self.logit_rows(part.segments)[0]
+                parts.append(Microbatch(part_tokens.to(device), plan, part_rows.to(device), part_decoder, moe))
+            output = self.runtime.forward_microbatches(parts, ngrams, self.store)
         accepted, sampled, committed = self._verify(segments, self._sample(segments, output.logits, sample_rows))
         self._advance_cursors(segments, compressed, histories, committed)
         drafts_next: dict[str, tuple[int, ...]] = {}
@@ -283,6 +295,19 @@ class ModelRunner:
                 DraftRequest(seg.request_id, seg.slot, sampled[seg.request_id].token_id, end - 1, window_start)
             )
         return speculator.draft(wanted)
+
+    def _plan(self, segments: tuple[ScheduledSegment, ...]) -> tuple[StepAddresses, DecoderAddresses | None]:
+        """The forward's addresses of ``segments`` on the pools' device, and under
+        decoder replay its decoder rows'."""
+        specs = [
+            SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start, s.num_draft_tokens)
+            for s in segments
+        ]
+        device = self.pools.device
+        plan = move_tensors(build_step_addresses(specs, self.shape), device)
+        if not self.decoder_replay:
+            return plan, None
+        return plan, move_tensors(self._decoder_addresses(segments, specs), device)
 
     def _decoder_addresses(
         self, segments: tuple[ScheduledSegment, ...], specs: list[SegmentSpec]

@@ -135,13 +135,24 @@ def cmd_logits(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from dsv41.cluster.options import EngineError, check_replica_options, engine_options
     from dsv41.cluster.request import SamplingParams
+    from dsv41.model.source import ModelSource
 
     if args.dp < 1:
         raise SystemExit("--dp: must be a positive integer")
     model_dir = _model_dir(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     options = _speculation_options(args)
+    if args.enable_tbo == "prefill":
+        options["enable_tbo_prefill"] = True
+    if args.tbo_prefill_min_tokens is not None:
+        options["tbo_prefill_min_tokens"] = args.tbo_prefill_min_tokens
+    try:
+        # Before Ray starts or a weight is read.
+        check_replica_options(ModelSource.parse(model_dir).config(), engine_options(options), args.dp)
+    except EngineError as exc:
+        raise SystemExit(f"dsv41 generate: {exc}") from exc
     if args.backend == "ray":
         import ray
 
@@ -489,6 +500,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="ranks in this process, or Ray actors")
     p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (experts sharded over them)")
     _add_speculation_arguments(p)
+    p.add_argument(
+        "--enable-tbo",
+        choices=("prefill",),
+        default=None,
+        help="prefill two-batch overlap: each rank's prefill steps run as two microbatches, one's MoE collectives "
+        "overlapping the other's compute (needs --dp >= 2)",
+    )
+    p.add_argument(
+        "--tbo-prefill-min-tokens",
+        type=int,
+        default=None,
+        help="with --enable-tbo prefill: split a step only when every rank has at least this many rows",
+    )
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("geometry", help="print the PAGE/STATE plane table and bytes")

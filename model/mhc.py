@@ -115,9 +115,17 @@ def run_site(
     """One site of a block: mix from the incoming streams, collapse them with the
     previous site's ``pre``, RMSNorm, the sublayer, expand. Returns the new streams
     and this site's pre (what the next site collapses with)."""
-    mix = site.mix(streams, config)
-    h = site_input(streams, pre, norm, config.rms_norm_eps)
+    mix, h = open_site(streams, pre, site, norm, config)
     return expand(streams, sublayer(h), mix), mix.pre
+
+
+def open_site(
+    streams: torch.Tensor, pre: torch.Tensor, site: HcSite, norm: torch.Tensor, config: V41Config
+) -> tuple[HcMix, torch.Tensor]:
+    """A site up to its sublayer: its mix and the sublayer's input (``run_site`` for a
+    sublayer that returns later: a MoE whose collectives are in flight). The site
+    ends with ``expand(streams, y, mix)`` and ``mix.pre``."""
+    return site.mix(streams, config), site_input(streams, pre, norm, config.rms_norm_eps)
 
 
 def site_input(streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:

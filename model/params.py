@@ -40,10 +40,17 @@ class EngramParams:
     ) -> torch.Tensor:
         """Updates the streams before the attention site from each row's compressed
         n-grams [R, max_ngram] (ids at t, t-1, ..., pad-substituted)."""
-        # The tables live in host memory: rows are looked up on the CPU and only the
-        # gathered embeddings move to the streams' device.
-        rows = hashing.row_ids(layer_id, ngrams.cpu())
-        embeddings = self.table.lookup(rows).to(device=streams.device, dtype=streams.dtype)
+        return self.update(streams, self.lookup(layer_id, hashing, ngrams), eps)
+
+    def lookup(self, layer_id: int, hashing: EngramHashing, ngrams: torch.Tensor) -> torch.Tensor:
+        """Each row's table rows [R, input_dim] (fp32, on the host) from its
+        compressed n-grams. The tables live in host memory: rows are looked up on the
+        CPU and only the gathered embeddings move to the streams' device."""
+        return self.table.lookup(hashing.row_ids(layer_id, ngrams.cpu()))
+
+    def update(self, streams: torch.Tensor, embeddings: torch.Tensor, eps: float) -> torch.Tensor:
+        """The gated update of the streams with each row's looked-up rows."""
+        embeddings = embeddings.to(device=streams.device, dtype=streams.dtype)
         return engram_update(streams, embeddings, self.wkv, self.q_weight, self.k_weight, eps)
 
 

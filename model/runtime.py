@@ -21,6 +21,11 @@ compression, the decoder rows the decoder layers (their windows, ring writes and
 are the plan's), and the last layer's query, attention and FFN run on the rows whose
 logits are wanted while its window KV covers every decoder row.
 
+Prefill two-batch overlap runs a step as two microbatches of its rows
+(``forward_microbatches``): the forward is written as steps (model/microbatch.py)
+that yield while a microbatch's MoE collectives are in flight, and the two are
+interleaved layer by layer.
+
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -39,7 +44,8 @@ from dsv41.model.indexer import EMPTY, SelectionState, index_query
 from dsv41.model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.linalg import batch_invariant, linear
-from dsv41.model.mhc import final_hidden, first_pre, run_site, site_input
+from dsv41.model.mhc import expand, final_hidden, first_pre, open_site, run_site, site_input
+from dsv41.model.microbatch import EngramRows, MoESteps, Steps, interleave, run_steps
 from dsv41.model.moe import ExpertWeights, Routing, combine_slots, expert_ffn, route
 from dsv41.model.params import LayerParams, ModelParams
 
@@ -206,6 +212,20 @@ class StepOutput:
     layer_inputs: dict[int, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Microbatch:
+    """One microbatch of a split step (prefill two-batch overlap): consecutive rows of
+    the step, with their own plan over them (positions, slots and PAGEs are the
+    rows' own; compression plans and tiles are this microbatch's), the rows of it
+    whose logits are wanted, its decoder rows under replay, and its MoE."""
+
+    token_ids: torch.Tensor  # [r]
+    plan: StepPlan
+    logit_rows: torch.Tensor  # rows of this microbatch
+    decoder: DecoderPlan | None
+    moe: MoESteps
+
+
 class PagedRuntime:
     """Runs the target model over a step. Stateless between steps: everything a
     request carries lives in the store."""
@@ -254,26 +274,110 @@ class PagedRuntime:
         layer's MoE is called, in layer order, on the rows that reach it, none
         included: a DP exchange's collectives meet every peer's. ``capture_layers``:
         target layers whose input streams the output carries (``layer_inputs``)."""
+        rows = token_ids.numel()
+        engram = EngramRows(
+            self.params.engram_hashing,
+            engram_ngrams,
+            self.config.topology.decoder_start,
+            None if decoder is None else decoder.rows,
+        )
         with batch_invariant(self.batch_invariant):
-            return self._forward(token_ids, engram_ngrams, plan, store, logit_rows, decoder, capture_layers)
+            steps = self._steps(
+                token_ids, engram, torch.arange(rows), plan, store, logit_rows, decoder, None, capture_layers
+            )
+            return run_steps(steps)
+
+    @torch.no_grad()
+    def forward_microbatches(
+        self, microbatches: Sequence[Microbatch], engram_ngrams: torch.Tensor, store: PagedStore
+    ) -> StepOutput:
+        """One step's forward as consecutive microbatches of its rows (prefill
+        two-batch overlap), interleaved layer by layer: while one microbatch's MoE
+        collectives are in flight the other computes. ``engram_ngrams`` are the whole
+        step's rows' (each microbatch reads its slice of one lookup per Engram layer).
+        Each microbatch keeps its rows' positions, slots and PAGEs (its plan) and has
+        its own compression plans and selection state; a request split across the two
+        is two consecutive chunks of it, the second reading the first's rings, tails
+        and entries, which the first writes at each layer before the second reaches
+        that layer. The output is the step's, rows in step order: in the
+        batch-invariant mode the unsplit forward's bits."""
+        bases = [0]
+        for mb in microbatches:
+            bases.append(bases[-1] + mb.token_ids.numel())
+        decoder_rows = None
+        if any(mb.decoder is not None for mb in microbatches):
+            if not all(mb.decoder is not None for mb in microbatches):
+                raise ValueError("microbatches: decoder replay on some and not others (allowed: all or none)")
+            decoder_rows = torch.cat([base + mb.decoder.rows.cpu() for base, mb in zip(bases, microbatches)])
+        engram = EngramRows(
+            self.params.engram_hashing,
+            engram_ngrams,
+            self.config.topology.decoder_start,
+            decoder_rows,
+            readers=len(microbatches),
+        )
+        with batch_invariant(self.batch_invariant):
+            outputs = interleave(
+                [
+                    self._steps(
+                        mb.token_ids,
+                        engram,
+                        torch.arange(base, base + mb.token_ids.numel()),
+                        mb.plan,
+                        store,
+                        mb.logit_rows,
+                        mb.decoder,
+                        mb.moe,
+                    )
+                    for base, mb in zip(bases, microbatches)
+                ]
+            )
+        selections = {}
+        for layer in sorted({layer for out in outputs for layer in out.selections}):
+            parts = []
+            for mb, out in zip(microbatches, outputs):
+                picked = out.selections.get(layer)
+                if picked is None:
+                    # A microbatch none of whose rows reached the layer (a decoder
+                    # layer under replay): EMPTY, as the unsplit step's spread gives.
+                    picked = torch.full((mb.token_ids.numel(), self.config.index_topk), EMPTY, dtype=torch.long)
+                parts.append(picked.to(out.logits.device))
+            selections[layer] = torch.cat(parts)
+        # No layer inputs: a split step never speculates (speculation runs on one rank).
+        return StepOutput(logits=torch.cat([out.logits for out in outputs]), selections=selections, layer_inputs={})
 
     def moe_padding(self, layers: Sequence[LayerParams]) -> None:
         """Each of ``layers``' MoE on zero rows, in order: the side of a DP exchange's
         collectives of a rank whose rows do not reach them."""
+        run_steps(self._padding_steps(layers, None))
+
+    def _padding_steps(self, layers: Sequence[LayerParams], moe: MoESteps | None) -> Steps[None]:
         empty = self.params.embed.new_zeros(0, self.config.hidden_size)
         for layer in layers:
-            self.moe(layer, empty)
+            yield from self._moe_steps(layer, empty, moe)
 
-    def _forward(
+    def _moe_steps(self, layer: LayerParams, h: torch.Tensor, moe: MoESteps | None) -> Steps[torch.Tensor]:
+        """The layer's MoE: ``moe``'s steps (a microbatch's), else the runtime's own
+        MoE in one call (no yield)."""
+        if moe is None:
+            return self.moe(layer, h)
+        return (yield from moe(layer, h))
+
+    def _steps(
         self,
         token_ids: torch.Tensor,
-        engram_ngrams: torch.Tensor,
+        engram: EngramRows,
+        engram_rows: torch.Tensor,
         plan: StepPlan,
         store: PagedStore,
         logit_rows: torch.Tensor,
         decoder: DecoderPlan | None,
-        capture_layers: tuple[int, ...],
-    ) -> StepOutput:
+        moe: MoESteps | None,
+        capture_layers: tuple[int, ...] = (),
+    ) -> Steps[StepOutput]:
+        """The forward of ``token_ids``' rows (``engram_rows``: theirs in ``engram``),
+        yielding while ``moe``'s collectives are in flight (never with ``moe`` None);
+        the output carries the input streams of ``capture_layers``."""
         cfg = self.config
         layer_inputs: dict[int, torch.Tensor] = {}
         rows = token_ids.numel()
@@ -281,7 +385,7 @@ class PagedRuntime:
         streams = streams.expand(rows, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = first_pre(rows, cfg.hc_mult, device=token_ids.device)
         state = SelectionState()
-        stage, ngrams, out_rows = plan, engram_ngrams, logit_rows
+        stage, out_rows = plan, logit_rows
         queries = None
         if decoder is not None:
             queries = _rows_within(decoder.rows, logit_rows, rows)
@@ -296,19 +400,17 @@ class PagedRuntime:
                 h_all = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps)
                 self._compress(layer, h_all, plan.compression[layer.topology.ratio], store)
                 streams, pre = streams[decoder.rows], pre[decoder.rows]
-                ngrams, stage = ngrams[decoder.rows.to(ngrams.device)], decoder.plan
+                engram_rows, stage = engram_rows[decoder.rows.cpu()], decoder.plan
                 if decoder.rows.numel() == 0:
-                    self.moe_padding(self.params.layers[i:])
+                    yield from self._padding_steps(self.params.layers[i:], moe)
                     layer_inputs.update({lid: streams for lid in capture_layers if lid >= layer.layer_id})
                     break
             if layer.layer_id in capture_layers:
                 layer_inputs[layer.layer_id] = streams
             if layer.engram is not None:
-                streams = layer.engram.apply(
-                    layer.layer_id, streams, self.params.engram_hashing, ngrams, cfg.rms_norm_eps
-                )
+                streams = layer.engram.update(streams, engram.embeddings(layer, engram_rows), cfg.rms_norm_eps)
             if queries is not None and layer.layer_id == last:
-                streams, pre = self._last_layer(layer, streams, pre, stage, queries, store, state)
+                streams, pre = yield from self._last_layer(layer, streams, pre, stage, queries, store, state, moe)
                 continue
 
             def attention(
@@ -321,11 +423,10 @@ class PagedRuntime:
                     self._compress(layer, h, stage.compression[layer.topology.ratio], store)
                 return self._attention(layer, h, stage, store, state)
 
-            def moe(h: torch.Tensor, layer: LayerParams = layer) -> torch.Tensor:
-                return self.moe(layer, h)
-
             streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg)
-            streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, moe, cfg)
+            mix, h = open_site(streams, pre, layer.hc_ffn, layer.ffn_norm, cfg)
+            y = yield from self._moe_steps(layer, h, moe)
+            streams, pre = expand(streams, y, mix), mix.pre
         h = final_hidden(streams[out_rows], pre[out_rows], self.params.norm, cfg.rms_norm_eps)
         selections = state.selections
         if decoder is not None and queries is not None:
@@ -341,7 +442,8 @@ class PagedRuntime:
         queries: torch.Tensor,
         store: PagedStore,
         state: SelectionState,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        moe: MoESteps | None,
+    ) -> Steps[tuple[torch.Tensor, torch.Tensor]]:
         """The last layer under decoder replay: window KV (and its ring writes) on the
         stage's rows, query, attention and FFN on ``queries`` (rows of the stage).
         Returns the queries' streams and pre."""
@@ -352,7 +454,7 @@ class PagedRuntime:
             # A step whose decoder rows all precede the prompts' last rows: the ring
             # keeps their KV, and nothing reaches the head.
             self._write_window(layer, plan, kv, store)
-            self.moe_padding([layer])
+            yield from self._padding_steps([layer], moe)
             return streams[queries], pre[queries]
         query_plan = _QueryPlan.of(plan, queries)
         query_state = selection_rows(state, queries)
@@ -361,7 +463,9 @@ class PagedRuntime:
             return self._attention(layer, h, query_plan, store, query_state, kv)
 
         streams, pre = run_site(streams[queries], pre[queries], layer.hc_attn, layer.attn_norm, attention, cfg)
-        streams, pre = run_site(streams, pre, layer.hc_ffn, layer.ffn_norm, lambda h: self.moe(layer, h), cfg)
+        mix, h = open_site(streams, pre, layer.hc_ffn, layer.ffn_norm, cfg)
+        y = yield from self._moe_steps(layer, h, moe)
+        streams, pre = expand(streams, y, mix), mix.pre
         if layer.layer_id in query_state.selections:
             state.selections[layer.layer_id] = query_state.selections[layer.layer_id]
         return streams, pre

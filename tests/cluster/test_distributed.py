@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv41.cluster.batch import DP_METADATA_LAYOUT, DPMetadata, DPMetadataError, RankStepInfo
+from dsv41.cluster.batch import DP_METADATA_LAYOUT, DPMetadata, DPMetadataError, MicrobatchRows, RankStepInfo
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.placement import RankLoad, place
@@ -41,12 +41,26 @@ request_ids = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), 
 
 @st.composite
 def rank_infos(draw: st.DrawFn) -> RankStepInfo:
-    """A rank's step: its rows, and the decoder and query rows bounded replay leaves
-    of them (or every row)."""
+    """A rank's step: its rows, the decoder and query rows bounded replay leaves of
+    them (or every row), and maybe its two TBO microbatches."""
     rows = draw(st.integers(0, 10_000))
     decoder = draw(st.one_of(st.none(), st.integers(0, rows)))
     query = draw(st.one_of(st.none(), st.integers(0, rows if decoder is None else decoder)))
-    return RankStepInfo(rows, draw(st.booleans()), tuple(draw(st.lists(request_ids, max_size=4))), decoder, query)
+    microbatches: tuple[MicrobatchRows, ...] = ()
+    if rows >= 2 and draw(st.booleans()):
+        decoder_all = rows if decoder is None else decoder
+        query_all = decoder_all if query is None else query
+        first = draw(st.integers(1, rows - 1))
+        first_decoder = draw(st.integers(max(0, decoder_all - (rows - first)), min(first, decoder_all)))
+        first_query = draw(
+            st.integers(max(0, query_all - (decoder_all - first_decoder)), min(first_decoder, query_all))
+        )
+        microbatches = (
+            MicrobatchRows(first, first_decoder, first_query),
+            MicrobatchRows(rows - first, decoder_all - first_decoder, query_all - first_query),
+        )
+    ids = tuple(draw(st.lists(request_ids, max_size=4)))
+    return RankStepInfo(rows, draw(st.booleans()), ids, decoder, query, microbatches)
 
 
 @settings(max_examples=60, deadline=None)

@@ -47,6 +47,22 @@ def test_generate_json_prints_the_engines_greedy_tokens(tiny_dir: Path, tmp_path
     assert printed == {"p": list(want)}
 
 
+def test_generate_with_prefill_tbo(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dsv41 generate --dp 2 --enable-tbo prefill` prints the tokens the same DP2 run
+    prints without it; on one rank it exits with the reason before loading anything
+    (a model directory that does not exist)."""
+    ids = {"p": list(range(3, 90)), "q": list(range(100, 140))}
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    args = ["generate", "--model", str(tiny_dir), "--ids", str(tmp_path / "ids.json"), "--max-tokens", "4", "--json"]
+    printed = []
+    for extra in ([], ["--enable-tbo", "prefill", "--tbo-prefill-min-tokens", "8"]):
+        main([*args, "--dp", "2", *extra])
+        printed.append(json.loads(capsys.readouterr().out))
+    assert printed[0] == printed[1] and len(printed[0]["p"]) == 4
+    with pytest.raises(SystemExit, match="enable_tbo_prefill.*1 DP rank"):
+        main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x", "--max-tokens", "1", "--enable-tbo", "prefill"])
+
+
 def test_every_command_works_on_a_transformers_written_checkpoint(
     hf_written_dir: Path, tiny_quantized_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
