@@ -21,6 +21,7 @@ import torch
 from dsv41.cache.block_manager import StateImage
 from dsv41.cluster.offload_connector import PageFill, PagePublish
 from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_guide import SamplingGuide
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class ScheduledSegment:
     # tentatively after the anchor (the last sampled token); only the accepted prefix
     # is committed (cluster/speculative.py).
     num_draft_tokens: int = 0
+    # What sampling needs beyond params (grammar mask, penalty counts); set by the
+    # engine on sampling segments whose request has a grammar or penalties.
+    guide: SamplingGuide | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

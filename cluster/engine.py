@@ -18,9 +18,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -41,9 +41,18 @@ from dsv41.cluster.options import (
 )
 from dsv41.cluster.placement import RankLoad, place
 from dsv41.cluster.ranks import DPError, DPLayout, DPRank, DPStepExecutor, LocalRank, RankFailure, ThreadedRanks
-from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, RequestStatus, SamplingParams, SeedSource
+from dsv41.cluster.request import (
+    CumulativeOutputs,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    SamplingParamsError,
+    SeedSource,
+)
 from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
 from dsv41.cluster.sampler import prompt_logprobs
+from dsv41.cluster.sampling_guide import SamplingGuide, penalty_counts
 from dsv41.cluster.scheduler import Scheduler
 from dsv41.cluster.stopping import StopChecker
 from dsv41.cluster.tbo import microbatch_rows, split
@@ -51,6 +60,9 @@ from dsv41.model.config import V41Config
 from dsv41.model.kernels import load_kernels
 from dsv41.model.params import ModelParams
 from dsv41.model.source import ModelSource
+
+if TYPE_CHECKING:
+    from dsv41.cluster.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +112,7 @@ class Engine(EngineClient):
         self._rank_of: dict[str, int] = {}
         self._step_id = 0
         self.num_restarts = 0
+        self._structured: StructuredOutputManager | None = None
         logger.info(
             "engine: %d rank(s), %d PAGEs x %d tokens, %d STATE slots per rank, layout %s",
             world,
@@ -203,6 +216,18 @@ class Engine(EngineClient):
     def pool_size(self) -> PoolSize:
         return self.layout.pool_size
 
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """The grammar matchers and compiled-grammar cache, built with the first
+        request that has a grammar (the vocabulary tables cost a pass over it)."""
+        if self._structured is None:
+            # xgrammar takes seconds to import: only an engine asked for a grammar pays it.
+            from dsv41.cluster.structured_output import GrammarCache, StructuredOutputManager, grammar_tokenizer_info
+
+            info = grammar_tokenizer_info(self.tokenizer, self.config.vocab_size, [self.config.eos_token_id])
+            self._structured = StructuredOutputManager(GrammarCache(info))
+        return self._structured
+
     # -- requests -----------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -226,11 +251,25 @@ class Engine(EngineClient):
             raise EngineError(f"prompt_token_ids: every id must be an integer in [0, {self.config.vocab_size})")
         self._check_fits_pool(request_id, len(prompt), params)
         params.validate_for(self.config.vocab_size, self.max_model_len, len(prompt))
+        if self.options.num_speculative_tokens and (params.structured_outputs is not None or params.uses_penalties):
+            field = "structured_outputs" if params.structured_outputs is not None else next(
+                name for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1))
+                if getattr(params, name) != off
+            )
+            raise SamplingParamsError(
+                f"{field}: grammars and presence / frequency / repetition penalties are not served with speculative "
+                f"decoding (speculative_method={self.options.speculative_method!r}): a draft's row would be sampled "
+                "without the state the tokens before it leave"
+            )
+        if params.structured_outputs is not None:
+            self.structured.cache.get(params.structured_outputs)  # compiled (or refused) before anything is queued
         ids = (request_id,) if params.n == 1 else tuple(f"{request_id}#{i}" for i in range(params.n))
         seeds = self.seeds.seeds_for(params)
         now = time.monotonic()
         for rid, seed in zip(ids, seeds):
             request = Request(rid, prompt, params, sampling_seed=seed, arrival_time=now)
+            if params.structured_outputs is not None:
+                self.structured.add(rid, params.structured_outputs)
             self._requests[rid] = request
             self._place(request)
         if params.n > 1:
@@ -275,6 +314,7 @@ class Engine(EngineClient):
                 continue
             request.finish(RequestStatus.FINISHED_ABORTED)
             self.schedulers[rank].finish(request)
+            self._release_grammar(rid)
             aborted = True
         return aborted
 
@@ -299,7 +339,7 @@ class Engine(EngineClient):
         """Schedules and runs one step of every rank; returns the delta outputs of the
         requests that got a token or finished in it (after a lost rank: every request
         in flight, ended in error, and the ranks restarted)."""
-        batches = tuple(s.schedule() for s in self.schedulers)
+        batches = tuple(self._guided(s.schedule()) for s in self.schedulers)
         if all(b.is_empty for b in batches):
             return []
         self._mark_scheduled(batches, time.monotonic())
@@ -322,6 +362,28 @@ class Engine(EngineClient):
         for scheduler, batch, result in zip(self.schedulers, batches, results):
             outputs.extend(self._apply(scheduler, batch, result, sampled_at))
         return outputs
+
+    def _guided(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The batch with a SamplingGuide on each sampling segment whose request has a
+        grammar (the mask its matcher allows now) or penalties (its token counts)."""
+        segments = list(batch.segments)
+        changed = False
+        for i, seg in enumerate(segments):
+            request = self._requests.get(seg.request_id)
+            if not seg.sample or request is None:
+                continue
+            grammar = self._structured is not None and seg.request_id in self._structured
+            if not grammar and not request.params.uses_penalties:
+                continue
+            ids, counts = (
+                penalty_counts(request.prompt_token_ids, request.output_token_ids)
+                if request.params.uses_penalties
+                else ((), ())
+            )
+            allowed = self.structured.allowed_tokens(seg.request_id) if grammar else None
+            segments[i] = replace(seg, guide=SamplingGuide(allowed, ids, counts))
+            changed = True
+        return replace(batch, segments=tuple(segments)) if changed else batch
 
     def _mark_scheduled(self, batches: Sequence[ScheduledBatch], now: float) -> None:
         """Stamps the requests the scheduler gives rows for the first time (their queue
@@ -353,6 +415,8 @@ class Engine(EngineClient):
             stopped = False
             for token in (*accepted, result.sampled[seg.request_id]):
                 request.append_output_token(token.token_id, token.logprobs)
+                if seg.guide is not None and seg.guide.allowed_tokens is not None:
+                    self.structured.accept(seg.request_id, token.token_id)
                 stopped = self.stop_checker.check_stop(request)
                 if stopped:
                     break
@@ -385,6 +449,8 @@ class Engine(EngineClient):
         self._requests.clear()
         self._children.clear()
         self._rank_of.clear()
+        if self._structured is not None:
+            self._structured.clear()
         self.schedulers = self._fresh_schedulers()
         return outputs
 
@@ -408,7 +474,12 @@ class Engine(EngineClient):
                         final[out.request_id] = cumulative
         return [final[rid] for rid in order]
 
+    def _release_grammar(self, request_id: str) -> None:
+        if self._structured is not None:
+            self._structured.remove(request_id)
+
     def _forget(self, request: Request) -> None:
+        self._release_grammar(request.request_id)
         self._requests.pop(request.request_id, None)
         self._rank_of.pop(request.request_id, None)
         parent = request.request_id.rpartition("#")[0]

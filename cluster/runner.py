@@ -136,6 +136,7 @@ class ModelRunner:
         cpu_threads(batch_invariant, device)
         self.runtime = PagedRuntime(params, moe=moe, kernels=kernels, batch_invariant=batch_invariant)
         self.sampler = Sampler(config.vocab_size)
+        self.eos_token_id = config.eos_token_id
         self.shape = PoolShape(
             block_size=geometry.block_size,
             window=config.sliding_window,
@@ -403,11 +404,20 @@ class ModelRunner:
         if not sampling:
             return {}
         per_row = [(seg, i) for seg in sampling for i in range(seg.num_draft_tokens + 1)]
+        # A guide is the request's state after its committed tokens: it cannot mask or
+        # penalise rows after drafts, so the engine refuses such requests under
+        # speculation.
+        guided_verify = [seg.request_id for seg in sampling if seg.guide is not None and seg.num_draft_tokens]
+        if guided_verify:
+            raise ValueError(f"segments {guided_verify}: a verify with drafts cannot carry a sampling guide")
         metadata = SamplingMetadata.from_params(
             [seg.params for seg, _ in per_row],
             [seg.seed for seg, _ in per_row],
             [seg.output_index + i for seg, i in per_row],
             device=logits.device,
+            guides=[seg.guide for seg, _ in per_row],
+            vocab_size=self.sampler.vocab_size,
+            eos_token_id=self.eos_token_id,
         )
         out = self.sampler(logits[sample_rows], metadata)
         drawn: dict[str, list[SampledToken]] = {seg.request_id: [] for seg in sampling}

@@ -1,26 +1,32 @@
 """Sampling: one step's logits to token ids and logprobs, vectorised over rows.
 
 Owns: :class:`SamplingMetadata` (a step's per-row sampling parameters as tensors),
-:class:`Sampler` (greedy, temperature, top-k, top-p, seeded draws, logprobs),
-:func:`prompt_logprobs`, and the counter-based random draw they use.
+:class:`Sampler` (the grammar's token mask, logit bias, min_tokens, repetition /
+presence / frequency penalties, greedy, temperature, min-p, top-k, top-p, seeded
+draws, logprobs), :func:`prompt_logprobs`, and the counter-based random draw they use.
 
 Batch invariance is the design constraint: a row's draw depends only on (its seed,
 its output index, the token id), through a splitmix64 hash evaluated in int64 tensor
 arithmetic, never on a generator whose state other rows advance. So a request samples
-the same tokens alone, in any batch, at any row, on any rank.
+the same tokens alone, in any batch, at any row, on any rank. Every logits transform
+is elementwise or a row's own max (no transcendental function: min-p compares in log
+space against a threshold computed per row on the host), so a row's result does not
+depend on the step's other rows either.
 
 Must not import: ray, tokenizers, ``model``, ``cache``, ``actors``, ``deploy``; from
-``cluster`` only ``cluster.request``.
+``cluster`` only ``cluster.request`` and ``cluster.sampling_guide``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_guide import BITMASK_WORD_BITS, BITMASK_WORD_BYTES, SamplingGuide, bitmask_words
 
 _U64_MASK = (1 << 64) - 1
 
@@ -82,7 +88,12 @@ class SamplingMetadata:
 
     ``temperature`` 0 marks a greedy row; ``top_k`` -1 is off; ``output_indices`` is the
     index, among the request's generated tokens, of the token each row samples.
-    ``num_logprobs`` is the request's ``params.logprobs`` per row.
+    ``num_logprobs`` is the request's ``params.logprobs`` per row. ``min_p_log`` is
+    log(min_p) per row (-inf: off). The sparse tensors name (row, token) pairs:
+    ``bias_*`` a value added to the logit (logit bias; -inf for a stop token masked by
+    min_tokens), ``penalty_*`` a token of the row's prompt or output with its count in
+    the output. ``allowed_tokens`` [G, bitmask words] int32 holds the packed masks of
+    the ``allowed_rows`` [G] that have a grammar (None when no row has one).
     """
 
     temperature: torch.Tensor  # [R] float32
@@ -91,6 +102,18 @@ class SamplingMetadata:
     seeds: torch.Tensor  # [R] int64
     output_indices: torch.Tensor  # [R] int64
     num_logprobs: tuple[int | None, ...]
+    min_p_log: torch.Tensor | None = None  # [R] float32
+    repetition_penalty: torch.Tensor | None = None  # [R] float32
+    presence_penalty: torch.Tensor | None = None  # [R] float32
+    frequency_penalty: torch.Tensor | None = None  # [R] float32
+    bias_rows: torch.Tensor | None = None  # [B] int64
+    bias_tokens: torch.Tensor | None = None  # [B] int64
+    bias_values: torch.Tensor | None = None  # [B] float32
+    penalty_rows: torch.Tensor | None = None  # [N] int64
+    penalty_tokens: torch.Tensor | None = None  # [N] int64
+    penalty_counts: torch.Tensor | None = None  # [N] int32
+    allowed_rows: torch.Tensor | None = None  # [G] int64
+    allowed_tokens: torch.Tensor | None = None  # [G, W] int32
 
     def __post_init__(self) -> None:
         rows = len(self.num_logprobs)
@@ -100,13 +123,46 @@ class SamplingMetadata:
             ("top_p", torch.float32),
             ("seeds", torch.int64),
             ("output_indices", torch.int64),
+            ("min_p_log", torch.float32),
+            ("repetition_penalty", torch.float32),
+            ("presence_penalty", torch.float32),
+            ("frequency_penalty", torch.float32),
         ):
             value = getattr(self, name)
+            if value is None:
+                continue
             if value.dtype != dtype or tuple(value.shape) != (rows,):
                 raise SamplerError(
                     f"{name}: must be a {dtype} tensor of shape ({rows},), "
                     f"got {value.dtype} {tuple(value.shape)}"
                 )
+        for group, dtypes in (
+            ("bias", (torch.int64, torch.int64, torch.float32)),
+            ("penalty", (torch.int64, torch.int64, torch.int32)),
+        ):
+            names = [f"{group}_{part}" for part in ("rows", "tokens", "values" if group == "bias" else "counts")]
+            values = [getattr(self, name) for name in names]
+            if all(v is None for v in values):
+                continue
+            if any(v is None for v in values) or len({v.shape for v in values}) != 1 or values[0].dim() != 1:
+                raise SamplerError(f"{', '.join(names)}: give all three, one-dimensional and of one length")
+            for name, value, dtype in zip(names, values, dtypes):
+                if value.dtype != dtype:
+                    raise SamplerError(f"{name}: must be {dtype}, got {value.dtype}")
+        if (self.allowed_rows is None) != (self.allowed_tokens is None):
+            raise SamplerError("allowed_rows, allowed_tokens: give both or neither")
+        if self.allowed_tokens is not None and (
+            self.allowed_rows.dtype != torch.int64
+            or self.allowed_rows.dim() != 1
+            or self.allowed_tokens.dtype != torch.int32
+            or self.allowed_tokens.dim() != 2
+            or self.allowed_tokens.shape[0] != self.allowed_rows.shape[0]
+        ):
+            raise SamplerError(
+                f"allowed_tokens: must be an int32 tensor of shape (len(allowed_rows), words) beside int64 "
+                f"allowed_rows, got {self.allowed_tokens.dtype} {tuple(self.allowed_tokens.shape)} and "
+                f"{self.allowed_rows.dtype} {tuple(self.allowed_rows.shape)}"
+            )
 
     @property
     def num_rows(self) -> int:
@@ -119,22 +175,85 @@ class SamplingMetadata:
         seeds: Sequence[int],
         output_indices: Sequence[int],
         device: torch.device | str = "cpu",
+        *,
+        guides: Sequence[SamplingGuide | None] | None = None,
+        vocab_size: int | None = None,
+        eos_token_id: int | None = None,
     ) -> SamplingMetadata:
-        """Gather one row per (params, sampling seed, output index); seeds are taken
-        modulo 2**64."""
-        if not len(params) == len(seeds) == len(output_indices):
+        """Gather one row per (params, sampling seed, output index, guide); seeds are
+        taken modulo 2**64. ``vocab_size`` is needed when a guide carries a grammar
+        mask, ``eos_token_id`` when a row has ``min_tokens``."""
+        guides = [None] * len(params) if guides is None else list(guides)
+        if not len(params) == len(seeds) == len(output_indices) == len(guides):
             raise SamplerError(
-                f"rows: params, seeds and output_indices must have one entry per row, "
-                f"got {len(params)}, {len(seeds)}, {len(output_indices)}"
+                f"rows: params, seeds, output_indices and guides must have one entry per row, "
+                f"got {len(params)}, {len(seeds)}, {len(output_indices)}, {len(guides)}"
             )
+
+        def row_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        fields: dict[str, torch.Tensor | None] = {}
+        if any(p.min_p > 0 for p in params):
+            fields["min_p_log"] = row_tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], torch.float32)
+        if any(p.uses_penalties for p in params):
+            for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+                fields[name] = row_tensor([getattr(p, name) for p in params], torch.float32)
+        bias: list[tuple[int, int, float]] = []
+        penalty: list[tuple[int, int, int]] = []
+        for row, (p, index, guide) in enumerate(zip(params, output_indices, guides)):
+            row_bias = dict(p.logit_bias)
+            if index < p.min_tokens:
+                # A stop token's bias is replaced, not added to: -inf either way.
+                row_bias.update(dict.fromkeys(p.stop_token_ids, -math.inf))
+                if eos_token_id is not None:
+                    row_bias[eos_token_id] = -math.inf
+            bias.extend((row, token, value) for token, value in sorted(row_bias.items()))
+            if p.uses_penalties:
+                if guide is None:
+                    raise SamplerError(f"guides: row {row} has penalties but no guide carrying its token counts")
+                penalty.extend((row, t, c) for t, c in zip(guide.penalty_token_ids, guide.penalty_output_counts))
+        if bias:
+            rows_, tokens_, values_ = zip(*bias)
+            fields["bias_rows"] = row_tensor(list(rows_), torch.int64)
+            fields["bias_tokens"] = row_tensor(list(tokens_), torch.int64)
+            fields["bias_values"] = row_tensor(list(values_), torch.float32)
+        if penalty:
+            rows_, tokens_, counts_ = zip(*penalty)
+            fields["penalty_rows"] = row_tensor(list(rows_), torch.int64)
+            fields["penalty_tokens"] = row_tensor(list(tokens_), torch.int64)
+            fields["penalty_counts"] = row_tensor(list(counts_), torch.int32)
+        masked = [row for row, g in enumerate(guides) if g is not None and g.allowed_tokens is not None]
+        if masked:
+            if vocab_size is None:
+                raise SamplerError("vocab_size: needed to read the guides' token masks")
+            fields["allowed_rows"] = row_tensor(masked, torch.int64)
+            fields["allowed_tokens"] = _packed_masks([guides[row] for row in masked], bitmask_words(vocab_size), device)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            seeds=torch.tensor([_as_int64(s) for s in seeds], dtype=torch.int64, device=device),
-            output_indices=torch.tensor(list(output_indices), dtype=torch.int64, device=device),
+            temperature=row_tensor([p.temperature for p in params], torch.float32),
+            top_k=row_tensor([p.top_k for p in params], torch.int64),
+            top_p=row_tensor([p.top_p for p in params], torch.float32),
+            seeds=row_tensor([_as_int64(s) for s in seeds], torch.int64),
+            output_indices=row_tensor(list(output_indices), torch.int64),
             num_logprobs=tuple(p.logprobs for p in params),
+            **fields,
         )
+
+
+def _packed_masks(guides: Sequence[SamplingGuide], words: int, device: torch.device | str) -> torch.Tensor:
+    """The guides' packed masks [len(guides), words] int32, moved once to ``device``."""
+    data = b"".join(guide.allowed_tokens for guide in guides)
+    if len(data) != len(guides) * words * BITMASK_WORD_BYTES:
+        sizes = sorted({len(guide.allowed_tokens) // BITMASK_WORD_BYTES for guide in guides})
+        raise SamplerError(f"guides: token masks of {sizes} words (allowed: {words})")
+    return torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(guides), words).to(device)
+
+
+def unpack_token_mask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, words] int32 packed masks -> [R, vocab_size] bool (True: allowed)."""
+    shifts = torch.arange(BITMASK_WORD_BITS, dtype=torch.int32, device=packed.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(packed.shape[0], -1)[:, :vocab_size].bool()
 
 
 @dataclass(frozen=True)
@@ -149,12 +268,17 @@ class SamplerOutput:
 class Sampler:
     """Turns a step's logits [R, vocab_size] (float32) into one token per row.
 
-    Greedy rows (temperature 0) take the argmax, the smallest id on ties. Other rows
-    divide by their temperature, keep their top_k tokens (ties at the cut go to the
+    In vLLM's order: the grammar's mask first (a token it forbids is -inf); then the
+    logit bias and min_tokens' masked stop tokens (which give way in a row where the
+    grammar allows nothing else, so a grammar that is complete can end its request);
+    then the repetition penalty over prompt and output tokens and the presence and
+    frequency penalties over output tokens. Greedy rows (temperature 0) take the
+    argmax of that, the smallest id on ties. Other rows divide by their temperature,
+    drop tokens below min-p, keep their top_k tokens (ties at the cut go to the
     smaller id), then the smallest set of those whose renormalised mass reaches top_p
     (at least one token), and draw by Gumbel-max with the row's counter-based noise.
-    Logprobs are the log-softmax of the raw logits (no temperature, no filtering), as
-    vLLM reports by default.
+    Logprobs are the log-softmax of the logits after the grammar's mask and before
+    everything else (vLLM masks before its sampler and reports raw logprobs).
     """
 
     def __init__(self, vocab_size: int) -> None:
@@ -164,12 +288,21 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         _check_logits(logits, self.vocab_size, metadata.num_rows)
+        if metadata.allowed_rows is not None:
+            allowed = unpack_token_mask(metadata.allowed_tokens, self.vocab_size)
+            masked = logits.index_select(0, metadata.allowed_rows).masked_fill(~allowed, float("-inf"))
+            logits = logits.index_copy(0, metadata.allowed_rows, masked)
+        reported = logits
+        logits = _apply_penalties(_apply_bias(logits, metadata), metadata)
         token_ids = logits.argmax(dim=-1)
         random_rows = torch.nonzero(metadata.temperature > 0).squeeze(1)
         if random_rows.numel() > 0:
             temperature = metadata.temperature.index_select(0, random_rows).unsqueeze(1)
+            scaled = logits.index_select(0, random_rows) / temperature
+            if metadata.min_p_log is not None:
+                scaled = _mask_min_p(scaled, metadata.min_p_log.index_select(0, random_rows))
             filtered = _mask_top_k_top_p(
-                logits.index_select(0, random_rows) / temperature,
+                scaled,
                 metadata.top_k.index_select(0, random_rows),
                 metadata.top_p.index_select(0, random_rows),
             )
@@ -180,7 +313,42 @@ class Sampler:
             )
             sampled = (filtered.to(torch.float64) + noise).argmax(dim=-1)
             token_ids = token_ids.index_copy(0, random_rows, sampled)
-        return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(logits, token_ids, metadata.num_logprobs))
+        return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(reported, token_ids, metadata.num_logprobs))
+
+
+def _apply_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Logit bias and min_tokens' -inf, except in a row they would leave empty."""
+    if metadata.bias_rows is None:
+        return logits
+    biased = logits.index_put((metadata.bias_rows, metadata.bias_tokens), metadata.bias_values, accumulate=True)
+    emptied = ~torch.isfinite(biased.amax(dim=-1, keepdim=True))
+    return torch.where(emptied, logits, biased)
+
+
+def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """vLLM's penalties on the rows' prompt and output tokens: the penalised rows' sparse
+    counts scattered into a dense [rows with penalties, vocab] block (the other rows
+    are left as they are)."""
+    if metadata.penalty_rows is None:
+        return logits
+    rows = torch.unique(metadata.penalty_rows)
+    index = (torch.searchsorted(rows, metadata.penalty_rows), metadata.penalty_tokens)
+    block = logits.index_select(0, rows)
+    seen = torch.zeros_like(block, dtype=torch.bool).index_put(index, torch.ones_like(metadata.penalty_rows, dtype=torch.bool))
+    counts = torch.zeros_like(block).index_put(index, metadata.penalty_counts.to(block.dtype))
+    repetition = metadata.repetition_penalty.index_select(0, rows).unsqueeze(1)
+    penalised = torch.where(block > 0, block / repetition, block * repetition)
+    block = torch.where(seen, penalised, block)
+    block = block - metadata.frequency_penalty.index_select(0, rows).unsqueeze(1) * counts
+    block = block - metadata.presence_penalty.index_select(0, rows).unsqueeze(1) * (counts > 0).to(block.dtype)
+    return logits.index_copy(0, rows, block)
+
+
+def _mask_min_p(logits: torch.Tensor, min_p_log: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top one's: compared as
+    logit - max logit < log(min_p), which needs no softmax."""
+    keep = logits - logits.amax(dim=-1, keepdim=True) >= min_p_log.unsqueeze(1)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def prompt_logprobs(

@@ -161,7 +161,7 @@ _PARAMETER_CLOSE = _protocol(PARAMETER_END_TAG)
 RESPONSE_FORMAT_INSTRUCTION = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-TOOL_CHOICES = ("auto", "none")
+TOOL_CHOICES = ("auto", "none", "required")
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 _TOOL_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 
@@ -408,7 +408,7 @@ def _read_conversation(messages: Any) -> list[_Turn]:
 # -- options ------------------------------------------------------------------------------
 
 
-def _read_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+def read_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     """The declared functions, each as the object its schema line shows (name,
     description, parameters; ``strict`` is an API flag the model does not see)."""
     if tools is None:
@@ -457,13 +457,32 @@ def _read_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     return tuple(functions)
 
 
-def _read_tool_choice(tool_choice: Any) -> str:
+def read_tool_choice(tool_choice: Any, functions: tuple[dict[str, Any], ...]) -> str:
+    """``tool_choice`` as one of :data:`TOOL_CHOICES`, or the name of the one declared
+    function a ``{"type": "function", "function": {"name": ...}}`` choice forces."""
+    if isinstance(tool_choice, Mapping):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str) or set(tool_choice) != {"type", "function"}:
+            raise ChatRequestError(
+                "tool_choice", f"{_short(tool_choice)} (allowed: {{'type': 'function', 'function': {{'name': NAME}}}})"
+            )
+        declared = [f["name"] for f in functions]
+        if name not in declared:
+            raise ChatRequestError("tool_choice.function.name", f"{name!r} is not a declared tool (declared: {declared})")
+        return name
     if tool_choice not in TOOL_CHOICES:
         raise ChatRequestError(
-            "tool_choice",
-            f"{tool_choice!r} (allowed: 'auto', 'none'; 'required' and named functions are not supported)",
+            "tool_choice", f"{_short(tool_choice)} (allowed: 'auto', 'none', 'required' or a named function)"
         )
+    if tool_choice == "required" and not functions:
+        raise ChatRequestError("tool_choice", "'required' needs at least one declared tool")
     return tool_choice
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def reasoning_effort_budget(reasoning_effort: str | int | None) -> int:
@@ -482,8 +501,13 @@ def reasoning_effort_budget(reasoning_effort: str | int | None) -> int:
     )
 
 
-def _read_response_format(response_format: Any) -> Mapping[str, Any] | None:
-    """The JSON schema a response must follow, or None."""
+# The schema a json_object response follows (OpenAI: any JSON object).
+JSON_OBJECT_SCHEMA: Mapping[str, Any] = MappingProxyType({"type": "object"})
+
+
+def read_response_format(response_format: Any) -> Mapping[str, Any] | None:
+    """The JSON schema a response must follow (:data:`JSON_OBJECT_SCHEMA` for
+    ``json_object``), or None."""
     if response_format is None:
         return None
     if not isinstance(response_format, Mapping):
@@ -491,8 +515,10 @@ def _read_response_format(response_format: Any) -> Mapping[str, Any] | None:
     kind = response_format.get("type")
     if kind == "text":
         return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
     if kind != "json_schema":
-        raise ChatRequestError("response_format.type", f"{kind!r} (allowed: 'text', 'json_schema')")
+        raise ChatRequestError("response_format.type", f"{kind!r} (allowed: 'text', 'json_object', 'json_schema')")
     json_schema = response_format.get("json_schema")
     if not isinstance(json_schema, Mapping):
         raise ChatRequestError("response_format.json_schema", f"{type(json_schema).__name__} (allowed: an object)")
@@ -515,7 +541,7 @@ def _system_addendum(functions: tuple[dict[str, Any], ...], schema: Mapping[str,
     if functions:
         addendum += ["\n\n", *_TOOLS_SECTION_HEAD_PIECES, "\n".join(map(to_json, functions)), _TOOLS_SECTION_TAIL]
     if schema is not None:
-        addendum += ["\n\n" + RESPONSE_FORMAT_INSTRUCTION, to_json(schema)]
+        addendum += ["\n\n" + RESPONSE_FORMAT_INSTRUCTION, to_json(dict(schema))]
     return addendum
 
 
@@ -526,7 +552,7 @@ def render_pieces(
     messages: list[Mapping[str, Any]],
     *,
     tools: list[Mapping[str, Any]] | None = None,
-    tool_choice: str = "auto",
+    tool_choice: str | Mapping[str, Any] = "auto",
     thinking: bool = False,
     reasoning_effort: str | int | None = None,
     response_format: Mapping[str, Any] | None = None,
@@ -540,13 +566,13 @@ def render_pieces(
     any call block as text); past calls in the messages are still rendered."""
     if not isinstance(thinking, bool):
         raise ChatRequestError("thinking", f"{thinking!r} (allowed: true, false)")
-    functions = _read_tools(tools)
-    if _read_tool_choice(tool_choice) == "none":
+    functions = read_tools(tools)
+    if read_tool_choice(tool_choice, functions) == "none":
         functions = ()
     if reasoning_effort is not None and not thinking:
         raise ChatRequestError("reasoning_effort", f"{reasoning_effort!r} is set but thinking is off")
     budget = reasoning_effort_budget(reasoning_effort)
-    addendum = _system_addendum(functions, _read_response_format(response_format))
+    addendum = _system_addendum(functions, read_response_format(response_format))
     turns = _read_conversation(messages)
     if addendum and not isinstance(turns[0], _LeadingSystem):
         turns.insert(0, _LeadingSystem(""))

@@ -29,7 +29,24 @@ if TYPE_CHECKING:
 
 # deploy.app binds the LLM servers under their class's name, Serve's default.
 LLM_SERVER_DEPLOYMENT = "LLMServer"
-SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = (
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "structured_outputs",
+)
 OUTPUT_COLUMNS = ("text", "token_ids", "finish_reason", "usage")
 
 Prompt = str | Sequence[int]

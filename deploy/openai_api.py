@@ -46,16 +46,25 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tokenizers import decoders
 
 from dsv41.cluster.options import EngineError
-from dsv41.cluster.request import MAX_LOGPROBS, RequestOutput, SamplingParams, SamplingParamsError, short_repr
+from dsv41.cluster.request import (
+    MAX_LOGPROBS,
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputs,
+    short_repr,
+)
 from dsv41.deploy import safe_json
 from dsv41.deploy.async_engine import EngineDeadError, RequestFailedError
 from dsv41.deploy.chat_parser import ChatDelta, ParsedMessage, StreamingChatParser, parse_assistant_output
 from dsv41.deploy.chat_protocol import ChatRequestError
+from dsv41.deploy.structured_request import chat_structured_outputs, completion_structured_outputs
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -70,12 +79,8 @@ MAX_ERROR_MESSAGE_CHARS = 1024
 # Fields the OpenAI API defines that this server does not implement: accepted only at
 # the value that means "off", so a request never silently gets less than it asked for.
 _OFF_VALUES: Mapping[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "suffix": (None,),
     "best_of": (None, 1),
-    "parallel_tool_calls": (None, True),
 }
 _COMMON_FIELDS = (
     "model",
@@ -93,7 +98,11 @@ _COMMON_FIELDS = (
     "user",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
     "logit_bias",
+    "structured_outputs",
     "skip_special_tokens",
     "spaces_between_special_tokens",
 )
@@ -381,78 +390,79 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
     return include
 
 
-@dataclass(frozen=True)
-class _Sampling:
-    """The sampling fields both endpoints share, read but not yet bound to a prompt."""
-
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    n: int
-    stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    seed: int | None
-    ignore_eos: bool
-    logprobs: int | None
-    skip_special_tokens: bool
-    spaces_between_special_tokens: bool
-    prompt_logprobs: int | None = None
-
-    def params(self, default_max_tokens: int) -> SamplingParams:
-        """SamplingParams (400 naming the field when out of range)."""
-        try:
-            return SamplingParams(
-                max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                n=self.n,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                seed=self.seed,
-                ignore_eos=self.ignore_eos,
-                logprobs=self.logprobs,
-                prompt_logprobs=self.prompt_logprobs,
-                skip_special_tokens=self.skip_special_tokens,
-                spaces_between_special_tokens=self.spaces_between_special_tokens,
-            )
-        except SamplingParamsError as exc:
-            raise error_for(exc) from None
+# Body fields read as SamplingParams' fields of the same name, and the JSON types each
+# may have (an absent one takes SamplingParams' default).
+_NUMBERS = (int, float)
+_SAMPLING_FIELDS: Mapping[str, tuple[type, ...]] = {
+    "temperature": _NUMBERS,
+    "top_p": _NUMBERS,
+    "top_k": (int,),
+    "n": (int,),
+    "seed": (int,),
+    "ignore_eos": (bool,),
+    "presence_penalty": _NUMBERS,
+    "frequency_penalty": _NUMBERS,
+    "repetition_penalty": _NUMBERS,
+    "min_p": _NUMBERS,
+    "min_tokens": (int,),
+    "skip_special_tokens": (bool,),
+    "spaces_between_special_tokens": (bool,),
+}
 
 
 def _read_sampling(
-    body: Mapping[str, Any], max_tokens_field: str, logprobs: int | None, prompt_logprobs: int | None = None
-) -> _Sampling:
-    stop = body.get("stop")
-    stop_strings = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    stop_token_ids = body.get("stop_token_ids") or ()
-    if not isinstance(stop_strings, (list, tuple)) or not isinstance(stop_token_ids, (list, tuple)):
-        name = "stop" if not isinstance(stop_strings, (list, tuple)) else "stop_token_ids"
-        raise bad_request(name, f"{name}: {short_repr(body.get(name))} (allowed: a list)")
-    numbers = (int, float)
-    sampling = _Sampling(
-        max_tokens=body.get(max_tokens_field),
-        temperature=_optional(body, "temperature", numbers, 1.0),
-        top_p=_optional(body, "top_p", numbers, 1.0),
-        top_k=_optional(body, "top_k", (int,), -1),
-        n=_optional(body, "n", (int,), 1),
-        stop=tuple(stop_strings),
-        stop_token_ids=tuple(stop_token_ids),
-        seed=_optional(body, "seed", (int,), None),
-        ignore_eos=_optional(body, "ignore_eos", (bool,), False),
-        logprobs=logprobs,
-        skip_special_tokens=_optional(body, "skip_special_tokens", (bool,), True),
-        spaces_between_special_tokens=_optional(body, "spaces_between_special_tokens", (bool,), True),
-        prompt_logprobs=prompt_logprobs,
-    )
-    max_tokens = sampling.max_tokens
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise bad_request(max_tokens_field, f"{max_tokens_field}: {short_repr(max_tokens)} (allowed: an integer >= 1)")
-    # Every other range check is SamplingParams' own, run now so nothing is tokenized
-    # for a request that cannot run.
-    sampling.params(DEFAULT_COMPLETION_MAX_TOKENS)
-    return sampling
+    body: Mapping[str, Any],
+    max_tokens_field: str,
+    logprobs: int | None,
+    structured: StructuredOutputs | None,
+    prompt_logprobs: int | None = None,
+) -> Mapping[str, Any]:
+    """SamplingParams' keyword arguments from the body, each of the type JSON allows
+    (``max_tokens`` only when given): what :func:`build_params` builds the request's
+    one SamplingParams from, which checks the ranges."""
+    fields: dict[str, Any] = {
+        name: _optional(body, name, kinds, None) for name, kinds in _SAMPLING_FIELDS.items() if body.get(name) is not None
+    }
+    for name in ("stop", "stop_token_ids"):
+        value = body.get(name)
+        value = () if value is None else (value,) if name == "stop" and isinstance(value, str) else value
+        if not isinstance(value, (list, tuple)):
+            raise bad_request(name, f"{name}: {short_repr(body.get(name))} (allowed: a list)")
+        fields[name] = tuple(value)
+    max_tokens = body.get(max_tokens_field)
+    if max_tokens is not None:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise bad_request(max_tokens_field, f"{max_tokens_field}: {short_repr(max_tokens)} (allowed: an integer >= 1)")
+        fields["max_tokens"] = max_tokens
+    fields["logit_bias"] = _read_logit_bias(body.get("logit_bias"))
+    fields["logprobs"] = logprobs
+    fields["prompt_logprobs"] = prompt_logprobs
+    fields["structured_outputs"] = structured
+    return MappingProxyType(fields)
+
+
+def _read_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids as JSON object keys (decimal strings)."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise bad_request("logit_bias", f"logit_bias: {short_repr(value)} (allowed: an object of token id -> bias)")
+    items = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdecimal() and key.isascii()):
+            raise bad_request("logit_bias", f"logit_bias: key {short_repr(key)} is not a token id (allowed: decimal integers)")
+        if not isinstance(bias, _NUMBERS) or isinstance(bias, bool):
+            raise bad_request("logit_bias", f"logit_bias: {short_repr(bias)} for token {key} (allowed: a number)")
+        items.append((int(key), bias))
+    return tuple(items)
+
+
+def build_params(fields: Mapping[str, Any], default_max_tokens: int) -> SamplingParams:
+    """The request's SamplingParams, built once (400 naming the field when out of range)."""
+    try:
+        return SamplingParams(**{"max_tokens": default_max_tokens, **fields})
+    except SamplingParamsError as exc:
+        raise error_for(exc) from None
 
 
 Prompt = str | tuple[int, ...]
@@ -498,7 +508,7 @@ class CompletionRequest:
 
     model: str
     prompts: tuple[Prompt, ...]
-    sampling: _Sampling
+    sampling: SamplingParams
     stream: bool
     include_usage: bool
     echo: bool = False
@@ -529,8 +539,15 @@ class CompletionRequest:
         return cls(
             model=_model(body),
             prompts=_read_prompts(body["prompt"]),
-            sampling=_read_sampling(
-                {**body, max_tokens_field: 1} if prompt_only else body, max_tokens_field, logprobs, prompt_logprobs
+            sampling=build_params(
+                _read_sampling(
+                    {**body, max_tokens_field: 1} if prompt_only else body,
+                    max_tokens_field,
+                    logprobs,
+                    completion_structured_outputs(body),
+                    prompt_logprobs,
+                ),
+                DEFAULT_COMPLETION_MAX_TOKENS,
             ),
             stream=stream,
             include_usage=_include_usage(body, stream),
@@ -539,7 +556,7 @@ class CompletionRequest:
         )
 
     def params(self) -> SamplingParams:
-        return self.sampling.params(DEFAULT_COMPLETION_MAX_TOKENS)
+        return self.sampling
 
 
 def _check_chat_sizes(body: Mapping[str, Any], limits: RequestLimits) -> None:
@@ -572,11 +589,13 @@ class ChatCompletionRequest:
     model: str
     messages: list[Any]
     tools: list[Any] | None
-    tool_choice: str
+    tool_choice: str | Mapping[str, Any]
     thinking: bool
     reasoning_effort: str | int | None
     response_format: Mapping[str, Any] | None
-    sampling: _Sampling
+    # SamplingParams' fields as read; params() builds the one SamplingParams once the
+    # prompt's length (the default max_tokens) is known.
+    sampling_fields: Mapping[str, Any]
     stream: bool
     include_usage: bool
 
@@ -623,7 +642,12 @@ class ChatCompletionRequest:
             thinking=thinking,
             reasoning_effort=reasoning_effort,
             response_format=body.get("response_format"),
-            sampling=_read_sampling(body, max_tokens_field, (top_logprobs or 0) if want_logprobs else None),
+            sampling_fields=_read_sampling(
+                body,
+                max_tokens_field,
+                (top_logprobs or 0) if want_logprobs else None,
+                chat_structured_outputs(body, thinking=thinking),
+            ),
             stream=stream,
             include_usage=_include_usage(body, stream),
         )
@@ -633,9 +657,17 @@ class ChatCompletionRequest:
         """Whether the output is read for tool calls (tools given, tool_choice not "none")."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def n(self) -> int:
+        return self.sampling_fields.get("n", SamplingParams.n)
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.sampling_fields["logprobs"] or 0
+
     def params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         # (?) vLLM's rule: without max_tokens a chat answer may use the rest of the context.
-        return self.sampling.params(max(max_model_len - prompt_len, 1))
+        return build_params(self.sampling_fields, max(max_model_len - prompt_len, 1))
 
 
 # -- writing a response -------------------------------------------------------------------
@@ -956,7 +988,7 @@ def chat_completion_response(
     back as an assistant message (reasoning, content, ``tool_calls``; a malformed call
     block stays content), ``finish_reason`` ``tool_calls`` when a stopped answer called
     tools, token logprobs when asked for, and usage."""
-    top = request.sampling.logprobs or 0
+    top = request.top_logprobs
     choices = []
     for index in sorted(finals):
         output = finals[index]
@@ -986,8 +1018,8 @@ class ChatStreamWriter:
         self._model = model
         self._created = created
         self._tokenizer = tokenizer
-        self._top = request.sampling.logprobs or 0
-        choices = range(request.sampling.n)
+        self._top = request.top_logprobs
+        choices = range(request.n)
         self._parsers = {
             i: StreamingChatParser(thinking=request.thinking, tools_enabled=request.tools_enabled) for i in choices
         }

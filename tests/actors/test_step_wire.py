@@ -20,11 +20,18 @@ from hypothesis import strategies as st
 
 from dsv41.actors.step_wire import StepPacker, StepUnpacker, StepWireError, pack_result, session_packers, unpack_result
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.request import SamplingParams, StructuredOutputs
 from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.cluster.sampling_guide import SamplingGuide
 
 REQUEST_IDS = [f"req-{i}" for i in range(6)]
-PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=3), SamplingParams(max_tokens=4)]
+PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+    SamplingParams(max_tokens=4),
+    SamplingParams(presence_penalty=0.5, logit_bias={3: 1.0}, structured_outputs=StructuredOutputs(regex="[a-z]+")),
+]
+GUIDES = [None, SamplingGuide(b"\xff\x00\x00\x01"), SamplingGuide(None, (1, 5, 9), (0, 2, 1))]
 
 
 @st.composite
@@ -55,6 +62,7 @@ def batch_sequences(draw: st.DrawFn) -> list[ScheduledBatch]:
                     seed=draw(st.integers(0, 2**32)),
                     output_index=draw(st.integers(0, 9)),
                     num_prompt_tokens=draw(st.integers(1, 400)),
+                    guide=draw(st.sampled_from(GUIDES)),
                 )
             )
         batches.append(ScheduledBatch(step_id, tuple(segments)))

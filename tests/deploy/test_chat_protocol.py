@@ -582,12 +582,13 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
         "tools[0].function",
     ),
     ("tool declared twice", {"messages": [_user()], "tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools[1].function.name"),
-    ("tool_choice required", {"messages": [_user()], "tool_choice": "required"}, "tool_choice"),
+    ("tool_choice required without tools", {"messages": [_user()], "tool_choice": "required"}, "tool_choice"),
     (
-        "tool_choice naming a function",
-        {"messages": [_user()], "tool_choice": {"type": "function", "function": {"name": "now"}}},
-        "tool_choice",
+        "tool_choice naming an undeclared function",
+        {"messages": [_user()], "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "now"}}},
+        "tool_choice.function.name",
     ),
+    ("tool_choice of an unknown shape", {"messages": [_user()], "tool_choice": {"type": "any"}}, "tool_choice"),
     ("effort zero", {"messages": [_user()], "thinking": True, "reasoning_effort": 0}, "reasoning_effort"),
     ("effort 101", {"messages": [_user()], "thinking": True, "reasoning_effort": 101}, "reasoning_effort"),
     ("effort medium", {"messages": [_user()], "thinking": True, "reasoning_effort": "medium"}, "reasoning_effort"),
@@ -595,8 +596,8 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ("effort without thinking", {"messages": [_user()], "reasoning_effort": "low"}, "reasoning_effort"),
     ("thinking not a bool", {"messages": [_user()], "thinking": "yes"}, "thinking"),
     (
-        "response format json_object",
-        {"messages": [_user()], "response_format": {"type": "json_object"}},
+        "response format of an unknown type",
+        {"messages": [_user()], "response_format": {"type": "yaml"}},
         "response_format.type",
     ),
     (

@@ -240,9 +240,11 @@ def test_bad_tools_get_400_naming_the_field(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="tiny", messages=CONVERSATION, tools=[bad_name], max_tokens=2)
     assert refused.value.body["param"] == "tools[0].function.name"
-    with pytest.raises(openai.BadRequestError) as required:
-        client.chat.completions.create(model="tiny", messages=CONVERSATION, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=2)
-    assert required.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.chat.completions.create(
+            model="tiny", messages=CONVERSATION, tools=[WEATHER_TOOL], tool_choice={"type": "allowed_tools"}, max_tokens=2
+        )
+    assert unknown.value.body["param"] == "tool_choice"
 
 
 # -- the chat answer assembled from engine outputs ----------------------------------------------
