@@ -17,7 +17,7 @@ with misses, so prompts are recomputed and the engine serves on.
 The actor itself is the group's one point of failure: it holds every request and the
 ranks' bookkeeping, and the ranks and the store die with it (it owns them). A client
 sees it gone through ``check_health`` (``EngineGroup.check_alive``) and replaces the
-whole group; in Serve that is the replica (``deploy.app.LLMServer``).
+whole group; in Serve that is the replica (``deploy.llm_server.LLMServer``).
 
 Must not import: deploy.
 """

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:
     from dsv41.cluster.validate import ReplicaFactory, ReplicaShape
-    from dsv41.deploy.app import AppArgs
+    from dsv41.deploy.app_args import AppArgs
 
 from dsv41.model.tiny import embedded_model_dir
 
@@ -356,7 +356,7 @@ def _serve_settings(args: argparse.Namespace) -> tuple[str, int, str, dict[str, 
     if args.auth_all_routes:
         app_args["public_routes"] = []
     if not (args.model or app_args.get("model")):
-        from dsv41.deploy.app import TINY_MODEL_NAME
+        from dsv41.deploy.app_args import TINY_MODEL_NAME
 
         # The embedded model's name, not its directory's ("tiny-trained"), as the YAML's.
         app_args.setdefault("served_model_name", TINY_MODEL_NAME)
@@ -375,7 +375,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
-    from dsv41.deploy.app import AppArgs, AppStartFailed, AppStartTimeout, build_app, run_app
+    from dsv41.deploy.app import AppStartFailed, AppStartTimeout, build_app, run_app
+    from dsv41.deploy.app_args import AppArgs
 
     host, port, route_prefix, app_args = _serve_settings(args)
     try:

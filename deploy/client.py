@@ -4,13 +4,14 @@ Owns :func:`llm_handle` (the LLM server deployment of a running application),
 :func:`generate` and :func:`stream` (one prompt's completion, whole or as token
 deltas), :func:`complete_dataset` (a Ray Data dataset of prompts mapped through the LLM
 servers by a bounded pool of actors) and :data:`SAMPLING_FIELDS` (the keyword
-arguments all three pass on). They call ``LLMServer.generate_stream`` (deploy/app.py):
+arguments all three pass on). They call ``LLMServer.generate_stream`` (deploy/llm_server.py):
 each delta is ``{"token_ids", "text", "finish_reason", "usage"}``, and a refused request
 raises the server's :class:`~deploy.openai_api.OpenAIError` (``status``, ``param`` and a
 message naming the field).
 
 Must not import: ``torch``, ``model``, ``cache``, ``cluster``, ``actors``, ``fastapi``,
-``deploy.app`` (the client side of a batch job needs Ray and the error type only).
+``deploy.app``, ``deploy.llm_server`` (the client side of a batch job needs Ray and the
+error type only).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     import pyarrow
     import ray.data
 
-# deploy.app binds the LLM servers under their class's name, Serve's default.
+# deploy.app's build_app binds the LLM servers under their class's name, Serve's default.
 LLM_SERVER_DEPLOYMENT = "LLMServer"
 SAMPLING_FIELDS = (
     "model",

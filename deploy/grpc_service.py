@@ -17,7 +17,7 @@ same messages. With an API key, a call must carry ``authorization: Bearer KEY``
 metadata (UNAUTHENTICATED otherwise).
 
 Must not import: ``torch``, ``model``, ``cache``, ``cluster``, ``actors``, ``fastapi``,
-or ``deploy.app`` (which imports this module).
+``deploy.app`` or ``deploy.llm_server`` (which import this module).
 """
 
 from __future__ import annotations

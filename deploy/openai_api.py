@@ -20,7 +20,7 @@ Errors never carry internal text to a client: a dead engine is answered with a g
 log files the details under.
 
 Must not import: ``ray``, ``fastapi``, ``torch``, ``model``, ``cache``, ``actors``,
-``deploy.app``. From ``cluster`` only ``cluster.request`` and ``cluster.engine``'s error
+``deploy.app``, ``deploy.llm_server``. From ``cluster`` only ``cluster.request`` and ``cluster.engine``'s error
 type; from ``deploy.async_engine`` only its error types.
 
 Choices where the docs are unsure, each made in one place (marked (?) where made):

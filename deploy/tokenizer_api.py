@@ -8,7 +8,7 @@ field by field and refused with a 400 (``deploy.openai_api``'s error shape) nami
 field. Nothing here runs the engine.
 
 Must not import: ``ray``, ``fastapi``, ``torch``, ``model``, ``cache``, ``actors``,
-``deploy.app``.
+``deploy.app``, ``deploy.llm_server`` (which import this module).
 """
 
 from __future__ import annotations

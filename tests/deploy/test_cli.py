@@ -84,7 +84,9 @@ def test_every_command_works_on_a_transformers_written_checkpoint(
     engine generates the same tokens."""
     from ray import serve
 
-    from dsv41.deploy.app import AppArgs, build_app, make_engine
+    from dsv41.deploy.app import build_app
+    from dsv41.deploy.app_args import AppArgs
+    from dsv41.deploy.llm_server import make_engine
 
     ids = {"p": list(range(3, 60))}
     (tmp_path / "ids.json").write_text(json.dumps(ids))

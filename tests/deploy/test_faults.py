@@ -41,7 +41,9 @@ from ray.util import placement_group_table
 
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.request import SamplingParams
-from dsv41.deploy.app import AppArgs, build_app, llm_server_placement, run_app
+from dsv41.deploy.app import build_app, run_app
+from dsv41.deploy.app_args import AppArgs
+from dsv41.deploy.llm_server import llm_server_placement
 
 APP_NAME = "faults"
 REQUEST_TIMEOUT_S = 60

@@ -124,7 +124,7 @@ def test_a_prefix_prometheus_refuses_is_refused(prefix: object) -> None:
 def test_the_application_refuses_bad_metrics_args(name: str, value: object) -> None:
     """The application's metrics args are checked before Serve starts a replica: the
     error names the arg."""
-    from dsv41.deploy.app import AppArgs
+    from dsv41.deploy.app_args import AppArgs
 
     with pytest.raises(ValueError, match=name):
         AppArgs(**{name: value})

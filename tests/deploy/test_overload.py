@@ -21,7 +21,9 @@ import pytest
 import ray
 from ray import serve
 
-from dsv41.deploy.app import AppArgs, AppStartFailed, AppStartTimeout, LLMServer, run_app
+from dsv41.deploy.app import AppStartFailed, AppStartTimeout, run_app
+from dsv41.deploy.app_args import AppArgs
+from dsv41.deploy.llm_server import LLMServer
 
 REQUEST_TIMEOUT_S = 60
 LLM_SERVER_CPUS = 1

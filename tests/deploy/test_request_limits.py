@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv41.deploy import safe_json
-from dsv41.deploy.app import AppArgs, _is_json
+from dsv41.deploy.app import _is_json
+from dsv41.deploy.app_args import AppArgs
 from dsv41.deploy.openai_api import OpenAIError, RequestLimits, bearer_matches, parse_body
 
 _JSON = st.recursive(

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from dsv41.cluster.options import engine_options
-from dsv41.deploy.app import AppArgs
+from dsv41.deploy.app_args import AppArgs
 from dsv41.deploy.cli import _speculation_options, build_parser, main
 
 
