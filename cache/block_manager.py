@@ -169,6 +169,9 @@ class BlockManagerStats:
     image_evictions: int
     fetched_pages: int  # PAGEs of hits taken from an offload store
     fetched_images: int
+    # Cached tokens of admitted hits computed again to rebuild their STATE (a hit's
+    # hit_tokens - forward_start: replay's windows, or copy's rows past its image).
+    replayed_tokens: int
 
     @property
     def hit_rate(self) -> float:
@@ -212,6 +215,7 @@ class BlockManager:
         self._hit_tokens = 0
         self._fetched_pages = 0
         self._fetched_images = 0
+        self._replayed_tokens = 0
 
     # -- prefix lookup ----------------------------------------------------------------
 
@@ -353,6 +357,7 @@ class BlockManager:
         for i in range(len(hit.pages), hit.num_hit_pages):
             self.pool.cache(hit.prompt_hashes[i], pages[i])
         self._fetched_pages += hit.fetched_pages
+        self._replayed_tokens += hit.hit_tokens - hit.forward_start
         if hit.fetched_image and hit.restore_image is not None and restoring is not None:
             self.pool.attach(restoring, hit.restore_image, held=True)
             self._fetched_images += 1
@@ -538,6 +543,7 @@ class BlockManager:
             image_evictions=self.pool.image_evictions,
             fetched_pages=self._fetched_pages,
             fetched_images=self._fetched_images,
+            replayed_tokens=self._replayed_tokens,
         )
 
     def check_invariants(self) -> None:

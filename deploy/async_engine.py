@@ -157,6 +157,7 @@ def engine_load(engine: EngineClient) -> EngineLoad:
         evictions=sum(s.evictions for s in ranks),
         image_evictions=sum(s.image_evictions for s in ranks),
         offload_fetched_pages=sum(s.fetched_pages for s in ranks),
+        prefix_replayed_tokens=sum(s.replayed_tokens for s in ranks),
         offload_fetched_images=sum(s.fetched_images for s in ranks),
     )
 

@@ -151,6 +151,9 @@ FAMILIES: tuple[MetricFamily, ...] = (
     MetricFamily("prefix_image_evictions", COUNTER, "Checkpoint images dropped under pressure."),
     MetricFamily("offload_fetched_pages", COUNTER, "PAGEs of prefix hits restored from the offload store."),
     MetricFamily("offload_fetched_images", COUNTER, "Checkpoint images of prefix hits restored from the offload store."),
+    MetricFamily(
+        "prefix_replayed_tokens", COUNTER, "Cached prompt tokens of prefix hits computed again to rebuild their STATE."
+    ),
 )
 
 
@@ -169,7 +172,8 @@ class EngineLoad:
     """An engine's queues, cache and cumulative counters at one moment, summed over
     its DP ranks. ``pages_used`` counts PAGEs referenced by requests or STATE images
     (cached, unreferenced PAGEs are reusable and not counted); ``prefix_*_tokens``,
-    ``preemptions``, ``evictions``, ``image_evictions`` and ``fetched_*`` are
+    ``preemptions``, ``evictions``, ``image_evictions``, ``fetched_*`` and
+    ``prefix_replayed_tokens`` are
     cumulative over the engine's bookkeeping's life."""
 
     requests_running: int
@@ -188,6 +192,7 @@ class EngineLoad:
     image_evictions: int = 0
     offload_fetched_pages: int = 0
     offload_fetched_images: int = 0
+    prefix_replayed_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -321,6 +326,7 @@ class ServingMetrics:
             ("prefix_image_evictions", load.image_evictions),
             ("offload_fetched_pages", load.offload_fetched_pages),
             ("offload_fetched_images", load.offload_fetched_images),
+            ("prefix_replayed_tokens", load.prefix_replayed_tokens),
         ):
             self._advance(name, total)
 

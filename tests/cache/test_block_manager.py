@@ -84,7 +84,8 @@ def test_hit_never_covers_the_prompts_last_page(cached_len: int, prompt_len: int
 @given(hit_pages=st.integers(0, 5))
 def test_replay_resumes_one_hash_block_below_the_hit(hit_pages: int) -> None:
     """Under replay a hit of h PAGEs starts its forward at (h - 1) PAGEs (0 at least),
-    with no image: the slot is reset and the windows rebuilt from there."""
+    with no image: the slot is reset and the windows rebuilt from there; admitting it
+    counts the cached tokens it computes again (``replayed_tokens``)."""
     bm = _manager(StateTransfer.REPLAY, num_pages=32)
     tokens = list(range(6 * B + 1))
     if hit_pages:
@@ -93,6 +94,9 @@ def test_replay_resumes_one_hash_block_below_the_hit(hit_pages: int) -> None:
     assert hit.hit_tokens == hit_pages * B
     assert hit.forward_start == max(0, (hit_pages - 1) * B) == bm.replay_start(hit.hit_tokens)
     assert hit.restore_image is None
+    before = bm.stats().replayed_tokens
+    assert bm.allocate_prompt("r", tokens, hit)
+    assert bm.stats().replayed_tokens - before == hit.hit_tokens - hit.forward_start == min(hit_pages, 1) * B
 
 
 def test_replay_start_cuts_to_the_hash_block_grid() -> None:

@@ -65,7 +65,9 @@ VLLM_BUCKETS = {
     "request_prompt_tokens": "tokens",
     "request_generation_tokens": "tokens",
 }
-CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "offload_fetched_pages")
+CUMULATIVE = (
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "offload_fetched_pages", "prefix_replayed_tokens"
+)
 MAX_MODEL_LEN = 512
 MODEL_NAME = "tiny-metrics"
 
@@ -150,7 +152,7 @@ def test_cumulative_counts_are_counters_that_only_grow(steps: list[tuple[bool, i
             expected += grow
         load = EngineLoad(
             0, 0, 100, 0, prefix_lookup_tokens=total, prefix_hit_tokens=total, preemptions=total,
-            offload_fetched_pages=total,
+            offload_fetched_pages=total, prefix_replayed_tokens=total,
         )  # fmt: skip
         before = {name: metrics.value(name) for name in CUMULATIVE}
         metrics.observe_load(load)
