@@ -38,7 +38,6 @@ Must not import at module level: ``torch`` or ``actors``. Must not be imported b
 ``model``, ``cache``, ``cluster``, ``actors``.
 """
 
-
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
 import importlib.metadata
 import logging
@@ -60,20 +59,18 @@ from dsv41.deploy.app_args import INGRESS_NUM_CPUS, RETRY_AFTER_S, AppArgs, Ingr
 from dsv41.deploy.llm_server import LLMServer, llm_server_placement
 from dsv41.deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
 from dsv41.deploy.metrics import METRICS_CONTENT_TYPE
-from dsv41.deploy.openai_api import (
-    SSE_DONE,
+from dsv41.deploy.openai_api import parse_body
+from dsv41.deploy.openai_errors import (
     OpenAIError,
     bearer_matches,
     internal_error,
     model_not_found,
-    now,
-    parse_body,
     payload_too_large,
     replica_lost,
-    sse,
     unauthorized,
     unsupported_media_type,
 )
+from dsv41.deploy.openai_responses import SSE_DONE, now, sse
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping, Sequenc
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from dsv41.deploy.openai_api import OpenAIError
+from dsv41.deploy.openai_errors import OpenAIError
 
 if TYPE_CHECKING:
     import pyarrow

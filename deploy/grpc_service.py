@@ -32,7 +32,14 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from dsv41.deploy.openai_api import OpenAIError, bad_request, bearer_matches, internal_error, replica_lost, unauthorized
+from dsv41.deploy.openai_errors import (
+    OpenAIError,
+    bad_request,
+    bearer_matches,
+    internal_error,
+    replica_lost,
+    unauthorized,
+)
 from dsv41.deploy.proto.generate_pb2 import DESCRIPTOR, GenerateRequest, GenerateResponse, Usage
 
 logger = logging.getLogger(__name__)

@@ -39,18 +39,13 @@ from dsv41.deploy.chat_parser import OUTPUT_MARKERS
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
 from dsv41.deploy.ray_metrics import replica_metrics
 from dsv41.deploy.tokenizer_api import TokenizerEndpoints
-from dsv41.deploy.openai_api import (
-    REFUSALS,
+from dsv41.deploy.openai_api import ChatCompletionRequest, CompletionRequest
+from dsv41.deploy.openai_errors import REFUSALS, OpenAIError, bad_request, error_for, model_not_found
+from dsv41.deploy.openai_responses import (
     SSE_DONE,
-    ChatCompletionRequest,
     ChatStreamWriter,
-    CompletionRequest,
-    OpenAIError,
-    bad_request,
-    chat_completion_response,
     CompletionWriter,
-    error_for,
-    model_not_found,
+    chat_completion_response,
     now,
     sse,
     usage,

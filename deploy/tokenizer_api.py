@@ -19,7 +19,8 @@ from tokenizers import Tokenizer
 
 from dsv41.cluster.request import short_repr
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
-from dsv41.deploy.openai_api import CHAT_TEMPLATE_KWARGS, bad_request
+from dsv41.deploy.openai_api import CHAT_TEMPLATE_KWARGS
+from dsv41.deploy.openai_errors import bad_request
 
 TOKENIZE_PROMPT_FIELDS = ("model", "prompt", "add_special_tokens", "return_token_strs")
 TOKENIZE_CHAT_FIELDS = (

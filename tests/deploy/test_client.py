@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from dsv41.deploy.app import build_app
 from dsv41.deploy.client import complete_dataset, generate, llm_handle, stream
-from dsv41.deploy.openai_api import OpenAIError
+from dsv41.deploy.openai_errors import OpenAIError
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_NAME = "batch"

@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 from dsv41.deploy.examples.grpc_client import generate, main
 from dsv41.deploy.grpc_service import grpc_code, request_body, response_for
-from dsv41.deploy.openai_api import OpenAIError, bad_request, engine_unavailable, model_not_found, replica_lost, request_failed
+from dsv41.deploy.openai_errors import (
+    OpenAIError,
+    bad_request,
+    engine_unavailable,
+    model_not_found,
+    replica_lost,
+    request_failed,
+)
 from dsv41.deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, TokenIds
 from dsv41.deploy.proto.generate_pb2_grpc import GenerateServiceStub
 

@@ -23,14 +23,9 @@ from dsv41.cluster.options import EngineError
 from dsv41.cluster.request import CumulativeOutputs, FinishReason, RequestOutput, SamplingParamsError
 from dsv41.deploy.async_engine import REQUEST_FAILED_MESSAGE, EngineDeadError, RequestFailedError
 from dsv41.deploy.chat_protocol import ChatRequestError, PromptEncoder, format_call_block, render_pieces
-from dsv41.deploy.openai_api import (
-    REFUSALS,
-    ChatCompletionRequest,
-    ChatStreamWriter,
-    OpenAIError,
-    chat_completion_response,
-    error_for,
-)
+from dsv41.deploy.openai_api import ChatCompletionRequest
+from dsv41.deploy.openai_errors import REFUSALS, OpenAIError, error_for
+from dsv41.deploy.openai_responses import ChatStreamWriter, chat_completion_response
 
 # Room for a prompt that declares tools (the tools section alone is ~750 tiny-tokenizer tokens).
 MAX_MODEL_LEN = 2048

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from dsv41.deploy import safe_json
 from dsv41.deploy.app import _is_json
 from dsv41.deploy.app_args import AppArgs
-from dsv41.deploy.openai_api import OpenAIError, RequestLimits, bearer_matches, parse_body
+from dsv41.deploy.openai_api import RequestLimits, parse_body
+from dsv41.deploy.openai_errors import OpenAIError, bearer_matches
 
 _JSON = st.recursive(
     st.none()
