@@ -34,7 +34,8 @@ from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.options import EngineError, check_replica_options
 from dsv41.cluster.options import engine_options as parse_engine_options
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import Request, RequestOutput, SamplingParams
+from dsv41.cluster.request import Request, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.source import ModelSource
 
 logger = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ from dsv41.cluster.engine import Engine
 from dsv41.cluster.interface import EngineStats
 from dsv41.cluster.options import EngineOptions, RankLayout
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import Request, RequestOutput, SamplingParams
+from dsv41.cluster.request import Request, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.config import V41Config
 from dsv41.model.source import ModelSource
 

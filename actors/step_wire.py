@@ -29,8 +29,8 @@ from collections import OrderedDict
 from typing import Any
 
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
-from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.cluster.sampling_params import SamplingParams
 
 SEGMENT_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduledSegment))
 _ID_AT = SEGMENT_FIELDS.index("request_id")

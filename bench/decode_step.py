@@ -43,7 +43,7 @@ from bench.slice_engine import (
 )
 from dsv41.cache.geometry import PlaneKind, PlaneSpec, V41PoolGeometry
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.config import LayerMode, V41Config
 from dsv41.model.moe import route
 from dsv41.model.params import LayerParams

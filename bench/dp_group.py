@@ -40,7 +40,8 @@ import torch
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.source import ModelSource
 from dsv41.model.tiny import make_tiny
 

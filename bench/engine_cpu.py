@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.cli import default_model_dir
 
 

@@ -41,8 +41,8 @@ from dsv41.cache.addressing import PoolShape, SegmentSpec, build_step_addresses
 from dsv41.cluster.batch import ScheduledBatch
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import RankLayout, engine_options
-from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.source import ModelSource
 from dsv41.model.tiny import embedded_model_dir
 

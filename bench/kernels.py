@@ -38,8 +38,8 @@ from triton.runtime.errors import OutOfResources
 
 from bench.ceilings import ceilings
 from dsv41.cache.addressing import PoolShape, SegmentSpec, build_step_addresses
-from dsv41.cache.pools import PoolSize, V41Pools
 from dsv41.cache.plane_io import PlaneIO
+from dsv41.cache.pools import PoolSize, V41Pools
 from dsv41.cluster.pool_layout import pool_geometry
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.device import move_tensors

@@ -42,7 +42,7 @@ from bench.slice_engine import (
     random_prompts,
 )
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.bounded_replay import tail_start
 from dsv41.model.config import LayerMode, V41Config
 

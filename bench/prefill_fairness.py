@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.cli import default_model_dir
 
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0)

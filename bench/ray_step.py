@@ -62,8 +62,8 @@ from dsv41.cluster.batch import ScheduledBatch
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineOptions, engine_options
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.source import ModelSource
 from dsv41.model.tiny import make_tiny
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import CumulativeOutputs, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.loader import TOKENIZER_FILE
 from dsv41.model.tiny import TRAINED_TINY_DIR
 from dsv41.model.training import Corpus, token_stream

@@ -33,7 +33,7 @@ import torch
 
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.tiny import TRAINED_TINY_DIR
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

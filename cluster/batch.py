@@ -20,8 +20,8 @@ import torch
 
 from dsv41.cache.block_manager import StateImage
 from dsv41.cluster.offload_connector import PageFill, PagePublish
-from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.sampling_guide import SamplingGuide
+from dsv41.cluster.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

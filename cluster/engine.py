@@ -41,18 +41,11 @@ from dsv41.cluster.options import (
 )
 from dsv41.cluster.placement import RankLoad, place
 from dsv41.cluster.ranks import DPError, DPLayout, DPRank, DPStepExecutor, LocalRank, RankFailure, ThreadedRanks
-from dsv41.cluster.request import (
-    CumulativeOutputs,
-    Request,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    SamplingParamsError,
-    SeedSource,
-)
+from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, RequestStatus, SeedSource
 from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
 from dsv41.cluster.sampler import prompt_logprobs
 from dsv41.cluster.sampling_guide import SamplingGuide, penalty_counts
+from dsv41.cluster.sampling_params import SamplingParams, SamplingParamsError
 from dsv41.cluster.scheduler import Scheduler
 from dsv41.cluster.stopping import StopChecker
 from dsv41.cluster.tbo import microbatch_rows, split

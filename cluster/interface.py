@@ -16,7 +16,8 @@ from typing import Protocol, Sequence, runtime_checkable
 from tokenizers import Tokenizer
 
 from dsv41.cache.block_manager import BlockManagerStats
-from dsv41.cluster.request import Request, RequestOutput, SamplingParams
+from dsv41.cluster.request import Request, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.config import V41Config
 
 

@@ -43,8 +43,8 @@ from dsv41.model.bounded_replay import tail_start
 from dsv41.model.device import move_tensors
 from dsv41.model.kernels.interface import PagedKernels
 from dsv41.model.linalg import batch_invariant, cpu_threads
-from dsv41.model.params import LayerParams, ModelParams
 from dsv41.model.microbatch import MoESteps
+from dsv41.model.params import LayerParams, ModelParams
 from dsv41.model.runtime import Microbatch, PagedRuntime
 
 

@@ -25,8 +25,8 @@ from typing import Sequence
 
 import torch
 
-from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.sampling_guide import BITMASK_WORD_BITS, BITMASK_WORD_BYTES, SamplingGuide, bitmask_words
+from dsv41.cluster.sampling_params import SamplingParams
 
 _U64_MASK = (1 << 64) - 1
 

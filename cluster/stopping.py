@@ -22,7 +22,8 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from dsv41.cluster.request import DETOKENIZE_CONTEXT_TOKENS, Request, RequestStatus, SamplingParams
+from dsv41.cluster.request import DETOKENIZE_CONTEXT_TOKENS, Request, RequestStatus
+from dsv41.cluster.sampling_params import SamplingParams
 
 _REPLACEMENT_CHARACTER = "\ufffd"
 

@@ -37,8 +37,8 @@ import xgrammar
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from dsv41.cluster.request import SamplingParamsError, StructuredOutputs, short_repr
 from dsv41.cluster.sampling_guide import bitmask_words
+from dsv41.cluster.sampling_params import SamplingParamsError, StructuredOutputs, short_repr
 
 logger = logging.getLogger(__name__)
 

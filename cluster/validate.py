@@ -38,7 +38,8 @@ from dsv41.cluster.engine import Engine
 from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.options import engine_options
 from dsv41.cluster.ranks import EXPERT_MODES, DPLayout, ThreadedRanks
-from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.kernels import KERNEL_BACKENDS
 from dsv41.model.params import ModelParams
 from dsv41.model.reference import ReferenceModel

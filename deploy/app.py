@@ -56,8 +56,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from dsv41.deploy.app_args import INGRESS_NUM_CPUS, RETRY_AFTER_S, AppArgs, IngressOptions
-from dsv41.deploy.llm_server import LLMServer, llm_server_placement
 from dsv41.deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
+from dsv41.deploy.llm_server import LLMServer, llm_server_placement
 from dsv41.deploy.metrics import METRICS_CONTENT_TYPE
 from dsv41.deploy.openai_api import parse_body
 from dsv41.deploy.openai_errors import (

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from dsv41.cluster.options import engine_options
 from dsv41.deploy.metrics import DEFAULT_METRICS_PREFIX
-from dsv41.deploy.ray_metrics import check_metrics_options
 from dsv41.deploy.openai_api import RequestLimits
+from dsv41.deploy.ray_metrics import check_metrics_options
 from dsv41.model.tiny import embedded_model_dir
 
 if TYPE_CHECKING:

@@ -33,7 +33,8 @@ from typing import AsyncIterator, Sequence
 from dsv41.cluster.interface import EngineClient
 
 from dsv41.cluster.options import EngineError
-from dsv41.cluster.request import FinishReason, PhaseTimes, RequestOutput, SamplingParams, SamplingParamsError
+from dsv41.cluster.request import FinishReason, PhaseTimes, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams, SamplingParamsError
 from dsv41.deploy.metrics import EngineLoad, FinishedSequence, ServingMetrics
 
 logger = logging.getLogger(__name__)

@@ -241,7 +241,7 @@ def run_in_process(engine: "Engine", workload: Workload, progress: Progress | No
     a request is added once its arrival time has come and the concurrency cap has room,
     and its clock starts at that arrival (or at the moment a slot freed, when the cap
     held it back), as a server's queue would count it."""
-    from dsv41.cluster.request import SamplingParams
+    from dsv41.cluster.sampling_params import SamplingParams
 
     prompt_ids = _engine_prompts(engine, workload.endpoint, workload.prompts())
     offsets = workload.arrival_offsets()

@@ -136,7 +136,7 @@ def cmd_logits(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from dsv41.cluster.options import EngineError, check_replica_options, engine_options
-    from dsv41.cluster.request import SamplingParams
+    from dsv41.cluster.sampling_params import SamplingParams
     from dsv41.model.source import ModelSource
 
     if args.dp < 1:

@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, 
 from ray import serve
 
 from dsv41.cluster.interface import EngineClient
-from dsv41.cluster.request import MAX_N, CumulativeOutputs, RequestOutput, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput
+from dsv41.cluster.sampling_params import MAX_N, SamplingParams
 from dsv41.deploy.app_args import AppArgs, _replica_bundle
 from dsv41.deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
 from dsv41.deploy.chat_parser import OUTPUT_MARKERS
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
-from dsv41.deploy.ray_metrics import replica_metrics
-from dsv41.deploy.tokenizer_api import TokenizerEndpoints
 from dsv41.deploy.openai_api import ChatCompletionRequest, CompletionRequest
 from dsv41.deploy.openai_errors import REFUSALS, OpenAIError, bad_request, error_for, model_not_found
 from dsv41.deploy.openai_responses import (
@@ -50,6 +49,8 @@ from dsv41.deploy.openai_responses import (
     sse,
     usage,
 )
+from dsv41.deploy.ray_metrics import replica_metrics
+from dsv41.deploy.tokenizer_api import TokenizerEndpoints
 
 if TYPE_CHECKING:
     from dsv41.actors.engine_group import EngineGroup

@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from dsv41.cluster.request import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputs, short_repr
+from dsv41.cluster.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputs,
+    short_repr,
+)
 from dsv41.deploy import safe_json
 from dsv41.deploy.openai_errors import bad_request, error_for, payload_too_large
 from dsv41.deploy.structured_request import chat_structured_outputs, completion_structured_outputs

@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from dsv41.cluster.options import EngineError
-from dsv41.cluster.request import SamplingParamsError, short_repr
+from dsv41.cluster.sampling_params import SamplingParamsError, short_repr
 from dsv41.deploy.async_engine import EngineDeadError, RequestFailedError
 from dsv41.deploy.chat_protocol import ChatRequestError
 

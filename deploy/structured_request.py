@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from dsv41.cluster.request import SamplingParamsError, StructuredOutputs, short_repr
+from dsv41.cluster.sampling_params import SamplingParamsError, StructuredOutputs, short_repr
 from dsv41.cluster.structured_output import StructuredOutputError, check_structured_outputs, choice_ebnf
 from dsv41.deploy.chat_protocol import (
     CALL_BLOCK_START,

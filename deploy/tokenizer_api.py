@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from tokenizers import Tokenizer
 
-from dsv41.cluster.request import short_repr
+from dsv41.cluster.sampling_params import short_repr
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
 from dsv41.deploy.openai_api import CHAT_TEMPLATE_KWARGS
 from dsv41.deploy.openai_errors import bad_request

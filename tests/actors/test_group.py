@@ -23,7 +23,8 @@ import ray
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import CumulativeOutputs, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.async_engine import AsyncEngine
 from dsv41.deploy.metrics import ServingMetrics
 

@@ -25,7 +25,7 @@ from ray.util import placement_group_table
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions, RankGroupDead
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # The shared module cluster has 4 CPUs: two ranks of 2 CPUs each fill it, so a group

@@ -13,7 +13,7 @@ import jsonschema
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams, StructuredOutputs
+from dsv41.cluster.sampling_params import SamplingParams, StructuredOutputs
 
 OPTIONS = dict(block_size=32, max_num_seqs=4, max_num_batched_tokens=128)
 SCHEMA = {

@@ -28,8 +28,8 @@ from dsv41.cluster.batch import DPMetadata, ScheduledBatch
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineOptions
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.cluster.sampling_params import SamplingParams
 
 STEP_OK, STEP_RAISES, STEP_HANGS = 1, 2, 3
 FAULTY_RANK = 1

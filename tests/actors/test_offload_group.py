@@ -14,7 +14,7 @@ import ray
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # 12 PAGEs of 32 tokens: a second and third prompt of 4 PAGEs each push the first one's

@@ -11,7 +11,7 @@ import pytest
 
 from dsv41.actors.output_wire import OutputReceiver, OutputSender, OutputWireError
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 
 OPTIONS = dict(block_size=32, max_num_seqs=8, max_num_batched_tokens=64)
 PROMPTS = [[5, 9, 200, 17, 3], [40, 41, 42], list(range(60, 100)), [7, 8]]

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from dsv41.actors.step_wire import StepPacker, StepUnpacker, StepWireError, pack_result, session_packers, unpack_result
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
-from dsv41.cluster.request import SamplingParams, StructuredOutputs
 from dsv41.cluster.runner import SampledToken, StepResult
 from dsv41.cluster.sampling_guide import SamplingGuide
+from dsv41.cluster.sampling_params import SamplingParams, StructuredOutputs
 
 REQUEST_IDS = [f"req-{i}" for i in range(6)]
 PARAMS = [

@@ -26,8 +26,9 @@ import torch
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput
 from dsv41.cluster.runner import DecoderReplayError, ModelRunner
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.indexer import EMPTY
 from dsv41.model.kernels.torch_backend import gather_plane_rows
 from dsv41.model.reference import ReferenceModel, ReferenceOutput

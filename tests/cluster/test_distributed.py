@@ -27,7 +27,8 @@ from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.placement import RankLoad, place
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import CumulativeOutputs, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.linalg import batch_invariant
 from dsv41.model.loader import ExpertShard
 from dsv41.model.moe import moe_forward

@@ -15,7 +15,7 @@ import pytest
 
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 
 SOURCE = "generated:small-slice,experts=bf16,seed=7"
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

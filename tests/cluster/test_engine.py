@@ -12,7 +12,7 @@ import torch
 from dsv41.cluster.engine import Engine
 
 from dsv41.cluster.options import CPU_DEFAULT_MAX_MODEL_LEN, EngineError, EngineOptions
-from dsv41.cluster.request import MAX_INT64, MAX_N, SamplingParams, SamplingParamsError
+from dsv41.cluster.sampling_params import MAX_INT64, MAX_N, SamplingParams, SamplingParamsError
 from dsv41.model.reference import ReferenceModel
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

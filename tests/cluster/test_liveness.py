@@ -47,8 +47,9 @@ from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineError, RankLayout, engine_options
 from dsv41.cluster.ranks import DPLayout, DPStepExecutor
-from dsv41.cluster.request import CumulativeOutputs, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs
 from dsv41.cluster.runner import SampledToken, StepResult
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.config import V41Config
 from dsv41.model.params import ModelParams
 from dsv41.model.source import ModelSource

@@ -12,7 +12,7 @@ from dsv41.cluster.engine import Engine
 from dsv41.cluster.offload_connector import LocalOffload
 from dsv41.cluster.options import EngineError
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.cluster.scheduler import SchedulerError
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

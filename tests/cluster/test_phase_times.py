@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import RequestOutput, SamplingParams
+from dsv41.cluster.request import RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 

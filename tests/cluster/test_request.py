@@ -10,20 +10,22 @@ from hypothesis import strategies as st
 
 from dsv41.cluster.request import (
     CumulativeOutputs,
+    FinishReason,
+    OutputText,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SeedSource,
+)
+from dsv41.cluster.sampling_params import (
     MAX_INT64,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    FinishReason,
-    OutputText,
-    Request,
-    RequestOutput,
-    RequestStatus,
     SamplingParams,
     SamplingParamsError,
-    SeedSource,
 )
 
 INVALID_VALUES = [

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.reference import ReferenceModel
 from dsv41.model.tiny import TINY, make_tiny
 

@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv41.cluster.request import SamplingParams
 from dsv41.cluster.sampler import (
     Sampler,
     SamplerError,
@@ -18,6 +17,7 @@ from dsv41.cluster.sampler import (
     prompt_logprobs,
     splitmix64_draw,
 )
+from dsv41.cluster.sampling_params import SamplingParams
 
 U64 = (1 << 64) - 1
 

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv41.cluster.request import SamplingParams, SamplingParamsError
 from dsv41.cluster.sampler import Sampler, SamplerError, SamplingMetadata, unpack_token_mask
 from dsv41.cluster.sampling_guide import SamplingGuide, bitmask_words, penalty_counts
+from dsv41.cluster.sampling_params import SamplingParams, SamplingParamsError
 
 VOCAB = 70  # not a multiple of 32: the last mask word is partial
 EOS = 1

@@ -16,7 +16,7 @@ from scipy.stats import chi2
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineError
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.cluster.validate import SCHEDULER_SCENARIOS, ReplicaShape, run_validation
 from dsv41.model.dspark import ReferenceDrafter
 from dsv41.model.reference import ReferenceModel

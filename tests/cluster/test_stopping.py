@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dsv41.cluster.request import DETOKENIZE_CONTEXT_TOKENS, CumulativeOutputs, Request, RequestOutput, SamplingParams
+from dsv41.cluster.request import DETOKENIZE_CONTEXT_TOKENS, CumulativeOutputs, Request, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.cluster.stopping import StopChecker
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

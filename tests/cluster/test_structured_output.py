@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams, SamplingParamsError, StructuredOutputs
+from dsv41.cluster.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from dsv41.cluster.structured_output import (
     OUTPUT_MARKERS,
     GrammarCache,

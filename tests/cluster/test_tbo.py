@@ -27,7 +27,8 @@ from dsv41.cluster.batch import DPMetadata, DPMetadataError, MicrobatchRows, Ran
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineError, EngineOptions
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.cluster.tbo import runs_split, split
 
 OPTIONS = dict(block_size=32, max_num_seqs=4, max_num_batched_tokens=128, enable_prefix_caching=False)

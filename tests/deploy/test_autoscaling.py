@@ -15,7 +15,7 @@ import pytest
 from ray import serve
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 
 APP_NAME = "autoscaled"
 LLM_SERVER = "LLMServer"

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.cli import default_model_dir, main
 from dsv41.model.config import FLASH_CONFIG_DIR
 from dsv41.model.params import load_model_params

@@ -40,7 +40,7 @@ from ray._private import state
 from ray.util import placement_group_table
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.app import build_app, run_app
 from dsv41.deploy.app_args import AppArgs
 from dsv41.deploy.llm_server import llm_server_placement

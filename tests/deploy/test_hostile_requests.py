@@ -21,7 +21,7 @@ import requests
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dsv41.cluster.request import MAX_INT64, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from dsv41.cluster.sampling_params import MAX_INT64, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from dsv41.model.tiny import SPECIAL_TOKENS
 
 # Room for a prompt declaring tools (their section is ~750 tiny-tokenizer tokens).

@@ -18,7 +18,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 
 ENGINE_OPTIONS = {"block_size": 32, "max_model_len": 512, "cache_memory_bytes": 64 << 20}
 PAIRS = [("The quick brown", " fox jumps"), ("hello", " world, hello again"), ("a b c ", "d e f")]

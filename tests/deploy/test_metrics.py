@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.async_engine import AsyncEngine
 from dsv41.deploy.metrics import (
     DEFAULT_METRICS_PREFIX,

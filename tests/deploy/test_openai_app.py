@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from dsv41.cluster.options import EngineError
-from dsv41.cluster.request import CumulativeOutputs, FinishReason, RequestOutput, SamplingParamsError
+from dsv41.cluster.request import CumulativeOutputs, FinishReason, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParamsError
 from dsv41.deploy.async_engine import REQUEST_FAILED_MESSAGE, EngineDeadError, RequestFailedError
 from dsv41.deploy.chat_protocol import ChatRequestError, PromptEncoder, format_call_block, render_pieces
 from dsv41.deploy.openai_api import ChatCompletionRequest

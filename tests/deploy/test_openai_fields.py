@@ -20,7 +20,7 @@ import requests
 from tokenizers import Tokenizer
 
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.chat_parser import OUTPUT_MARKERS
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
 

@@ -11,7 +11,8 @@ import pytest
 
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.ranks import DPLayout
-from dsv41.cluster.request import CumulativeOutputs, RequestOutput, SamplingParams, SamplingParamsError
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams, SamplingParamsError
 from dsv41.deploy.async_engine import REQUEST_FAILED_MESSAGE, AsyncEngine, EngineDeadError, RequestFailedError
 from dsv41.deploy.metrics import ServingMetrics
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
 from dsv41.cluster.engine import Engine
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.formats import round_mxfp4
 from dsv41.model.kernels.interface import ExpertBank
 from dsv41.model.loader import ExpertShard

@@ -22,7 +22,7 @@ from dsv41.cache.plane_io import PlaneIO
 from dsv41.cache.pools import PoolSize, V41Pools
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.pool_layout import pool_geometry
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.formats import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4, round_fp8, round_mxfp4
 from dsv41.model.kernels.torch_backend import TorchKernels

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from dsv41.cluster.engine import Engine
 
 from dsv41.cluster.options import EngineOptions
-from dsv41.cluster.request import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.config import FLASH_CONFIG_DIR, LayerMode, V41Config
 from dsv41.model.loader import (
     SINGLE_FILE,

@@ -33,11 +33,11 @@ from dsv41.model.kernels.triton.attention import (
     sparse_attention_kernel,
 )
 from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
+from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
 from dsv41.model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
-from dsv41.model.kernels.triton.store import store_rows_kernel
-from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
 from dsv41.model.kernels.triton.reduce import row_sum
+from dsv41.model.kernels.triton.store import store_rows_kernel
 from dsv41.model.linalg import GpuKernels, batch_invariant_enabled, register_gpu_kernels
 from dsv41.model.moe import ExpertWeights, Routing
 

@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from dsv41.model.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
-from dsv41.model.linalg import batch_invariant_enabled
 from dsv41.model.kernels.interface import EXPERT_WEIGHT_FORMATS
 from dsv41.model.kernels.triton.decode import e2m1_to_f32, e8m0_to_f32
+from dsv41.model.linalg import batch_invariant_enabled
 from dsv41.model.moe import ExpertWeights, Routing
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
