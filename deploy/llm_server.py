@@ -23,11 +23,11 @@ backend it builds). Must not be imported by ``model``, ``cache``, ``cluster``, `
 
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
 import asyncio
+import functools
 import logging
 import uuid
-from dataclasses import replace
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 
 from ray import serve
 
@@ -249,16 +249,7 @@ class LLMServer:
             yield error_for(exc, request_id)
             return
         writer = CompletionWriter(request, prompts, _response_id("cmpl"), self.model_name, now(), self.tokenizer)
-        try:
-            async for index, output in _starting_with(first, outputs):
-                for event in writer.events(index, output):
-                    yield event
-        except REFUSALS as exc:
-            # The status line is already sent: the error ends the stream as an event.
-            yield sse(error_for(exc, request_id).body())
-            yield SSE_DONE
-            return
-        for event in writer.closing():
+        async for event in _stream_events(first, outputs, writer.events, writer.closing, request_id):
             yield event
 
     async def generate_stream(
@@ -318,16 +309,8 @@ class LLMServer:
         writer = ChatStreamWriter(request, _response_id("chatcmpl"), self.model_name, now(), self.tokenizer)
         for event in writer.opening():
             yield event
-        try:
-            async for index, output in _starting_with(first, outputs):
-                for event in writer.events(index, output):
-                    yield event
-        except REFUSALS as exc:
-            # The status line is already sent: the error ends the stream as an event.
-            yield sse(error_for(exc, request_id).body())
-            yield SSE_DONE
-            return
-        for event in writer.closing(len(prompt)):
+        closing = functools.partial(writer.closing, len(prompt))
+        async for event in _stream_events(first, outputs, writer.events, closing, request_id):
             yield event
 
     # -- internals --------------------------------------------------------------------
@@ -377,7 +360,7 @@ class LLMServer:
             response_format=request.response_format,
         )
         prompt = tuple(self.prompts.encode_pieces(pieces, max_tokens=self.max_model_len - 1))
-        params = replace(request.params(len(prompt), self.max_model_len), kept_special_token_ids=self.chat_marker_ids)
+        params = request.params(len(prompt), self.max_model_len, self.chat_marker_ids)
         self._check_prompt(prompt, params)
         return request, prompt, params
 
@@ -411,6 +394,28 @@ async def _starting_with(
         yield first
         async for item in rest:
             yield item
+
+
+async def _stream_events(
+    first: tuple[int, RequestOutput],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    events: Callable[[int, RequestOutput], Iterable[str]],
+    closing: Callable[[], Iterable[str]],
+    request_id: str | None,
+) -> AsyncIterator[str]:
+    """A started stream's events: each output's, then the closing ones; a request that
+    fails midway ends it with its error as an event and ``[DONE]`` (the status line is
+    already sent)."""
+    try:
+        async for index, output in _starting_with(first, outputs):
+            for event in events(index, output):
+                yield event
+    except REFUSALS as exc:
+        yield sse(error_for(exc, request_id).body())
+        yield SSE_DONE
+        return
+    for event in closing():
+        yield event
 
 
 def _response_id(prefix: str) -> str:

@@ -482,6 +482,9 @@ class ChatCompletionRequest:
     def top_logprobs(self) -> int:
         return self.sampling_fields["logprobs"] or 0
 
-    def params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def params(self, prompt_len: int, max_model_len: int, kept_special_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        """The request's SamplingParams, built once its prompt is rendered; a chat answer
+        keeps ``kept_special_token_ids`` (its parser's markers) in its text."""
         # (?) vLLM's rule: without max_tokens a chat answer may use the rest of the context.
-        return build_params(self.sampling_fields, max(max_model_len - prompt_len, 1))
+        fields = {**self.sampling_fields, "kept_special_token_ids": kept_special_token_ids}
+        return build_params(fields, max(max_model_len - prompt_len, 1))
