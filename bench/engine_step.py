@@ -94,12 +94,7 @@ def run(requests: int, tokens: int, window: int) -> list[dict[str, float]]:
     )
     cycle = tokenizer.encode(TEXT).ids
     geometry = RankLayout.build(config, options).geometry
-    shape = PoolShape(
-        block_size=geometry.block_size,
-        window=config.sliding_window,
-        ring_rows=geometry.ring_rows,
-        ratios=tuple(sorted(set(geometry.owner_ratios))),
-    )
+    shape = PoolShape.of(geometry, config.sliding_window)
     rank = HostOnlyRank(shape, cycle)
     engine = Engine(config, tokenizer, options, 1, rank)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)

@@ -21,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from dsv41.cache.geometry import V41PoolGeometry
+
 NO_ROW = -1  # an address slot that holds nothing (padding, or a key outside the window)
 
 
@@ -81,6 +83,16 @@ class PoolShape:
         for r in self.ratios:
             if r not in (1, 2) or self.block_size % r:
                 raise ValueError(f"PoolShape.ratios: {r} (allowed: 1 or 2, dividing block_size {self.block_size})")
+
+    @classmethod
+    def of(cls, geometry: V41PoolGeometry, window: int) -> "PoolShape":
+        """The shape of ``geometry``'s pools for a model whose sliding window is ``window``."""
+        return cls(
+            block_size=geometry.block_size,
+            window=window,
+            ring_rows=geometry.ring_rows,
+            ratios=tuple(sorted(set(geometry.owner_ratios))),
+        )
 
     def entries_per_page(self, ratio: int) -> int:
         return self.block_size // ratio

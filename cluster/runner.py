@@ -137,12 +137,7 @@ class ModelRunner:
         self.runtime = PagedRuntime(params, moe=moe, kernels=kernels, batch_invariant=batch_invariant)
         self.sampler = Sampler(config.vocab_size)
         self.eos_token_id = config.eos_token_id
-        self.shape = PoolShape(
-            block_size=geometry.block_size,
-            window=config.sliding_window,
-            ring_rows=geometry.ring_rows,
-            ratios=tuple(sorted(set(geometry.owner_ratios))),
-        )
+        self.shape = PoolShape.of(geometry, config.sliding_window)
         self.hashing = params.engram_hashing
         self.history_len = config.engram_max_ngram_size - 1
         self.speculator = None
