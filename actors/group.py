@@ -8,14 +8,10 @@ joining the process group at once), the step transport of each generation
 deadline, health pings, and restart: when any rank dies or misses the deadline the
 whole group is torn down and started again (a process group cannot lose a member).
 The client of a group is actors/engine_group.py's ``EngineGroup``, above the
-SchedulerActor that owns a RankGroup.
-
-Lifetimes follow Ray's ownership: the client owns the SchedulerActor, which owns the
-ranks and the OffloadActor, and an actor that is not detached dies with its owner, so
-whatever kills the client or the scheduler takes everything below it along. A
-placement group outlives its creator (until the creator's job ends), so the group never
-creates one it does not remove: the placement is given (a Serve replica's own,
-created and removed by Serve with the replica) or made and removed by the EngineGroup.
+SchedulerActor that owns a RankGroup. Which process owns which actor and who removes
+a group's placement group: actors/engine_group.py's Lifetimes. A RankGroup only uses
+the placement it is handed (``GroupPlacement.create`` makes one for a caller that
+removes it).
 
 Must not import: deploy, actors.scheduler, actors.engine_group.
 """
