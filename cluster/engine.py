@@ -461,10 +461,8 @@ class Engine(EngineClient):
         final: dict[str, RequestOutput] = {}
         while len(final) < len(order):
             for out in self.step():
-                if out.request_id in wanted:
-                    cumulative = whole.add(out)
-                    if out.finished:
-                        final[out.request_id] = cumulative
+                if out.request_id in wanted and (done := whole.add(out)) is not None:
+                    final[out.request_id] = done
         return [final[rid] for rid in order]
 
     def _release_grammar(self, request_id: str) -> None:
