@@ -30,7 +30,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dsv41.actors.rank import RankActor
-from dsv41.actors.step_wire import StepPacker, session_packers, unpack_result
+from dsv41.actors.step_wire import pack_step, unpack_result
 from dsv41.actors.transport import (
     TRANSPORTS,
     RankGroupDead,
@@ -156,7 +156,6 @@ class RankGroup:
         self.last_failure: str | None = None
         self.ranks: list[Any] = []
         self._transport: StepTransport | None = None
-        self._packers: list[StepPacker] = []
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None
 
@@ -258,7 +257,6 @@ class RankGroup:
         # rank (seconds on a loaded box): it gets the start deadline, not a step's.
         padding = tuple(ScheduledBatch(step_id=0) for _ in range(self.dp.world))
         self._transport = transport
-        self._packers = session_packers(self.dp.world)
         self._exchange(transport, padding, DPMetadata.of(0, padding).to_wire(), opts.start_timeout_s)
 
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
@@ -281,7 +279,7 @@ class RankGroup:
     ) -> list[StepResult]:
         with self._recording_failure():
             words = None if metadata is None else metadata.tolist()
-            steps = [packer.pack(batch, words) for packer, batch in zip(self._packers, batches)]
+            steps = [pack_step(batch, words) for batch in batches]
             packed = transport.exchange(steps, timeout_s)
         return [unpack_result(result) for result in packed]
 

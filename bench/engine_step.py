@@ -4,15 +4,16 @@
 each; the engine (scheduler, block manager, prefix hashing, stop checks and
 detokenization, delta outputs) is the real one, over the embedded model's config and
 tokenizer. What the rank does is split in two: its host input work is real — the
-step's batch through the step wire (``StepPacker`` -> bytes -> ``StepUnpacker``, what
-a Ray rank receives) and the step's PAGE addresses (``build_step_addresses``, what the
-runner builds before its forward) — while the forward itself is replaced by a fixed
-cycle of ordinary text tokens, so a step costs no model time and the run reaches 8k
-tokens in a minute. Columns, per step at 64 requests around each output length: the
-engine's own CPU time (``Engine.step`` less the rank's), the wire's, the address
-build's, as medians over the ``--window`` steps ending there. CPU time of the one
-thread that runs it all (torch held to one thread), so other processes on the
-machine do not move the figures.
+step's batch through the step wire (``pack_step`` -> bytes -> ``unpack_step``, what a
+Ray rank receives) and the step's PAGE addresses (the batch's deltas applied to the
+rank's PersistentBatch, the step's page tables gathered from its block table and
+``build_step_addresses``, what the runner does before its forward) — while the forward
+itself is replaced by a fixed cycle of ordinary text tokens, so a step costs no model
+time and the run reaches 8k tokens in a minute. Columns, per step at 64 requests
+around each output length: the engine's own CPU time (``Engine.step`` less the
+rank's), the wire's, the addresses', as medians over the ``--window`` steps ending
+there. CPU time of the one thread that runs it all (torch held to one thread), so
+other processes on the machine do not move the figures.
 
 The property this measures (issue 16): the host's work per step does not grow with
 how many tokens the requests have already generated.
@@ -36,11 +37,12 @@ from typing import Sequence
 
 import torch
 
-from dsv41.actors.step_wire import StepPacker, StepUnpacker
+from dsv41.actors.step_wire import pack_step, unpack_step
 from dsv41.cache.addressing import PoolShape, SegmentSpec, build_step_addresses
 from dsv41.cluster.batch import ScheduledBatch
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import RankLayout, engine_options
+from dsv41.cluster.persistent_batch import PersistentBatch
 from dsv41.cluster.runner import SampledToken, StepResult
 from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.source import ModelSource
@@ -54,21 +56,21 @@ TEXT = " the runtime keeps every request's pages and state in pools shared by al
 class HostOnlyRank:
     """One rank's host input work for real, its forward replaced by ``cycle``'s tokens."""
 
-    def __init__(self, shape: PoolShape, cycle: Sequence[int]) -> None:
+    def __init__(self, shape: PoolShape, num_slots: int, cycle: Sequence[int]) -> None:
         self.shape = shape
         self.cycle = tuple(cycle)
-        self.packer = StepPacker(session=1)
-        self.unpacker = StepUnpacker()
+        self.requests = PersistentBatch(num_slots)
         self.wire_s = 0.0
         self.address_s = 0.0
 
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
         (batch,) = batches
         start = time.thread_time()
-        received, _ = self.unpacker.unpack(self.packer.pack(batch, []))
+        received, _ = unpack_step(pack_step(batch, []))
         wired = time.thread_time()
-        specs = [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in received.segments]
-        build_step_addresses(specs, self.shape)
+        self.requests.update(received)
+        specs = [SegmentSpec(s.slot, s.start, s.length, s.write_from, s.window_start) for s in received.segments]
+        build_step_addresses(specs, self.requests.page_tables(received.segments, self.shape.block_size), self.shape)
         self.wire_s += wired - start
         self.address_s += time.thread_time() - wired
         sampled = {s.request_id: SampledToken(self.cycle[s.end % len(self.cycle)], None) for s in received.segments if s.sample}
@@ -93,9 +95,9 @@ def run(requests: int, tokens: int, window: int) -> list[dict[str, float]]:
         }
     )
     cycle = tokenizer.encode(TEXT).ids
-    geometry = RankLayout.build(config, options).geometry
-    shape = PoolShape.of(geometry, config.sliding_window)
-    rank = HostOnlyRank(shape, cycle)
+    layout = RankLayout.build(config, options)
+    shape = PoolShape.of(layout.geometry, config.sliding_window)
+    rank = HostOnlyRank(shape, layout.num_slots, cycle)
     engine = Engine(config, tokenizer, options, 1, rank)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i in range(requests):

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from dsv41.cache.block_manager import BlockManager
 from dsv41.cache.geometry import V41PoolGeometry
 from dsv41.cache.pools import PoolSize
-from dsv41.cluster.batch import DPMetadata, ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.batch import DPMetadata, NewRequestData, ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
 from dsv41.cluster.options import (
@@ -331,9 +331,10 @@ class Engine(EngineClient):
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step of every rank; returns the delta outputs of the
         requests that got a token or finished in it (after a lost rank: every request
-        in flight, ended in error, and the ranks restarted)."""
+        in flight, ended in error, and the ranks restarted). A step with no rows still
+        runs when it releases requests, so that no rank holds a request that left."""
         batches = tuple(self._guided(s.schedule()) for s in self.schedulers)
-        if all(b.is_empty for b in batches):
+        if all(b.is_empty and not b.released_request_ids for b in batches):
             return []
         self._mark_scheduled(batches, time.monotonic())
         self._step_id += 1
@@ -504,27 +505,29 @@ class Engine(EngineClient):
         bm = self.block_manager
         if not bm.allocate_prompt(PARITY_REQUEST_ID, prompt, bm.miss(prompt)):
             raise EngineError(f"prompt_logits: {len(prompt)} tokens do not fit the pools")
-        params = SamplingParams(max_tokens=1, temperature=0.0)
+        table = bm.page_table(PARITY_REQUEST_ID)
+        data = NewRequestData(params=SamplingParams(max_tokens=1, temperature=0.0), seed=0)
         rows: list[torch.Tensor] = []
         selections: list[dict[int, torch.Tensor]] = []
         try:
             start = 0
             while start < len(prompt):
                 end = min(start + next(sizes), len(prompt))
+                first = start == 0
                 seg = ScheduledSegment(
                     request_id=PARITY_REQUEST_ID,
                     slot=bm.slot(PARITY_REQUEST_ID),
-                    page_table=bm.page_table(PARITY_REQUEST_ID),
                     start=start,
                     token_ids=prompt[start:end],
                     write_from=0,
                     window_start=0,
                     sample=False,
-                    params=params,
-                    seed=0,
                     output_index=0,
                     num_prompt_tokens=len(prompt),
-                    reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
+                    new_pages=table if first else (),
+                    kept_pages=0 if first else len(table),
+                    new_request=data if first else None,
+                    reset=SlotReset(position=0, history_token_ids=()) if first else None,
                     want_prompt_logits=True,
                 )
                 result = runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
@@ -533,6 +536,8 @@ class Engine(EngineClient):
                 start = end
         finally:
             bm.free(PARITY_REQUEST_ID)
+            if PARITY_REQUEST_ID in runner.requests:
+                runner.requests.release((PARITY_REQUEST_ID,))
         return PromptScores(
             logits=torch.cat(rows),
             selections={layer: torch.cat([part[layer] for part in selections]) for layer in selections[0]},
