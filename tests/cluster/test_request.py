@@ -224,8 +224,8 @@ def test_request_bookkeeping_and_delta_outputs(
     cumulative = []
     for d in deltas:
         done = whole.add(d)
-        assert (done is None) == (not d.finished)
-        cumulative.append(whole.output(d.request_id) if done is None else done)
+        assert (done is not None) == d.finished
+        cumulative.append(done or whole.output(d.request_id))
     assert cumulative[-1].token_ids == tuple(outputs) and cumulative[-1].finished
     assert all(a.token_ids == b.token_ids[: len(a.token_ids)] for a, b in zip(cumulative, cumulative[1:]))
     with pytest.raises(RuntimeError, match="takes no more tokens"):

@@ -30,11 +30,8 @@ def engine(tiny_dir: Path) -> Iterator[AsyncEngine]:
 async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
     """The stream's deltas added up: what a client has after each one."""
     whole = CumulativeOutputs()
-    sums = []
-    async for output in engine.generate(request_id, prompt, params):
-        done = whole.add(output)
-        sums.append(whole.output(output.request_id) if done is None else done)
-    return sums
+    stream = engine.generate(request_id, prompt, params)
+    return [whole.add(output) or whole.output(output.request_id) async for output in stream]
 
 
 def _pages_used(engine: AsyncEngine) -> int:
