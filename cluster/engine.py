@@ -423,17 +423,22 @@ class Engine(EngineClient):
         return outputs
 
     def recover(self, reason: str) -> list[RequestOutput]:
-        """After a rank failure: ends every unfinished request (``fail_all``), counts
-        the restart and restarts the ranks. Returns the ended requests' outputs."""
-        outputs = self.fail_all(reason)
+        """After a rank failure: ends every unfinished request, counts the restart and
+        restarts the ranks (which then hold nothing). Returns the ended requests'
+        outputs."""
+        outputs = self._end_all(reason, ranks_kept=False)
         self.num_restarts += 1
         self.executor.restart()
         return outputs
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """Ends every unfinished request with finish_reason "error" and starts every
-        rank's bookkeeping afresh (the ranks' pools are gone with them: nothing they
-        cached can be hit again). Returns the ended requests' final outputs."""
+        rank's bookkeeping afresh (nothing the ranks cached can be hit again); the
+        ranks keep running, and the next step's batches tell them to drop every
+        request they hold. Returns the ended requests' final outputs."""
+        return self._end_all(reason, ranks_kept=True)
+
+    def _end_all(self, reason: str, *, ranks_kept: bool) -> list[RequestOutput]:
         logger.error("engine: ending %d request(s): %s", len(self._requests), reason)
         outputs = []
         for request in list(self._requests.values()):
@@ -445,7 +450,10 @@ class Engine(EngineClient):
         self._rank_of.clear()
         if self._structured is not None:
             self._structured.clear()
+        held = [s.requests_on_rank() if ranks_kept else () for s in self.schedulers]
         self.schedulers = self._fresh_schedulers()
+        for scheduler, request_ids in zip(self.schedulers, held):
+            scheduler.release_on_rank(request_ids)
         return outputs
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:

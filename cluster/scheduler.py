@@ -419,6 +419,18 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
 
+    def requests_on_rank(self) -> tuple[str, ...]:
+        """The requests the rank holds until its next batch: each one whose first
+        segment it got, and each one that batch releases."""
+        sent = (rid for rid, progress in self._progress.items() if progress.pages_sent is not None)
+        return (*self._released, *sent)
+
+    def release_on_rank(self, request_ids: Iterable[str]) -> None:
+        """Has the next batch tell the rank to drop ``request_ids``: what an earlier
+        scheduler of the same rank sent it (an engine that restarted its bookkeeping
+        beside running ranks)."""
+        self._released.extend(request_ids)
+
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: the request gives up its PAGEs and slot and waits at
         the front; it resumes from whatever the prefix cache then holds."""

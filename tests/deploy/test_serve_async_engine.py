@@ -145,7 +145,8 @@ def test_engine_death_ends_every_request_and_fails_health(tiny_dir: Path) -> Non
 class _RankLosingEngine(Engine):
     """A one-rank DP engine (its rank a thread) that loses its rank at its third step:
     as after a rank failure, every request in flight ends with finish reason "error"
-    (``fail_all``, what ``recover`` does before restarting the ranks)."""
+    (``fail_all``: as ``recover`` ends them, but the ranks keep running and are told
+    to drop what they hold)."""
 
     steps = 0
 
