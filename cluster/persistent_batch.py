@@ -93,6 +93,13 @@ class PersistentBatch:
 
     def page_tables(self, segments: Sequence[ScheduledSegment], block_size: int) -> torch.Tensor:
         """The step's page tables of ``segments`` [S, P]: their rows, as wide as the
-        PAGEs the furthest segment end needs (cache/addressing.build_step_addresses)."""
-        num_pages = max((-(-seg.end // block_size) for seg in segments), default=0)
-        return self.block_table.rows([seg.slot for seg in segments], num_pages)
+        PAGEs the furthest segment end needs (cache/addressing.build_step_addresses);
+        refused when a row lacks a PAGE its segment reaches."""
+        needs = [-(-seg.end // block_size) for seg in segments]
+        for seg, need in zip(segments, needs):
+            held = self.block_table.num_pages(seg.slot)
+            if held < need:
+                raise StepInputError(
+                    f"{seg.request_id!r}: positions up to {seg.end} need {need} PAGEs, the rank holds {held} of it"
+                )
+        return self.block_table.rows([seg.slot for seg in segments], max(needs, default=0))

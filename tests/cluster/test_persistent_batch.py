@@ -17,6 +17,7 @@ refuses a batch that does not follow what it holds.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Sequence
@@ -140,8 +141,9 @@ def _holding_a() -> PersistentBatch:
 def test_a_batch_that_does_not_follow_what_the_rank_holds_is_refused() -> None:
     """A running segment of a request the rank does not hold (or holds on another
     slot), a new request on a slot another holds or under an id it holds, and the
-    release of a request it does not hold each raise, naming the request; a release
-    and a new request of the same id and slot in one batch are applied in that order."""
+    release of a request it does not hold each raise, naming the request, and so do the
+    page tables of a segment reaching past the PAGEs its row holds; a release and a new
+    request of the same id and slot in one batch are applied in that order."""
     cases = [
         (ScheduledBatch(2, (_segment("b", 1, new=False),)), "'b' on slot 1 comes as running"),
         (ScheduledBatch(2, (_segment("a", 1, new=False, kept=1),)), "holds it on slot 0"),
@@ -153,5 +155,9 @@ def test_a_batch_that_does_not_follow_what_the_rank_holds_is_refused() -> None:
         with pytest.raises(StepInputError, match=message):
             _holding_a().update(batch)
     requests = _holding_a()
+    beyond = dataclasses.replace(_segment("a", 0, new=False, kept=1), start=BLOCK, new_pages=())
+    with pytest.raises(StepInputError, match="'a': positions up to 33 need 2 PAGEs, the rank holds 1"):
+        requests.page_tables((beyond,), BLOCK)
     requests.update(ScheduledBatch(2, (_segment("a", 0, new=True),), released_request_ids=("a",)))
     assert requests.request_ids == {"a"} and requests.pages("a") == (3,)
+    assert requests.page_tables((_segment("a", 0, new=False, kept=1),), BLOCK).tolist() == [[3]]
