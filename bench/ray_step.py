@@ -27,7 +27,8 @@ A second table prices the wire alone, in this process: one rank's ScheduledBatch
 ``ray.cloudpickle`` (Ray's serialiser for Python objects: a Python-level hook per
 object), and through the step wire (pack and unpack; a decode step of running
 requests, a delta: no sampling parameters, no PAGE sent before); its StepResult the
-same three ways; and the DP metadata as a tensor and as its int words.
+same three ways; and the DP metadata such a batch travels with under DP (a DP1 step
+sends none) as a tensor and as its int words.
 
 Usage: python3 -m bench.ray_step [--steps 200] [--repeats 3] [--out bench/results/ray_step.json]
 """
@@ -58,7 +59,7 @@ from dsv41.actors.group import GroupOptions
 from dsv41.actors.rank import RankActor
 from dsv41.actors.step_wire import pack_result, pack_step, unpack_result, unpack_step
 from dsv41.actors.transport import TRANSPORTS, StepTransport, failing_as, open_transport
-from dsv41.cluster.batch import ScheduledBatch
+from dsv41.cluster.batch import DPMetadata, ScheduledBatch
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineOptions, engine_options
 from dsv41.cluster.ranks import DPLayout
@@ -133,7 +134,7 @@ class TimedExecutor:
             self.timings.pack_ms.append(0.0)
             return results
         start = time.perf_counter()
-        words = metadata.tolist()
+        words = None if metadata is None else metadata.tolist()
         steps = [pack_step(batch, words) for batch in batches]
         sent = time.perf_counter()
         packed = self.transport.exchange(steps, STEP_TIMEOUT_S)
@@ -214,8 +215,12 @@ def measure_wire(model_dir: Path, running: int) -> dict[str, float]:
     engine = decoding_engine(model_dir, executor, 1, running, steps=2)
     engine.step()
     assert executor.last is not None
-    (batch,), metadata, (result,) = executor.last
-    words = metadata.tolist()
+    (batch,), sent, (result,) = executor.last
+    # A DP1 step travels without metadata; the columns price the tensor the batch
+    # would travel with under DP.
+    words = None if sent is None else sent.tolist()
+    metadata = DPMetadata.of(batch.step_id, (batch,)).to_wire()
+    metadata_words = metadata.tolist()
     assert unpack_step(pack_step(batch, words))[0] == batch
     return {
         "running": running,
@@ -229,7 +234,7 @@ def measure_wire(model_dir: Path, running: int) -> dict[str, float]:
         "result_wire_us": median_us(lambda: unpack_result(pack_result(result))),
         "metadata_tensor_us": median_us(lambda: pickle.loads(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))),
         "metadata_words_us": median_us(
-            lambda: torch.tensor(pickle.loads(pickle.dumps(words, protocol=pickle.HIGHEST_PROTOCOL)))
+            lambda: torch.tensor(pickle.loads(pickle.dumps(metadata_words, protocol=pickle.HIGHEST_PROTOCOL)))
         ),
     }
 
