@@ -13,10 +13,13 @@ nothing running the head of the queue is always admitted when it fits the empty
 pools (the engine refuses one that does not); a step that can admit nothing with
 nothing running raises instead of idling.
 It moves no bytes: each ``ScheduledSegment`` tells the rank what to do to the slot
-before and after the forward. A request resumes only where its state is exact (a
-restored image, or a reset slot at the hit's forward start), so a scheduled run
-produces the tokens of an uninterrupted one; under ``replay`` a hit legitimately
-changes logits (the spec's accuracy note).
+before and after the forward, and only what changed since the rank last heard of the
+request (cluster/batch.py: its data and PAGE table in its first segment there, then
+the PAGEs appended, counted per request so no table is copied or compared; the
+requests that left the rank are named in the next batch). A request resumes only
+where its state is exact (a restored image, or a reset slot at the hit's forward
+start), so a scheduled run produces the tokens of an uninterrupted one; under
+``replay`` a hit legitimately changes logits (the spec's accuracy note).
 With speculation (drafts from the runner) a decoding request's step is a verify:
 its anchor and the drafts its last step left (cut to the token budget and to what the
 request may still generate), PAGEs grown for every row, and the commit keeps the
