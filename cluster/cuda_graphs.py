@@ -254,6 +254,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(buckets.batch_sizes[-1], vocab, dtype=torch.float32, device=device)
         self._graphs: dict[DecodeWidth, torch.cuda.CUDAGraph] = {}
         self._warned_beyond = False
+        self.report: CaptureReport | None = None  # capture_all's
 
     def _run_static(self, step: StaticDecodeStep) -> None:
         self.logits[: step.width.requests].copy_(step.forward())
@@ -285,6 +286,7 @@ class DecodeGraphs:
             f"decode graphs: {report.graphs} captured in {report.seconds:.1f} s, "
             f"{report.memory_bytes / 2**20:.1f} MiB of device memory"
         )
+        self.report = report
         return report
 
     def width_for(self, segments: Sequence[SegmentSpec]) -> DecodeWidth | None:
