@@ -172,7 +172,7 @@ def test_replayed_graphs_give_the_eager_engines_tokens_on_cuda(tiny_dir: Path) -
     engine = Engine.from_pretrained(tiny_dir, cudagraph_mode="full", cudagraph_batch_sizes=(1, 2, 4), **options)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.report is not None
-    assert graphs.report.graphs == len(graphs.buckets.widths()) and graphs.report.memory_bytes > 0
+    assert graphs.report.graphs == len(graphs.buckets.widths())
     replays = 0
     run = graphs.run
 
