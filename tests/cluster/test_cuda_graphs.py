@@ -9,6 +9,7 @@ device (tests/model/test_gpu_runtime.py runs graph == eager there).
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -121,10 +122,13 @@ def _workload(engine: Engine, seed: int) -> dict[str, RequestOutput]:
 
 
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
-def test_decode_steps_at_bucket_widths_give_the_eager_engines_tokens(tiny_dir: Path, kernel_backend: str) -> None:
+def test_decode_steps_at_bucket_widths_give_the_eager_engines_tokens(
+    tiny_dir: Path, kernel_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A random workload whose decode batches fill a bucket, fall between buckets (padded)
-    and exceed the largest (run eagerly): every request's tokens and logprobs equal the
-    eager engine's bit for bit, and the graph path ran at padded widths."""
+    and exceed the largest (run eagerly, logged once): every request's tokens and
+    logprobs equal the eager engine's bit for bit, and the graph path ran at padded
+    widths."""
     if kernel_backend == "triton" and torch.cuda.is_available():
         pytest.skip("with a GPU the Triton kernels run there: test_replayed_graphs_give_the_eager_engines_tokens_on_cuda")
     options = dict(
@@ -142,7 +146,10 @@ def test_decode_steps_at_bucket_widths_give_the_eager_engines_tokens(tiny_dir: P
         return run(width, token_ids, *args)
 
     graphs.run = recording  # type: ignore[method-assign]
-    replayed = _workload(graphs_engine, seed=3)
+    with caplog.at_level(logging.WARNING, logger="dsv41.cluster.cuda_graphs"):
+        replayed = _workload(graphs_engine, seed=3)
+    beyond = [r for r in caplog.records if "beyond the largest bucket" in r.getMessage()]
+    assert len(beyond) == 1, "a step beyond the largest bucket ran eagerly, logged once"
     assert sorted(replayed) == sorted(eager)
     for rid, want in eager.items():
         got = replayed[rid]
