@@ -5,12 +5,13 @@ Owns ``EngineGroup``, the context-managed client: it starts a ``SchedulerActor``
 forwards the engine interface to it; each step's outputs (the engine's deltas) come back
 in a numbered frame (``actors.output_wire``).
 
-Lifetimes follow Ray's ownership: the client owns the SchedulerActor, which owns the
-ranks and the OffloadActor, and an actor that is not detached dies with its owner, so
-whatever kills the client or the scheduler takes everything below it along. A
-placement group outlives its creator (until the creator's job ends), so the group never
-creates one it does not remove: the placement is given (a Serve replica's own,
-created and removed by Serve with the replica) or made and removed by the EngineGroup.
+Lifetimes (stated here only; actors/group.py refers here) follow Ray's ownership: the
+client owns the SchedulerActor, which owns the ranks and the OffloadActor, and an
+actor that is not detached dies with its owner, so whatever kills the client or the
+scheduler takes everything below it along. A placement group outlives its creator
+(until the creator's job ends), so the group never creates one it does not remove: the
+placement is given (a Serve replica's own, created and removed by Serve with the
+replica) or made and removed by the EngineGroup.
 
 Must not import: deploy.
 """

@@ -8,14 +8,10 @@ joining the process group at once), the step transport of each generation
 deadline, health pings, and restart: when any rank dies or misses the deadline the
 whole group is torn down and started again (a process group cannot lose a member).
 The client of a group is actors/engine_group.py's ``EngineGroup``, above the
-SchedulerActor that owns a RankGroup.
-
-Lifetimes follow Ray's ownership: the client owns the SchedulerActor, which owns the
-ranks and the OffloadActor, and an actor that is not detached dies with its owner, so
-whatever kills the client or the scheduler takes everything below it along. A
-placement group outlives its creator (until the creator's job ends), so the group never
-creates one it does not remove: the placement is given (a Serve replica's own,
-created and removed by Serve with the replica) or made and removed by the EngineGroup.
+SchedulerActor that owns a RankGroup. Which process owns which actor and who removes
+a group's placement group: actors/engine_group.py's Lifetimes. A RankGroup only uses
+the placement it is handed (``GroupPlacement.create`` makes one for a caller that
+removes it).
 
 Must not import: deploy, actors.scheduler, actors.engine_group.
 """
@@ -34,7 +30,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dsv41.actors.rank import RankActor
-from dsv41.actors.step_wire import StepPacker, session_packers, unpack_result
+from dsv41.actors.step_wire import pack_step, unpack_result
 from dsv41.actors.transport import (
     TRANSPORTS,
     RankGroupDead,
@@ -160,7 +156,6 @@ class RankGroup:
         self.last_failure: str | None = None
         self.ranks: list[Any] = []
         self._transport: StepTransport | None = None
-        self._packers: list[StepPacker] = []
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None
 
@@ -262,7 +257,6 @@ class RankGroup:
         # rank (seconds on a loaded box): it gets the start deadline, not a step's.
         padding = tuple(ScheduledBatch(step_id=0) for _ in range(self.dp.world))
         self._transport = transport
-        self._packers = session_packers(self.dp.world)
         self._exchange(transport, padding, DPMetadata.of(0, padding).to_wire(), opts.start_timeout_s)
 
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
@@ -285,7 +279,7 @@ class RankGroup:
     ) -> list[StepResult]:
         with self._recording_failure():
             words = None if metadata is None else metadata.tolist()
-            steps = [packer.pack(batch, words) for packer, batch in zip(self._packers, batches)]
+            steps = [pack_step(batch, words) for batch in batches]
             packed = transport.exchange(steps, timeout_s)
         return [unpack_result(result) for result in packed]
 

@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from dsv41.actors.step_wire import StepUnpacker, pack_result
+from dsv41.actors.step_wire import pack_result, unpack_step
 from dsv41.actors.transport import connect_to_driver, serve_connection
 from dsv41.cluster.batch import ScheduledBatch
 from dsv41.cluster.distributed import GroupSpec, free_port, open_process_group, tcp_store
@@ -44,7 +44,6 @@ class RankActor:
         self.rank = rank
         self.offload = offload
         self._worker: DPRank | None = None
-        self._unpacker = StepUnpacker()
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a port free on it: the head rank's store."""
@@ -65,9 +64,9 @@ class RankActor:
         return self._worker.execute(batch, metadata_wire)
 
     def execute_packed(self, step: bytes) -> bytes:
-        """``execute`` over the step wire (``actors.step_wire``): a StepPacker's bytes
+        """``execute`` over the step wire (``actors.step_wire``): ``pack_step``'s bytes
         in, ``pack_result``'s bytes out."""
-        batch, metadata_words = self._unpacker.unpack(step)
+        batch, metadata_words = unpack_step(step)
         metadata = None if metadata_words is None else torch.tensor(metadata_words, dtype=torch.int64)
         return pack_result(self.execute(batch, metadata))
 

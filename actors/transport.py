@@ -67,7 +67,7 @@ def failing_as(what: str) -> Iterator[None]:
 
 
 class StepTransport(abc.ABC):
-    """Carries each rank's packed step (``actors.step_wire.StepPacker``) to the ranks'
+    """Carries each rank's packed step (``actors.step_wire.pack_step``) to the ranks'
     ``execute_packed`` and their packed results back, one generation of ranks long.
     ``exchange`` returns the results in rank order, or raises RankGroupFailure at the
     first failure: a dead rank (at once), a rank's exception (without waiting for the

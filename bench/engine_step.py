@@ -4,15 +4,18 @@
 each; the engine (scheduler, block manager, prefix hashing, stop checks and
 detokenization, delta outputs) is the real one, over the embedded model's config and
 tokenizer. What the rank does is split in two: its host input work is real — the
-step's batch through the step wire (``StepPacker`` -> bytes -> ``StepUnpacker``, what
-a Ray rank receives) and the step's PAGE addresses (``build_step_addresses``, what the
-runner builds before its forward) — while the forward itself is replaced by a fixed
-cycle of ordinary text tokens, so a step costs no model time and the run reaches 8k
-tokens in a minute. Columns, per step at 64 requests around each output length: the
-engine's own CPU time (``Engine.step`` less the rank's), the wire's, the address
-build's, as medians over the ``--window`` steps ending there. CPU time of the one
-thread that runs it all (torch held to one thread), so other processes on the
-machine do not move the figures.
+step's batch through the step wire (``pack_step`` -> bytes -> ``unpack_step``, what a
+Ray rank receives) and the step's PAGE addresses (the batch's deltas applied to the
+rank's PersistentBatch, the step's page tables gathered from its block table and
+``build_step_addresses``, what the runner does before its forward) — while the forward
+itself is replaced by a fixed cycle of ordinary text tokens, so a step costs no model
+time and the run reaches 8k tokens in a minute. Columns, per step at 64 requests
+around each output length: the engine's own CPU time (``Engine.step`` less the
+rank's), the wire's, the addresses', as medians over the ``--window`` steps ending
+there (CPU time of the one thread that runs it all, torch held to one thread, so
+other processes on the machine move the figures less); and the PAGE ids the step's
+segments carry (a mean over those steps: the PAGEs added) against the PAGE ids of the
+step's tables (what segments carrying whole tables would hold).
 
 The property this measures (issue 16): the host's work per step does not grow with
 how many tokens the requests have already generated.
@@ -36,11 +39,12 @@ from typing import Sequence
 
 import torch
 
-from dsv41.actors.step_wire import StepPacker, StepUnpacker
+from dsv41.actors.step_wire import pack_step, unpack_step
 from dsv41.cache.addressing import PoolShape, SegmentSpec, build_step_addresses
 from dsv41.cluster.batch import ScheduledBatch
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import RankLayout, engine_options
+from dsv41.cluster.persistent_batch import PersistentBatch
 from dsv41.cluster.runner import SampledToken, StepResult
 from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.source import ModelSource
@@ -54,23 +58,30 @@ TEXT = " the runtime keeps every request's pages and state in pools shared by al
 class HostOnlyRank:
     """One rank's host input work for real, its forward replaced by ``cycle``'s tokens."""
 
-    def __init__(self, shape: PoolShape, cycle: Sequence[int]) -> None:
+    def __init__(self, shape: PoolShape, num_slots: int, cycle: Sequence[int]) -> None:
         self.shape = shape
         self.cycle = tuple(cycle)
-        self.packer = StepPacker(session=1)
-        self.unpacker = StepUnpacker()
+        self.requests = PersistentBatch(num_slots)
         self.wire_s = 0.0
         self.address_s = 0.0
+        self.pages_sent = 0  # PAGE ids the segments carried, all steps
+        self.pages_held = 0  # PAGE ids of the last step's tables
+        self.counting_s = 0.0  # the bench's own counting, left out of every column
 
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
         (batch,) = batches
         start = time.thread_time()
-        received, _ = self.unpacker.unpack(self.packer.pack(batch, []))
+        received, _ = unpack_step(pack_step(batch, []))
         wired = time.thread_time()
-        specs = [SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start) for s in received.segments]
-        build_step_addresses(specs, self.shape)
+        self.requests.update(received)
+        specs = [SegmentSpec(s.slot, s.start, s.length, s.write_from, s.window_start) for s in received.segments]
+        build_step_addresses(specs, self.requests.page_tables(received.segments, self.shape.block_size), self.shape)
+        addressed = time.thread_time()
         self.wire_s += wired - start
-        self.address_s += time.thread_time() - wired
+        self.address_s += addressed - wired
+        self.pages_sent += sum(len(s.new_pages) for s in received.segments)
+        self.pages_held = sum(s.kept_pages + len(s.new_pages) for s in received.segments)
+        self.counting_s += time.thread_time() - addressed
         sampled = {s.request_id: SampledToken(self.cycle[s.end % len(self.cycle)], None) for s in received.segments if s.sample}
         return [StepResult(step_id=batch.step_id, sampled=sampled)]
 
@@ -93,28 +104,30 @@ def run(requests: int, tokens: int, window: int) -> list[dict[str, float]]:
         }
     )
     cycle = tokenizer.encode(TEXT).ids
-    geometry = RankLayout.build(config, options).geometry
-    shape = PoolShape.of(geometry, config.sliding_window)
-    rank = HostOnlyRank(shape, cycle)
+    layout = RankLayout.build(config, options)
+    shape = PoolShape.of(layout.geometry, config.sliding_window)
+    rank = HostOnlyRank(shape, layout.num_slots, cycle)
     engine = Engine(config, tokenizer, options, 1, rank)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i in range(requests):
         engine.add_request(f"r{i}", [cycle[(i + j) % len(cycle)] for j in range(prompt_len)], params)
-    samples: list[tuple[float, float, float]] = []
+    samples: list[tuple[float, float, float, int]] = []
     generated = 0
     rows = []
     while engine.has_unfinished_requests():
-        wire_before, address_before = rank.wire_s, rank.address_s
+        wire_before, address_before, sent_before = rank.wire_s, rank.address_s, rank.pages_sent
+        counting_before = rank.counting_s
         start = time.thread_time()
         outputs = engine.step()
-        total = time.thread_time() - start
+        total = time.thread_time() - start - (rank.counting_s - counting_before)
         wire, address = rank.wire_s - wire_before, rank.address_s - address_before
+        sent = rank.pages_sent - sent_before
         if not outputs:
             continue
         generated = max(o.num_output_tokens for o in outputs)
         if len(outputs) != requests:
             continue  # the prefill step and the last one
-        samples.append((total - wire - address, wire, address))
+        samples.append((total - wire - address, wire, address, sent))
         if generated in CHECKPOINTS:
             last = samples[-window:]
             rows.append(
@@ -124,6 +137,8 @@ def run(requests: int, tokens: int, window: int) -> list[dict[str, float]]:
                     "engine_ms": statistics.median(s[0] for s in last) * 1e3,
                     "wire_ms": statistics.median(s[1] for s in last) * 1e3,
                     "address_ms": statistics.median(s[2] for s in last) * 1e3,
+                    "pages_sent": statistics.mean(s[3] for s in last),
+                    "pages_held": rank.pages_held,
                 }
             )
     return rows
@@ -137,10 +152,16 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "engine_step.json"))
     args = parser.parse_args()
     rows = run(args.requests, args.tokens, args.window)
-    print("| output tokens | engine CPU ms/step | step wire CPU ms/step | PAGE addresses CPU ms/step |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| output tokens | engine CPU ms/step | step wire CPU ms/step | PAGE addresses CPU ms/step "
+        "| PAGE ids sent/step | PAGE ids in the tables |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['output_tokens']} | {r['engine_ms']:.2f} | {r['wire_ms']:.2f} | {r['address_ms']:.2f} |")
+        print(
+            f"| {r['output_tokens']} | {r['engine_ms']:.2f} | {r['wire_ms']:.2f} | {r['address_ms']:.2f} "
+            f"| {r['pages_sent']:.2f} | {r['pages_held']} |"
+        )
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores".strip(),

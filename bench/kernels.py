@@ -295,14 +295,16 @@ def compression_case(config: V41Config, kv: str, index: str, kind: str, rows: in
     MXFP4 grid and the window KV on the FP8 grid (bf16)."""
     geometry = pool_geometry(config, block_size=128, kv_cache_dtype=kv, index_cache_dtype=index)
     if kind == "decode":
-        segments = [SegmentSpec(slot=b, page_table=(b,), start=3 - b % 2, length=1) for b in range(rows)]
+        segments = [SegmentSpec(slot=b, start=3 - b % 2, length=1) for b in range(rows)]
+        page_tables = torch.arange(rows).unsqueeze(1)  # request b's one PAGE is PAGE b
         size = PoolSize(num_pages=rows, num_slots=rows)
     else:
         pages = -(-rows // geometry.block_size)
-        segments = [SegmentSpec(slot=0, page_table=tuple(range(pages)), start=0, length=rows)]
+        segments = [SegmentSpec(slot=0, start=0, length=rows)]
+        page_tables = torch.arange(pages).unsqueeze(0)
         size = PoolSize(num_pages=pages, num_slots=1)
     shape = PoolShape(geometry.block_size, config.sliding_window, geometry.ring_rows, ratios=(2,))
-    addresses = move_tensors(build_step_addresses(segments, shape), device)
+    addresses = move_tensors(build_step_addresses(segments, page_tables, shape), device)
     plan, window = addresses.compression[2], addresses.window
     pools = V41Pools(geometry, size, device=device)
     fill_random(pools)

@@ -1,7 +1,7 @@
 """Benchmark of the Ray overhead of one engine-group step, per step transport.
 
 The step path of ``actors/``: a Engine schedules every rank's batch and packs the DP
-metadata; each rank's ``actors.step_wire.StepPacker`` turns its share into bytes; the
+metadata; ``actors.step_wire.pack_step`` turns each rank's share into bytes; the
 group's transport (``actors.transport.open_transport``: ``sockets``, the default,
 ``compiled`` or ``calls``) carries them to the ranks' ``execute_packed`` and their packed
 StepResults back. The ranks here are RankActors with a trivial model (token 0 for every
@@ -25,9 +25,9 @@ work on it inflates every figure).
 A second table prices the wire alone, in this process: one rank's ScheduledBatch (DP1,
 ``running`` segments) of a decode step pickled whole by the C pickler and by
 ``ray.cloudpickle`` (Ray's serialiser for Python objects: a Python-level hook per
-object), and through the step wire once the rank has seen its requests (pack and
-unpack); its StepResult the same three ways; and the DP metadata as a tensor and as
-its int words.
+object), and through the step wire (pack and unpack; a decode step of running
+requests, a delta: no sampling parameters, no PAGE sent before); its StepResult the
+same three ways; and the DP metadata as a tensor and as its int words.
 
 Usage: python3 -m bench.ray_step [--steps 200] [--repeats 3] [--out bench/results/ray_step.json]
 """
@@ -56,7 +56,7 @@ import torch
 
 from dsv41.actors.group import GroupOptions
 from dsv41.actors.rank import RankActor
-from dsv41.actors.step_wire import pack_result, session_packers, unpack_result
+from dsv41.actors.step_wire import pack_result, pack_step, unpack_result, unpack_step
 from dsv41.actors.transport import TRANSPORTS, StepTransport, failing_as, open_transport
 from dsv41.cluster.batch import ScheduledBatch
 from dsv41.cluster.engine import Engine
@@ -120,7 +120,6 @@ class TimedExecutor:
         self.transport: StepTransport | None = None if kind == OBJECTS else open_transport(
             kind, "bench", ranks, STEP_TIMEOUT_S
         )
-        self.packers = session_packers(len(self.ranks))
         self.timings = Timings()
 
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor) -> list[StepResult]:
@@ -135,7 +134,7 @@ class TimedExecutor:
             return results
         start = time.perf_counter()
         words = metadata.tolist()
-        steps = [packer.pack(batch, words) for packer, batch in zip(self.packers, batches)]
+        steps = [pack_step(batch, words) for batch in batches]
         sent = time.perf_counter()
         packed = self.transport.exchange(steps, STEP_TIMEOUT_S)
         received = time.perf_counter()
@@ -215,21 +214,16 @@ def measure_wire(model_dir: Path, running: int) -> dict[str, float]:
     engine = decoding_engine(model_dir, executor, 1, running, steps=2)
     engine.step()
     assert executor.last is not None
-    (before,), _, _ = executor.last
-    engine.step()
     (batch,), metadata, (result,) = executor.last
     words = metadata.tolist()
-    # The step wire after the rank has seen these requests (a decode step's steady state).
-    (packer,), unpacker = session_packers(1), TrivialRank(1, 0)._unpacker
-    unpacker.unpack(packer.pack(before, words))
-    assert unpacker.unpack(packer.pack(batch, words))[0] == batch
+    assert unpack_step(pack_step(batch, words))[0] == batch
     return {
         "running": running,
         "batch_bytes": len(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)),
-        "step_wire_bytes": len(packer.pack(batch, words)),
+        "step_wire_bytes": len(pack_step(batch, words)),
         "batch_pickle_us": median_us(lambda: pickle.loads(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))),
         "batch_cloudpickle_us": median_us(lambda: pickle.loads(ray.cloudpickle.dumps(batch, protocol=5))),
-        "step_wire_us": median_us(lambda: unpacker.unpack(packer.pack(batch, words))),
+        "step_wire_us": median_us(lambda: unpack_step(pack_step(batch, words))),
         "result_pickle_us": median_us(lambda: pickle.loads(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))),
         "result_cloudpickle_us": median_us(lambda: pickle.loads(ray.cloudpickle.dumps(result, protocol=5))),
         "result_wire_us": median_us(lambda: unpack_result(pack_result(result))),

@@ -1,7 +1,8 @@
 """Per-row addresses of one step's flat token batch in the PAGE/STATE pools.
 
-Owns the translation of a step's segments (one per request: its STATE slot, page
-table, the positions it computes) into index tensors the paged runtime reads and
+Owns the translation of a step's segments (one per request: its STATE slot, the
+positions it computes) and their page tables (a row of PAGE ids per segment, gathered
+from the rank's cache/block_table.py) into index tensors the paged runtime reads and
 writes through: window keys (this step's rows or the slot's ring), ring writes after
 attention, compression plans (which ratio-2 pairs or ratio-1 rows complete an entry in
 this step, where a pair's first member is a STATE tail, which PAGE row each entry
@@ -30,17 +31,16 @@ NO_ROW = -1  # an address slot that holds nothing (padding, or a key outside the
 class SegmentSpec:
     """One request's rows in a step.
 
-    The step computes positions [start, start + length) of the request. ``page_table``
-    covers every position up to start + length. Compressed entries whose group ends at
-    or below ``write_from`` are already in the prefix cache and are read, not written.
-    ``window_start`` is the first position any window may read (a replay's first row:
-    a fresh slot's ring holds nothing below it). ``tentative``: how many of the last
-    rows are speculative drafts (a verify): the segment then leaves no row pending in
-    its committed compressor tail, and stages every row that may become pending
-    (``staged_tail_row``)."""
+    The step computes positions [start, start + length) of the request; its row of
+    the step's page tables covers every position up to start + length. Compressed
+    entries whose group ends at or below ``write_from`` are already in the prefix
+    cache and are read, not written. ``window_start`` is the first position any
+    window may read (a replay's first row: a fresh slot's ring holds nothing below
+    it). ``tentative``: how many of the last rows are speculative drafts (a verify):
+    the segment then leaves no row pending in its committed compressor tail, and
+    stages every row that may become pending (``staged_tail_row``)."""
 
     slot: int
-    page_table: tuple[int, ...]
     start: int
     length: int
     write_from: int = 0
@@ -147,8 +147,8 @@ class EntryTile:
     @functools.cached_property
     def entry_rows(self) -> torch.Tensor:
         j = torch.arange(self.width, device=self.page_tables.device)
-        per_page = self.entries_per_page
-        rows = self.page_tables[:, j // per_page] * per_page + j % per_page
+        segments = torch.arange(self.page_tables.shape[0], device=j.device).unsqueeze(1)
+        rows = _entry_rows(self.page_tables, segments, j, self.entries_per_page)
         return torch.where(j < self.counts.unsqueeze(1), rows, NO_ROW)
 
 
@@ -176,9 +176,10 @@ def _long(values: Sequence[int]) -> torch.Tensor:
 
 
 def build_decoder_addresses(
-    segments: Sequence[SegmentSpec], views: Sequence[SegmentSpec], shape: PoolShape
+    segments: Sequence[SegmentSpec], views: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape
 ) -> DecoderAddresses:
-    """The decoder's rows and addresses of a step of ``segments``. ``views[i]`` is the
+    """The decoder's rows and addresses of a step of ``segments`` (``page_tables``:
+    the step's, as ``build_step_addresses`` takes them). ``views[i]`` is the
     decoder's view of segment i: the same request and end, starting at the first
     position the decoder runs (the end: none of its rows), with the first position
     its windows may read (a tail's start: nothing of the decoder exists below it).
@@ -195,26 +196,26 @@ def build_decoder_addresses(
             )
         rows.extend(range(base + view.start - seg.start, base + seg.length))
         base += seg.length
-    return DecoderAddresses(rows=_long(rows), plan=build_step_addresses(views, shape, compression=False))
+    plan = build_step_addresses(views, page_tables, shape, compression=False)
+    return DecoderAddresses(rows=_long(rows), plan=plan)
 
 
 def build_step_addresses(
-    segments: Sequence[SegmentSpec], shape: PoolShape, *, compression: bool = True
+    segments: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, *, compression: bool = True
 ) -> StepAddresses:
-    """Addresses of a step; rows are laid out segment after segment. ``compression``
-    False leaves the compression plans out (a step's decoder view compresses nothing)."""
+    """Addresses of a step; rows are laid out segment after segment. ``page_tables``
+    [S, P] int64: row s the PAGE ids of segment s's request (NO_ROW past its count),
+    which must cover the segment's end; P at least the PAGEs the furthest end needs.
+    ``compression`` False leaves the compression plans out (a step's decoder view
+    compresses nothing)."""
     W, ring_rows, B = shape.window, shape.ring_rows, shape.block_size
+    _check_page_tables(segments, page_tables, B)
     positions: list[int] = []
     row_segments: list[int] = []
     write_rows: list[int] = []
     write_dst: list[int] = []
     base = 0
     for s, seg in enumerate(segments):
-        need_pages = -(-seg.end // B)
-        if len(seg.page_table) < need_pages:
-            raise ValueError(
-                f"segment {s}: page_table has {len(seg.page_table)} pages, positions up to {seg.end} need {need_pages}"
-            )
         positions.extend(range(seg.start, seg.end))
         row_segments.extend([s] * seg.length)
         for pos in range(max(seg.start, seg.end - ring_rows), seg.end):
@@ -244,8 +245,8 @@ def build_step_addresses(
         write_rows=_long(write_rows),
         write_dst=_long(write_dst),
     )
-    plans = {r: _compression_plan(segments, shape, r) for r in shape.ratios} if compression else {}
-    tiles = {r: _entry_tile(segments, shape, r, pos_t) for r in shape.ratios}
+    plans = {r: _compression_plan(segments, page_tables, shape, r) for r in shape.ratios} if compression else {}
+    tiles = {r: _entry_tile(segments, page_tables, shape, r, pos_t) for r in shape.ratios}
     return StepAddresses(
         positions=pos_t,
         row_segments=seg_t,
@@ -281,10 +282,13 @@ def decode_pages(segments: Sequence[SegmentSpec], shape: PoolShape) -> int:
     return max((-(-seg.end // shape.block_size) for seg in segments), default=1)
 
 
-def build_decode_addresses(segments: Sequence[SegmentSpec], shape: PoolShape, width: DecodeWidth) -> StepAddresses:
-    """The addresses of a decode step (one committed row per segment) at ``width``:
-    the step's own rows are exactly ``build_step_addresses``'s, and every tensor is
-    padded to the shapes ``width`` fixes (DecodeWidth says what padding holds)."""
+def build_decode_addresses(
+    segments: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, width: DecodeWidth
+) -> StepAddresses:
+    """The addresses of a decode step (one committed row per segment; ``page_tables``
+    as ``build_step_addresses`` takes them) at ``width``: the step's own rows are
+    exactly ``build_step_addresses``'s, and every tensor is padded to the shapes
+    ``width`` fixes (DecodeWidth says what padding holds)."""
     if len(segments) > width.requests:
         raise ValueError(f"segments: {len(segments)} requests (allowed: at most width.requests = {width.requests})")
     for i, seg in enumerate(segments):
@@ -294,7 +298,7 @@ def build_decode_addresses(segments: Sequence[SegmentSpec], shape: PoolShape, wi
             )
     if decode_pages(segments, shape) > width.pages:
         raise ValueError(f"segments: cover {decode_pages(segments, shape)} PAGEs (allowed: at most width.pages = {width.pages})")
-    own = build_step_addresses(segments, shape)
+    own = build_step_addresses(segments, page_tables, shape)
     rows, pad = width.requests, width.requests - len(segments)
     window = own.window
     padded_window = WindowPlan(
@@ -347,6 +351,24 @@ def _padded(values: torch.Tensor, rows: int, fill: int | bool) -> torch.Tensor:
     return torch.cat((values, extra))
 
 
+def _check_page_tables(segments: Sequence[SegmentSpec], page_tables: torch.Tensor, block_size: int) -> None:
+    """The tables are a row per segment, wide enough for the furthest end. That each
+    row holds a PAGE up to its own segment's end is the caller's to know (the rank's
+    PersistentBatch checks its counts): reading the rows here would cost the host a
+    device-sized gather per step."""
+    widest = max((-(-seg.end // block_size) for seg in segments), default=0)
+    if (
+        page_tables.dtype != torch.long
+        or page_tables.dim() != 2
+        or page_tables.shape[0] != len(segments)
+        or page_tables.shape[1] < widest
+    ):
+        raise ValueError(
+            f"page_tables: {page_tables.dtype} of shape {tuple(page_tables.shape)} "
+            f"(allowed: int64 [{len(segments)}, >= {widest}], the PAGEs up to the furthest segment end)"
+        )
+
+
 def staged_tail_row(start: int, position: int) -> int:
     """The tail row a verify starting at ``start`` stages position ``position``'s (v, g)
     in: a ratio-2 token is left pending when the accepted prefix ends on it, which only
@@ -367,25 +389,28 @@ def draft_ring_rows(
     return torch.where(valid, flat, NO_ROW), valid
 
 
-def entry_row(seg: SegmentSpec, shape: PoolShape, ratio: int, entry: int) -> int:
-    """Flat row of compressed entry ``entry`` of a request in an owner's planes."""
-    per_page = shape.entries_per_page(ratio)
-    return seg.page_table[entry // per_page] * per_page + entry % per_page
+def _entry_rows(page_tables: torch.Tensor, segments: torch.Tensor, entries: torch.Tensor, per_page: int) -> torch.Tensor:
+    """Flat rows in an owner's planes of compressed entries ``entries`` of the
+    requests of ``segments`` (broadcast together)."""
+    return page_tables[segments, entries // per_page] * per_page + entries % per_page
 
 
-def _compression_plan(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: int) -> CompressionPlan:
+def _compression_plan(
+    segments: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, ratio: int
+) -> CompressionPlan:
     first_rows: list[int] = []
     first_tails: list[int] = []
     second_rows: list[int] = []
     entry_pos: list[int] = []
-    dst: list[int] = []
+    entry_segments: list[int] = []
+    entries: list[int] = []
     tail_rows: list[int] = []
     tail_slots: list[int] = []
     staged_rows: list[int] = []
     staged_slots: list[int] = []
     staged_tail_rows: list[int] = []
     base = 0
-    for seg in segments:
+    for s, seg in enumerate(segments):
         # Entry j is the group [j*r, (j+1)*r); it completes at its last token and is
         # written only when that group ends past write_from (else the cache holds it).
         first_entry = max(seg.start // ratio, seg.write_from // ratio)
@@ -402,7 +427,8 @@ def _compression_plan(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: 
                 first_tails.append(seg.slot)
             second_rows.append(base + last - seg.start)
             entry_pos.append(first)
-            dst.append(entry_row(seg, shape, ratio, j))
+            entry_segments.append(s)
+            entries.append(j)
         if ratio == 2 and seg.tentative:
             for pos in range(seg.start + seg.start % 2, seg.end, 2):
                 staged_rows.append(base + pos - seg.start)
@@ -418,7 +444,7 @@ def _compression_plan(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: 
         first_tail_slots=_long(first_tails),
         second_rows=_long(second_rows),
         entry_positions=_long(entry_pos),
-        dst=_long(dst),
+        dst=_entry_rows(page_tables, _long(entry_segments), _long(entries), shape.entries_per_page(ratio)),
         tail_write_rows=_long(tail_rows),
         tail_write_slots=_long(tail_slots),
         staged_rows=_long(staged_rows),
@@ -427,17 +453,17 @@ def _compression_plan(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: 
     )
 
 
-def _entry_tile(segments: Sequence[SegmentSpec], shape: PoolShape, ratio: int, positions: torch.Tensor) -> EntryTile:
+def _entry_tile(
+    segments: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, ratio: int, positions: torch.Tensor
+) -> EntryTile:
     per_page = shape.entries_per_page(ratio)
     counts = [seg.end // ratio for seg in segments]
     width = max(counts, default=0)
-    num_pages = -(-width // per_page)
-    padded = [list(seg.page_table[:num_pages]) + [NO_ROW] * (num_pages - len(seg.page_table)) for seg in segments]
     return EntryTile(
         ratio=ratio,
         entries_per_page=per_page,
         width=width,
-        page_tables=_long(padded).view(len(segments), num_pages),
+        page_tables=page_tables[:, : -(-width // per_page)],
         counts=_long(counts),
         visible=torch.div(positions + 1, ratio, rounding_mode="floor"),
     )

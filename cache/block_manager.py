@@ -458,8 +458,12 @@ class BlockManager:
         self.pool.release_all(reversed(blocks.pages))
         self._free_slots.append(blocks.slot)
 
-    def page_table(self, request_id: str) -> tuple[int, ...]:
-        return tuple(self._request(request_id).pages)
+    def page_table(self, request_id: str, first: int = 0, end: int | None = None) -> tuple[int, ...]:
+        """The request's PAGE ids [first, end) (default: all of them); copies only those."""
+        return tuple(self._request(request_id).pages[first:end])
+
+    def num_pages(self, request_id: str) -> int:
+        return len(self._request(request_id).pages)
 
     def slot(self, request_id: str) -> int:
         return self._request(request_id).slot

@@ -8,6 +8,15 @@ offload store), and how its next token is sampled; and ``DPMetadata``, what ever
 learns of the others in a step, packed into one flat tensor. It holds only plain
 values, so one scheduler can drive ranks in other processes.
 
+A batch is a delta against what the rank keeps between steps (its PersistentBatch,
+cluster/persistent_batch.py), as vLLM's NewRequestData / CachedRequestData: a
+request's first segment on the rank brings its ``NewRequestData`` (sampling
+parameters, seed) and its whole PAGE table; each later one only the PAGEs its table
+gained since (``new_pages`` after the ``kept_pages`` the rank keeps: fewer than it
+holds after a speculative verify handed lookahead PAGEs back); and the batch names the
+requests that left the rank since its last batch (``released_request_ids``:
+finished, aborted, preempted), which the rank drops before anything else.
+
 Must not import: model, actors, deploy, ray.
 """
 
@@ -35,21 +44,33 @@ class SlotReset:
 
 
 @dataclass(frozen=True)
+class NewRequestData:
+    """What a rank keeps of a request while it runs there, sent once: in the request's
+    first segment after its admission to the rank (a readmission after preemption
+    too), until the rank is told it left (``ScheduledBatch.released_request_ids``)."""
+
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
 class ScheduledSegment:
     request_id: str
     slot: int
-    page_table: tuple[int, ...]
     start: int
     token_ids: tuple[int, ...]  # the tokens at positions [start, start + len)
     write_from: int  # compressed groups ending at or below it are cached: read, not rewritten
     window_start: int  # first position a window may read
     sample: bool  # the chunk reaches the last known token: sample the next one
-    params: SamplingParams
-    seed: int
     output_index: int  # how many tokens the request has generated (the sampler's counter)
     # The request's prompt length: decoder SWA bounded replay runs the decoder on its
     # last rows (and every row after), in whichever forward computes them.
     num_prompt_tokens: int
+    # The request's PAGE table on the rank: its first kept_pages PAGEs as the rank
+    # holds them, then new_pages (a new request: none kept, its whole table).
+    new_pages: tuple[int, ...]
+    kept_pages: int
+    new_request: NewRequestData | None = None  # the request's first segment on the rank
     reset: SlotReset | None = None
     restore: StateImage | None = None
     store_after: StateImage | None = None  # write the slot's image here after the forward
@@ -83,6 +104,11 @@ class ScheduledSegment:
             )
         if self.reset is not None and self.restore is not None:
             raise ValueError(f"ScheduledSegment {self.request_id}: reset and restore are exclusive")
+        if self.kept_pages < 0 or (self.new_request is not None and self.kept_pages):
+            raise ValueError(
+                f"ScheduledSegment {self.request_id}: kept_pages {self.kept_pages} (allowed: >= 0, and 0 with "
+                "new_request: a request new to the rank brings its whole table)"
+            )
 
     @property
     def length(self) -> int:
@@ -97,6 +123,10 @@ class ScheduledSegment:
 class ScheduledBatch:
     step_id: int
     segments: tuple[ScheduledSegment, ...] = field(default_factory=tuple)
+    # Requests that left the rank since its last batch (finished, aborted, preempted):
+    # the rank drops what it keeps of them before this batch's segments, one of which
+    # may bring a request of the same id, or on the same slot, anew.
+    released_request_ids: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:

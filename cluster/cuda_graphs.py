@@ -37,6 +37,8 @@ from dsv41.model.microbatch import StagedEngramRows
 from dsv41.model.runtime import PagedRuntime, PagedStore
 
 CUDAGRAPH_MODES = ("none", "full")
+# The page tables of a step of no request (what capture stages: padding alone).
+_NO_PAGES = torch.zeros(0, 0, dtype=torch.long)
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +151,7 @@ class StaticDecodeStep:
         self.shape = shape
         self.width = width
         self.device = device
-        self.template = build_decode_addresses([], shape, width)
+        self.template = build_decode_addresses([], _NO_PAGES, shape, width)
         rows = width.requests
         self.int_leaves = [torch.zeros(rows, dtype=torch.long), *tensor_leaves(self.template)]
         self.engram_dims = dict(sorted(engram_dims.items()))
@@ -162,11 +164,15 @@ class StaticDecodeStep:
         self.device_floats = torch.zeros(float_total, dtype=torch.float32, device=device)
 
     def load(
-        self, token_ids: torch.Tensor, segments: Sequence[SegmentSpec], engram_rows: dict[int, torch.Tensor]
+        self,
+        token_ids: torch.Tensor,
+        segments: Sequence[SegmentSpec],
+        page_tables: torch.Tensor,
+        engram_rows: dict[int, torch.Tensor],
     ) -> None:
-        """Stages a decode step (``token_ids`` [n] host, ``segments``' specs, each
-        Engram layer's rows [n, dim] host) at this width and moves it to the device
-        buffers: two copies."""
+        """Stages a decode step (``token_ids`` [n] host, ``segments``' specs and their
+        page tables, each Engram layer's rows [n, dim] host) at this width and moves it
+        to the device buffers: two copies."""
         rows = self.width.requests
         if token_ids.numel() != len(segments):
             raise ValueError(f"token_ids: {token_ids.numel()} for {len(segments)} segments (allowed: one each)")
@@ -174,7 +180,7 @@ class StaticDecodeStep:
             raise ValueError(f"engram_rows: layers {sorted(engram_rows)} (allowed: {list(self.engram_dims)})")
         tokens = torch.zeros(rows, dtype=torch.long)
         tokens[: token_ids.numel()] = token_ids
-        leaves = [tokens, *tensor_leaves(build_decode_addresses(segments, self.shape, self.width))]
+        leaves = [tokens, *tensor_leaves(build_decode_addresses(segments, page_tables, self.shape, self.width))]
         at = 0
         for leaf, staged in zip(leaves, self.int_leaves):
             if leaf.shape != staged.shape:
@@ -266,7 +272,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if self.capture else None
         total = len(self.steps)
         for i, (width, step) in enumerate(self.steps.items(), start=1):
-            step.load(torch.zeros(0, dtype=torch.long), [], {lid: torch.zeros(0, dim) for lid, dim in step.engram_dims.items()})
+            padding = {lid: torch.zeros(0, dim) for lid, dim in step.engram_dims.items()}
+            step.load(torch.zeros(0, dtype=torch.long), [], _NO_PAGES, padding)
             self._run_static(step)
             if self.capture:
                 torch.cuda.synchronize(self.device)
@@ -310,12 +317,13 @@ class DecodeGraphs:
         width: DecodeWidth,
         token_ids: torch.Tensor,
         segments: Sequence[SegmentSpec],
+        page_tables: torch.Tensor,
         engram_rows: dict[int, torch.Tensor],
     ) -> torch.Tensor:
         """The logits [len(segments), vocab] of a decode step run at ``width``: staged,
         then the bucket's graph replayed (or its static step run)."""
         step = self.steps[width]
-        step.load(token_ids, segments, engram_rows)
+        step.load(token_ids, segments, page_tables, engram_rows)
         graph = self._graphs.get(width)
         if graph is not None:
             graph.replay()

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from dsv41.cache.block_manager import BlockManager
 from dsv41.cache.geometry import V41PoolGeometry
 from dsv41.cache.pools import PoolSize
-from dsv41.cluster.batch import DPMetadata, ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.batch import DPMetadata, NewRequestData, ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
 from dsv41.cluster.options import (
@@ -332,9 +332,10 @@ class Engine(EngineClient):
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step of every rank; returns the delta outputs of the
         requests that got a token or finished in it (after a lost rank: every request
-        in flight, ended in error, and the ranks restarted)."""
+        in flight, ended in error, and the ranks restarted). A step with no rows still
+        runs when it releases requests, so that no rank holds a request that left."""
         batches = tuple(self._guided(s.schedule()) for s in self.schedulers)
-        if all(b.is_empty for b in batches):
+        if all(b.is_empty and not b.released_request_ids for b in batches):
             return []
         self._mark_scheduled(batches, time.monotonic())
         self._step_id += 1
@@ -423,17 +424,22 @@ class Engine(EngineClient):
         return outputs
 
     def recover(self, reason: str) -> list[RequestOutput]:
-        """After a rank failure: ends every unfinished request (``fail_all``), counts
-        the restart and restarts the ranks. Returns the ended requests' outputs."""
-        outputs = self.fail_all(reason)
+        """After a rank failure: ends every unfinished request, counts the restart and
+        restarts the ranks (which then hold nothing). Returns the ended requests'
+        outputs."""
+        outputs = self._end_all(reason, ranks_kept=False)
         self.num_restarts += 1
         self.executor.restart()
         return outputs
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """Ends every unfinished request with finish_reason "error" and starts every
-        rank's bookkeeping afresh (the ranks' pools are gone with them: nothing they
-        cached can be hit again). Returns the ended requests' final outputs."""
+        rank's bookkeeping afresh (nothing the ranks cached can be hit again); the
+        ranks keep running, and the next step's batches tell them to drop every
+        request they hold. Returns the ended requests' final outputs."""
+        return self._end_all(reason, ranks_kept=True)
+
+    def _end_all(self, reason: str, *, ranks_kept: bool) -> list[RequestOutput]:
         logger.error("engine: ending %d request(s): %s", len(self._requests), reason)
         outputs = []
         for request in list(self._requests.values()):
@@ -445,7 +451,10 @@ class Engine(EngineClient):
         self._rank_of.clear()
         if self._structured is not None:
             self._structured.clear()
+        held = [s.requests_on_rank() if ranks_kept else () for s in self.schedulers]
         self.schedulers = self._fresh_schedulers()
+        for scheduler, request_ids in zip(self.schedulers, held):
+            scheduler.release_on_rank(request_ids)
         return outputs
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
@@ -462,10 +471,8 @@ class Engine(EngineClient):
         final: dict[str, RequestOutput] = {}
         while len(final) < len(order):
             for out in self.step():
-                if out.request_id in wanted:
-                    cumulative = whole.add(out)
-                    if out.finished:
-                        final[out.request_id] = cumulative
+                if out.request_id in wanted and (done := whole.add(out)) is not None:
+                    final[out.request_id] = done
         return [final[rid] for rid in order]
 
     def _release_grammar(self, request_id: str) -> None:
@@ -507,27 +514,29 @@ class Engine(EngineClient):
         bm = self.block_manager
         if not bm.allocate_prompt(PARITY_REQUEST_ID, prompt, bm.miss(prompt)):
             raise EngineError(f"prompt_logits: {len(prompt)} tokens do not fit the pools")
-        params = SamplingParams(max_tokens=1, temperature=0.0)
+        table = bm.page_table(PARITY_REQUEST_ID)
+        data = NewRequestData(params=SamplingParams(max_tokens=1, temperature=0.0), seed=0)
         rows: list[torch.Tensor] = []
         selections: list[dict[int, torch.Tensor]] = []
         try:
             start = 0
             while start < len(prompt):
                 end = min(start + next(sizes), len(prompt))
+                first = start == 0
                 seg = ScheduledSegment(
                     request_id=PARITY_REQUEST_ID,
                     slot=bm.slot(PARITY_REQUEST_ID),
-                    page_table=bm.page_table(PARITY_REQUEST_ID),
                     start=start,
                     token_ids=prompt[start:end],
                     write_from=0,
                     window_start=0,
                     sample=False,
-                    params=params,
-                    seed=0,
                     output_index=0,
                     num_prompt_tokens=len(prompt),
-                    reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
+                    new_pages=table if first else (),
+                    kept_pages=0 if first else len(table),
+                    new_request=data if first else None,
+                    reset=SlotReset(position=0, history_token_ids=()) if first else None,
                     want_prompt_logits=True,
                 )
                 result = runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
@@ -536,6 +545,8 @@ class Engine(EngineClient):
                 start = end
         finally:
             bm.free(PARITY_REQUEST_ID)
+            if PARITY_REQUEST_ID in runner.requests:
+                runner.requests.release((PARITY_REQUEST_ID,))
         return PromptScores(
             logits=torch.cat(rows),
             selections={layer: torch.cat([part[layer] for part in selections]) for layer in selections[0]},

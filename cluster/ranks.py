@@ -199,7 +199,7 @@ class DPRank:
             microbatches = [metadata.microbatch_counts(i, self.decoder_layers) for i in range(len(parts))]
         self.exchange.begin_step(metadata.row_counts, metadata.decoder_row_counts(self.decoder_layers), microbatches)
         if batch.is_empty:
-            return self.runner.execute_padding(batch.step_id)
+            return self.runner.execute_padding(batch)
         if parts is None:
             return self.runner.execute(batch)
         return self.runner.execute(batch, [(part, self.exchange.microbatch(i)) for i, part in enumerate(parts)])

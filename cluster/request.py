@@ -129,33 +129,34 @@ class RequestOutput:
 
 
 class CumulativeOutputs:
-    """Adds up each request's deltas: ``add`` returns the request's whole output so far
-    (every token, text and logprob entry in one RequestOutput), built only for the
-    callers that ask (``EngineClient.generate``, validation, tests). A finished
-    request is dropped once its last output is built."""
+    """Adds up each request's deltas for the callers that want whole outputs
+    (``EngineClient.generate``, validation, tests, non-streaming answers). ``add``
+    costs what the delta holds; a whole output is built only when asked for: by
+    ``add`` of the delta that finishes the request (which then drops it), or by
+    ``output`` while it runs."""
 
     def __init__(self) -> None:
         self._held: dict[str, _HeldOutput] = {}
 
-    def add(self, delta: RequestOutput) -> RequestOutput:
-        held = self._held.setdefault(delta.request_id, _HeldOutput())
+    def add(self, delta: RequestOutput) -> RequestOutput | None:
+        """Adds ``delta``; returns the request's whole output if ``delta`` finishes it
+        (None otherwise)."""
+        held = self._held.get(delta.request_id)
+        if held is None:
+            held = self._held[delta.request_id] = _HeldOutput(delta)
+        held.last = delta
         held.token_ids.extend(delta.token_ids)
         held.texts.append(delta.text)
         held.logprobs = _extended(held.logprobs, delta.logprobs)
         held.prompt_logprobs = _extended(held.prompt_logprobs, delta.prompt_logprobs)
-        if delta.finished:
-            del self._held[delta.request_id]
-        return RequestOutput(
-            request_id=delta.request_id,
-            token_ids=tuple(held.token_ids),
-            finished=delta.finished,
-            finish_reason=delta.finish_reason,
-            num_output_tokens=delta.num_output_tokens,
-            logprobs=None if held.logprobs is None else tuple(held.logprobs),
-            prompt_logprobs=None if held.prompt_logprobs is None else tuple(held.prompt_logprobs),
-            text="".join(held.texts),
-            stop_reason=delta.stop_reason,
-        )
+        if not delta.finished:
+            return None
+        del self._held[delta.request_id]
+        return held.whole()
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The whole output so far of a request still running (its deltas added)."""
+        return self._held[request_id].whole()
 
     def forget(self, request_id: str) -> None:
         self._held.pop(request_id, None)
@@ -163,10 +164,25 @@ class CumulativeOutputs:
 
 @dataclass
 class _HeldOutput:
+    last: RequestOutput  # the latest delta: the whole output's finish fields and counts
     token_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def whole(self) -> RequestOutput:
+        last = self.last
+        return RequestOutput(
+            request_id=last.request_id,
+            token_ids=tuple(self.token_ids),
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            num_output_tokens=last.num_output_tokens,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
+            text="".join(self.texts),
+            stop_reason=last.stop_reason,
+        )
 
 
 def _extended(held: list | None, new: tuple | None) -> list | None:

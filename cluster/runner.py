@@ -6,7 +6,10 @@ Owns the rank's pools and what happens to them around a forward: readying slots
 forward (model/runtime), sampling, advancing each slot's cursor after the forward
 (position and Engram history), storing checkpoint images at PAGE boundaries, and the
 offload traffic its segments name: fetched PAGEs and images written before anything
-else of the step, completed ones published after the forward. Under decoder SWA
+else of the step, completed ones published after the forward; and what it keeps of
+its requests between steps (``requests``, a PersistentBatch: their sampling data and
+PAGE tables, updated from each batch's deltas before anything else, the step's page
+tables a gather of its rows: cluster/persistent_batch.py). Under decoder SWA
 bounded replay it also derives, from each segment, the rows its decoder runs
 (``decoder_view``; model/bounded_replay.py states the rule). With speculation
 (cluster/speculative.py) a verify segment's rows are all sampled, only its accepted
@@ -38,6 +41,7 @@ from dsv41.cache.pools import PoolSize, V41Pools
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
 from dsv41.cluster.cuda_graphs import DecodeBuckets, DecodeGraphs
 from dsv41.cluster.offload_connector import OffloadConnector
+from dsv41.cluster.persistent_batch import PersistentBatch
 from dsv41.cluster.sampler import Sampler, SamplingMetadata
 from dsv41.cluster.speculative import DraftRequest, Speculator, accepted_count
 from dsv41.model.bounded_replay import tail_start
@@ -111,7 +115,8 @@ class StepResult:
 
 
 class ModelRunner:
-    """Runs steps over its own pools; holds no request state outside the STATE slots."""
+    """Runs steps over its own pools; of its requests it holds their STATE slots and
+    what its PersistentBatch keeps (``requests``)."""
 
     def __init__(
         self,
@@ -135,6 +140,7 @@ class ModelRunner:
         self.pools = V41Pools(geometry, size, device)
         self.store = PlaneIO(self.pools)
         self.checkpoints = Checkpoints(self.pools)
+        self.requests = PersistentBatch(size.num_slots)
         cpu_threads(batch_invariant, device)
         self.runtime = PagedRuntime(params, moe=moe, kernels=kernels, batch_invariant=batch_invariant)
         self.sampler = Sampler(config.vocab_size)
@@ -170,6 +176,7 @@ class ModelRunner:
         """Runs ``batch``; with ``microbatches`` (prefill two-batch overlap: its rows
         cut in consecutive parts, cluster/tbo.split_batch, each with its MoE) its
         forward runs as those parts interleaved, everything around it as one step."""
+        self.requests.update(batch)
         if batch.is_empty:
             return StepResult(step_id=batch.step_id)
         segments = batch.segments
@@ -249,13 +256,17 @@ class ModelRunner:
         )
 
     @torch.no_grad()
-    def execute_padding(self, step_id: int) -> StepResult:
-        """An idle DP rank's step: every layer's MoE runs on zero rows, in the
-        forward's layer order, so the collectives of the rank's exchange meet every
-        peer; no PAGE or STATE is read or written."""
+    def execute_padding(self, batch: ScheduledBatch) -> StepResult:
+        """An idle DP rank's step (``batch`` has no segments): its releases applied,
+        then every layer's MoE runs on zero rows, in the forward's layer order, so the
+        collectives of the rank's exchange meet every peer; no PAGE or STATE is read
+        or written."""
+        if not batch.is_empty:
+            raise ValueError(f"execute_padding: step {batch.step_id} has {len(batch.segments)} segments (allowed: none)")
+        self.requests.update(batch)
         with batch_invariant(self.runtime.batch_invariant):
             self.runtime.moe_padding(self.params.layers)
-        return StepResult(step_id=step_id)
+        return StepResult(step_id=batch.step_id)
 
     # -- around the forward -------------------------------------------------------------
 
@@ -301,7 +312,7 @@ class ModelRunner:
             if seg.num_draft_tokens:
                 speculator.commit_tail(seg.slot, seg.start, end)
             emitted = len(accepted[seg.request_id]) + 1
-            if seg.params.max_tokens - seg.output_index - emitted <= 1:
+            if self.requests.data(seg.request_id).params.max_tokens - seg.output_index - emitted <= 1:
                 continue
             window_start = decoder_view(seg, self.shape.window)[1] if self.decoder_replay else seg.window_start
             wanted.append(
@@ -333,34 +344,35 @@ class ModelRunner:
         width = self.graphs.width_for(specs)
         if width is None:
             return None
-        return self.graphs.run(width, tokens, specs, self.runtime.lookup_engram(ngrams))
+        page_tables = self.requests.page_tables(segments, self.shape.block_size)
+        return self.graphs.run(width, tokens, specs, page_tables, self.runtime.lookup_engram(ngrams))
 
     @staticmethod
     def _specs(segments: tuple[ScheduledSegment, ...]) -> list[SegmentSpec]:
         return [
-            SegmentSpec(s.slot, s.page_table, s.start, s.length, s.write_from, s.window_start, s.num_draft_tokens)
-            for s in segments
+            SegmentSpec(s.slot, s.start, s.length, s.write_from, s.window_start, s.num_draft_tokens) for s in segments
         ]
 
     def _plan(self, segments: tuple[ScheduledSegment, ...]) -> tuple[StepAddresses, DecoderAddresses | None]:
         """The forward's addresses of ``segments`` on the pools' device, and under
         decoder replay its decoder rows'."""
         specs = self._specs(segments)
+        page_tables = self.requests.page_tables(segments, self.shape.block_size)
         device = self.pools.device
-        plan = move_tensors(build_step_addresses(specs, self.shape), device)
+        plan = move_tensors(build_step_addresses(specs, page_tables, self.shape), device)
         if not self.decoder_replay:
             return plan, None
-        return plan, move_tensors(self._decoder_addresses(segments, specs), device)
+        return plan, move_tensors(self._decoder_addresses(segments, specs, page_tables), device)
 
     def _decoder_addresses(
-        self, segments: tuple[ScheduledSegment, ...], specs: list[SegmentSpec]
+        self, segments: tuple[ScheduledSegment, ...], specs: list[SegmentSpec], page_tables: torch.Tensor
     ) -> DecoderAddresses:
         """The step's decoder rows and addresses under decoder replay (decoder_view)."""
         views = []
         for seg, spec in zip(segments, specs):
             first, window_start = decoder_view(seg, self.shape.window)
             views.append(dataclasses.replace(spec, start=first, length=seg.end - first, window_start=window_start))
-        return build_decoder_addresses(specs, views, self.shape)
+        return build_decoder_addresses(specs, views, page_tables, self.shape)
 
     def _connector(self) -> OffloadConnector:
         if self.offload is None:
@@ -465,9 +477,10 @@ class ModelRunner:
         guided_verify = [seg.request_id for seg in sampling if seg.guide is not None and seg.num_draft_tokens]
         if guided_verify:
             raise ValueError(f"segments {guided_verify}: a verify with drafts cannot carry a sampling guide")
+        data = [self.requests.data(seg.request_id) for seg, _ in per_row]
         metadata = SamplingMetadata.from_params(
-            [seg.params for seg, _ in per_row],
-            [seg.seed for seg, _ in per_row],
+            [d.params for d in data],
+            [d.seed for d in data],
             [seg.output_index + i for seg, i in per_row],
             device=logits.device,
             guides=[seg.guide for seg, _ in per_row],

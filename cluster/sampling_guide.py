@@ -5,9 +5,10 @@ the output (a packed bitmask) and the token counts the penalties read.
 The engine builds one per sampling segment that needs it (``cluster.engine``, from
 ``cluster.structured_output``'s matchers and the request's tokens); it travels with
 the segment to the rank (``ScheduledSegment.guide``) and the sampler turns the step's
-guides into batched tensors (``SamplingMetadata.from_params``). A rank keeps no
-request state, so a guide carries everything: a preempted request's next guide is
-built from the same tokens and gives the same sample.
+guides into batched tensors (``SamplingMetadata.from_params``). A rank keeps none of a
+request's tokens (its PersistentBatch holds the parameters, seed and PAGE table
+alone), so a guide carries everything: a preempted request's next guide is built from
+the same tokens and gives the same sample.
 
 Must not import: torch, ray, ``model``, ``cache``, ``actors``, ``deploy``, or any
 other ``cluster`` module.

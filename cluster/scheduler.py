@@ -34,7 +34,7 @@ from typing import Iterable
 
 from dsv41.cache.block_manager import BlockManager, PrefixHit, StateImage, StateTransfer
 from dsv41.cache.offload import OffloadKey, UnitKind
-from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.batch import NewRequestData, ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.offload_connector import OffloadConnector, PageFill, PagePublish
 from dsv41.cluster.request import Request, RequestStatus
 from dsv41.model.bounded_replay import tail_start
@@ -77,6 +77,9 @@ class _Progress:
     image_cut: int  # COPY: the prompt's last shareable PAGE boundary, where a chunk ends
     fills: tuple[PageFill, ...] = ()  # offloaded units the first forward writes first
     drafts: tuple[int, ...] = ()  # speculation: the drafts after the request's last token
+    # PAGEs of its table the rank holds as they are (None: the rank holds nothing of
+    # the request yet: its next segment is its first there).
+    pages_sent: int | None = None
 
 
 class Scheduler:
@@ -109,6 +112,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._progress: dict[str, _Progress] = {}
+        self._released: list[str] = []  # left the rank since the last batch (finished, aborted, preempted)
         self._step_id = 0
         self.num_preemptions = 0
         # Speculation: verify steps committed, drafts they verified, drafts accepted.
@@ -160,7 +164,8 @@ class Scheduler:
                 f"({self.block_manager.stats()}); the engine should have refused it"
             )
         segments = tuple(self._segment(request, count) for request, count in plans)
-        return ScheduledBatch(step_id=self._step_id, segments=segments)
+        released, self._released = tuple(self._released), []
+        return ScheduledBatch(step_id=self._step_id, segments=segments, released_request_ids=released)
 
     def _chunk(self, request: Request, budget: int) -> int:
         """The rows of ``request`` this step runs: its next prefill chunk, or its
@@ -216,8 +221,8 @@ class Scheduler:
             hit = bm.without_image(hit)
             if not bm.allocate_prompt(request.request_id, tokens, hit):
                 return False
-        table = bm.page_table(request.request_id)
-        fills = [PageFill(pages=(page,), handle=h) for page, h in zip(table[len(hit.pages) :], page_handles)]
+        fetched = bm.page_table(request.request_id, len(hit.pages), len(hit.pages) + len(page_handles))
+        fills = [PageFill(pages=(page,), handle=h) for page, h in zip(fetched, page_handles)]
         if image_handle is not None and hit.restore_image is not None:
             fills.append(PageFill(pages=hit.restore_image.pages, handle=image_handle))
         request.status = RequestStatus.RUNNING
@@ -292,7 +297,14 @@ class Scheduler:
         return SlotReset(position=hit.forward_start, history_token_ids=history)
 
     def _segment(self, request: Request, count: int) -> ScheduledSegment:
-        progress = self._progress[request.request_id]
+        rid = request.request_id
+        progress = self._progress[rid]
+        new_request = None
+        if progress.pages_sent is None:
+            new_request = NewRequestData(params=request.params, seed=request.sampling_seed)
+        kept = progress.pages_sent or 0
+        new_pages = self.block_manager.page_table(rid, kept)
+        progress.pages_sent = kept + len(new_pages)
         start = request.num_computed_tokens
         end = start + count
         prep, progress.prep = progress.prep, None
@@ -307,18 +319,18 @@ class Scheduler:
                     layout_id=self.layout_id, pages=tuple(pages), image_bytes=self.image_bytes, num_tokens=end
                 )
         return ScheduledSegment(
-            request_id=request.request_id,
-            slot=self.block_manager.slot(request.request_id),
-            page_table=self.block_manager.page_table(request.request_id),
+            request_id=rid,
+            slot=self.block_manager.slot(rid),
             start=start,
             token_ids=tuple(request.all_token_ids[start:known]) + drafts,
             write_from=progress.write_from,
             window_start=progress.window_start,
             sample=known == request.num_tokens,
-            params=request.params,
-            seed=request.sampling_seed,
             output_index=request.num_output_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
+            new_pages=new_pages,
+            kept_pages=kept,
+            new_request=new_request,
             reset=prep if isinstance(prep, SlotReset) else None,
             restore=prep if isinstance(prep, StateImage) else None,
             store_after=store_after,
@@ -343,10 +355,10 @@ class Scheduler:
             return ()
         rid = request.request_id
         hashes = self.block_manager.page_hashes(rid, request.all_token_ids, end // b)
-        table = self.block_manager.page_table(rid)
+        pages = self.block_manager.page_table(rid, first, end // b)
         out = [
-            PagePublish(pages=(table[i],), key=OffloadKey(self.layout_id, hashes[i], UnitKind.PAGE))
-            for i in range(first, end // b)
+            PagePublish(pages=(page,), key=OffloadKey(self.layout_id, hashes[i], UnitKind.PAGE))
+            for i, page in enumerate(pages, start=first)
         ]
         if store_after is not None:
             key = OffloadKey(self.layout_id, hashes[end // b - 1], UnitKind.IMAGE)
@@ -386,6 +398,10 @@ class Scheduler:
             if end < segment.end:
                 # The next step's anchor row is the first a later forward computes.
                 self.block_manager.shrink(request.request_id, end + 1)
+                # The rank keeps its longer row until the next segment says how much of it stays.
+                progress = self._progress[request.request_id]
+                if progress.pages_sent is not None:
+                    progress.pages_sent = min(progress.pages_sent, self.block_manager.num_pages(request.request_id))
             self.block_manager.publish(request.request_id, request.all_token_ids, end)
             if segment.store_after is not None:
                 image_kept = self.block_manager.attach_image(request.request_id, segment.end, segment.store_after)
@@ -397,10 +413,23 @@ class Scheduler:
         if request.request_id in self._progress:
             del self._progress[request.request_id]
             self.block_manager.free(request.request_id)
+            self._released.append(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+
+    def requests_on_rank(self) -> tuple[str, ...]:
+        """The requests the rank holds until its next batch: each one whose first
+        segment it got, and each one that batch releases."""
+        sent = (rid for rid, progress in self._progress.items() if progress.pages_sent is not None)
+        return (*self._released, *sent)
+
+    def release_on_rank(self, request_ids: Iterable[str]) -> None:
+        """Has the next batch tell the rank to drop ``request_ids``: what an earlier
+        scheduler of the same rank sent it (an engine that restarted its bookkeeping
+        beside running ranks)."""
+        self._released.extend(request_ids)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: the request gives up its PAGEs and slot and waits at
@@ -408,6 +437,7 @@ class Scheduler:
         self.running.remove(request)
         del self._progress[request.request_id]
         self.block_manager.free(request.request_id)
+        self._released.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)

@@ -11,7 +11,7 @@ packed mask of what it allows next, which travels in the segment's
 ``SamplingGuide``).
 
 Where the state lives is vLLM's choice: the matchers are the engine's, beside the
-requests, not the ranks' (a rank keeps no request state). A preempted request keeps
+requests, not the ranks' (a rank keeps none of a request's tokens). A preempted request keeps
 its tokens (it recomputes their KV), so its matcher stays where it was and its next
 mask is the same; :meth:`StructuredOutputManager.rollback` takes tokens back for a
 caller that un-accepts them (speculative decoding).

@@ -68,9 +68,10 @@ def split_batch(batch: ScheduledBatch, row: int) -> tuple[ScheduledBatch, Schedu
     """The two microbatches of ``batch`` cut at step row ``row`` (0 < row < rows), as
     the forward sees them: each segment, or each part of the one the cut falls
     inside, with its own positions, tokens and rows wanted. The request's first part
-    keeps the slot preparation (which the step does once, before the forward) and
-    samples nothing; the second continues from it. Everything around the forward
-    (fills, cursors, images, publications, sampling) stays the step's."""
+    keeps the slot preparation and the PAGE delta (which the step applies once,
+    before the forward) and samples nothing; the second continues from it, its table
+    as the first left it. Everything around the forward (fills, cursors, images,
+    publications, sampling) stays the step's."""
     if not 0 < row < batch.num_tokens:
         raise ValueError(f"row: {row} (allowed: 1..{batch.num_tokens - 1}, inside the step's rows)")
     first: list[ScheduledSegment] = []
@@ -86,7 +87,14 @@ def split_batch(batch: ScheduledBatch, row: int) -> tuple[ScheduledBatch, Schedu
             first.append(dataclasses.replace(seg, token_ids=seg.token_ids[:cut], sample=False))
             second.append(
                 dataclasses.replace(
-                    seg, start=seg.start + cut, token_ids=seg.token_ids[cut:], reset=None, restore=None
+                    seg,
+                    start=seg.start + cut,
+                    token_ids=seg.token_ids[cut:],
+                    new_pages=(),
+                    kept_pages=seg.kept_pages + len(seg.new_pages),
+                    new_request=None,
+                    reset=None,
+                    restore=None,
                 )
             )
         base += seg.length

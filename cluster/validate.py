@@ -187,7 +187,7 @@ class _Finished(dict[str, RequestOutput]):
         """One step of ``replica``; keeps the outputs of the requests it finished."""
         for out in replica.step():
             whole = self._whole.add(out)
-            if out.finished:
+            if whole is not None:
                 self[out.request_id] = whole
 
 

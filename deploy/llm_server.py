@@ -139,9 +139,9 @@ async def _whole_outputs(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> d
     whole = CumulativeOutputs()
     finals: dict[int, RequestOutput] = {}
     async for index, output in outputs:
-        cumulative = whole.add(output)
-        if output.finished:
-            finals[index] = cumulative
+        done = whole.add(output)
+        if done is not None:
+            finals[index] = done
     return finals
 
 

@@ -22,7 +22,7 @@ import ray
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions
 from dsv41.actors.rank import RankActor
-from dsv41.actors.step_wire import session_packers, unpack_result
+from dsv41.actors.step_wire import pack_step, unpack_result
 from dsv41.actors.transport import TRANSPORTS, RankGroupFailure, open_transport
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch
 from dsv41.cluster.engine import Engine
@@ -78,7 +78,7 @@ def _steps(step: int, world: int) -> list[bytes]:
     batches = tuple(ScheduledBatch(_batch_tag(step, rank)) for rank in range(world))
     metadata = DPMetadata.of(step, batches).to_wire()
     words = metadata.tolist()
-    return [packer.pack(b, words) for packer, b in zip(session_packers(world), batches)]
+    return [pack_step(b, words) for b in batches]
 
 
 def _each_rank_answered_its_own(results: list[bytes], step: int, world: int) -> bool:

@@ -24,15 +24,19 @@ from dsv41.cluster.cuda_graphs import tensor_leaves
 SHAPE = PoolShape(block_size=32, window=8, ring_rows=8, ratios=(1, 2))
 
 
-def _decode_segments(rng: random.Random, count: int) -> list[SegmentSpec]:
-    segments = []
+def _decode_segments(rng: random.Random, count: int) -> tuple[list[SegmentSpec], torch.Tensor]:
+    """``count`` decode segments on distinct slots and their page tables (NO_ROW past
+    each one's PAGEs, as wide as the longest needs)."""
+    segments, tables = [], []
     pages = iter(rng.sample(range(200), 200))
     for slot in rng.sample(range(16), count):
         start = rng.randrange(0, 150)
-        table = tuple(next(pages) for _ in range(-(-(start + 1) // SHAPE.block_size)))
+        tables.append([next(pages) for _ in range(-(-(start + 1) // SHAPE.block_size))])
         window_start = rng.choice([0, min(start, rng.randrange(0, 150))])
-        segments.append(SegmentSpec(slot, table, start, 1, write_from=rng.choice([0, start]), window_start=window_start))
-    return segments
+        segments.append(SegmentSpec(slot, start, 1, write_from=rng.choice([0, start]), window_start=window_start))
+    width = max((len(t) for t in tables), default=0)
+    page_tables = torch.tensor([t + [NO_ROW] * (width - len(t)) for t in tables], dtype=torch.long).view(count, width)
+    return segments, page_tables
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -42,10 +46,10 @@ def test_own_rows_are_the_steps_and_padding_names_nothing(seed: int) -> None:
     and group has a NO_ROW destination; padding rows see no key and no entry."""
     rng = random.Random(seed)
     n = rng.randrange(0, 6)
-    segments = _decode_segments(rng, n)
+    segments, page_tables = _decode_segments(rng, n)
     width = DecodeWidth(requests=n + rng.randrange(0, 4) or 1, pages=decode_pages(segments, SHAPE) + rng.randrange(0, 3))
-    own = build_step_addresses(segments, SHAPE)
-    padded = build_decode_addresses(segments, SHAPE, width)
+    own = build_step_addresses(segments, page_tables, SHAPE)
+    padded = build_decode_addresses(segments, page_tables, SHAPE, width)
     rows = width.requests
     assert torch.equal(padded.positions[:n], own.positions)
     assert torch.equal(padded.row_segments, torch.arange(rows)), "each row its own segment, padding ones after"
@@ -82,19 +86,20 @@ def test_shapes_depend_on_the_width_alone() -> None:
     width = DecodeWidth(requests=6, pages=8)
     shapes = set()
     for count in (0, 1, 3, 6):
-        padded = build_decode_addresses(_decode_segments(rng, count), SHAPE, width)
+        padded = build_decode_addresses(*_decode_segments(rng, count), SHAPE, width)
         shapes.add(tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(padded)))
     assert len(shapes) == 1
 
 
 def test_refuses_what_the_width_cannot_hold() -> None:
     """More requests or PAGEs than the width, or a segment that is not one committed row, is an error naming it."""
-    segments = [SegmentSpec(0, (1, 2), 40, 1), SegmentSpec(1, (3,), 5, 1)]
+    segments = [SegmentSpec(0, 40, 1), SegmentSpec(1, 5, 1)]
+    tables = torch.tensor([[1, 2], [3, NO_ROW]])
     with pytest.raises(ValueError, match="width.requests"):
-        build_decode_addresses(segments, SHAPE, DecodeWidth(1, 4))
+        build_decode_addresses(segments, tables, SHAPE, DecodeWidth(1, 4))
     with pytest.raises(ValueError, match="width.pages"):
-        build_decode_addresses(segments, SHAPE, DecodeWidth(2, 1))
+        build_decode_addresses(segments, tables, SHAPE, DecodeWidth(2, 1))
     with pytest.raises(ValueError, match="one committed row"):
-        build_decode_addresses([SegmentSpec(0, (1,), 3, 2)], SHAPE, DecodeWidth(2, 2))
+        build_decode_addresses([SegmentSpec(0, 3, 2)], torch.tensor([[1]]), SHAPE, DecodeWidth(2, 2))
     with pytest.raises(ValueError, match="DecodeWidth.requests"):
         DecodeWidth(0, 1)

@@ -23,7 +23,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.batch import NewRequestData, ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
@@ -70,6 +70,7 @@ def _prefill(engine: Engine, prompt: list[int], chunks: Sequence[int] | None) ->
 
     bm = engine.block_manager
     assert bm.allocate_prompt("replay", prompt, bm.miss(prompt))
+    table = bm.page_table("replay")
     sizes = itertools.cycle(chunks or (len(prompt),))
     runner.runtime.forward = recording  # type: ignore[method-assign]
     try:
@@ -79,22 +80,23 @@ def _prefill(engine: Engine, prompt: list[int], chunks: Sequence[int] | None) ->
             seg = ScheduledSegment(
                 request_id="replay",
                 slot=bm.slot("replay"),
-                page_table=bm.page_table("replay"),
                 start=start,
                 token_ids=tuple(prompt[start:end]),
                 write_from=0,
                 window_start=0,
                 sample=end == len(prompt),
-                params=SamplingParams(max_tokens=1, temperature=0.0),
-                seed=0,
                 output_index=0,
-                reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
                 num_prompt_tokens=len(prompt),
+                new_pages=table if start == 0 else (),
+                kept_pages=0 if start == 0 else len(table),
+                new_request=NewRequestData(SamplingParams(max_tokens=1, temperature=0.0), 0) if start == 0 else None,
+                reset=SlotReset(position=0, history_token_ids=()) if start == 0 else None,
             )
             engine.runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
             start = end
     finally:
         del runner.runtime.forward
+        runner.requests.release(("replay",))
     return outputs, bm.slot("replay")
 
 
@@ -154,16 +156,16 @@ def test_a_fresh_slot_resuming_above_the_tail_is_refused(engine: Engine) -> None
     seg = ScheduledSegment(
         request_id="above-tail",
         slot=bm.slot("above-tail"),
-        page_table=bm.page_table("above-tail"),
         start=start,
         token_ids=tuple(prompt[start:]),
         write_from=0,
         window_start=start,
         sample=True,
-        params=SamplingParams(max_tokens=1, temperature=0.0),
-        seed=0,
         output_index=0,
         num_prompt_tokens=len(prompt),
+        new_pages=bm.page_table("above-tail"),
+        kept_pages=0,
+        new_request=NewRequestData(SamplingParams(max_tokens=1, temperature=0.0), 0),
         reset=SlotReset(position=start, history_token_ids=tuple(prompt[start - 2 : start])),
     )
     try:
@@ -171,6 +173,7 @@ def test_a_fresh_slot_resuming_above_the_tail_is_refused(engine: Engine) -> None
             engine.runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
     finally:
         bm.free("above-tail")
+        engine.runner.requests.release(("above-tail",))
 
 
 def test_a_short_prompt_replays_as_the_full_prefill(engine: Engine) -> None:

@@ -6,9 +6,12 @@ the largest request, block sizes 32 and 64, copy and replay, prefix caching on a
 off, an offload store, shared prefixes, late arrivals, aborts at random steps,
 n > 1): while anything is unfinished a batch runs (at most one idle step, after a
 step that preempted everything), the block manager's invariants hold and the
-requests it holds are the running ones; once the workload is done and the cache is
-evicted, every PAGE, slot and image is free; and every finished request has the
-tokens of its solo run.
+requests it holds are the running ones, which are exactly the requests the rank
+holds, each with the block manager's PAGE table in its row of the rank's table
+(cluster/persistent_batch.py, built from the step deltas alone); once the workload is
+done and the cache is evicted, every PAGE, slot and image is free, and the rank holds
+no request after the next step; and every finished request has the tokens of its solo
+run.
 
 Which solo run: the same request alone in a fresh engine of the same state transfer
 and block size, cold (one prefill chunk, prefix caching off, so no sample of n > 1
@@ -26,9 +29,11 @@ no tolerance for a greedy pick that flips at a near tie.
 A second property test runs the same engine over a simulated rank (``_SimulatedRank``)
 for many more workloads than the model could run in time: PAGE rows, STATE images,
 slots and offloaded units hold ids of the token prefixes they were computed from, and
-every forward checks what it reads. So a PAGE handed to two owners, an image reclaimed
-while a restore still needs it, a hit resumed from the wrong rows or a fetch of the
-wrong unit fails there, and the sampled token is a function of the checked prefix.
+every forward checks what it reads, through the PAGE table its PersistentBatch keeps
+from the step deltas (the real one). So a PAGE handed to two owners, an image reclaimed
+while a restore still needs it, a hit resumed from the wrong rows, a fetch of the wrong
+unit or a PAGE delta lost fails there, and the sampled token is a function of the
+checked prefix.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from tokenizers import Tokenizer
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineError, RankLayout, engine_options
-from dsv41.cluster.ranks import DPLayout, DPStepExecutor
+from dsv41.cluster.persistent_batch import PersistentBatch
+from dsv41.cluster.ranks import DPLayout, DPStepExecutor, LocalRank
 from dsv41.cluster.request import CumulativeOutputs
 from dsv41.cluster.runner import SampledToken, StepResult
 from dsv41.cluster.sampling_params import SamplingParams
@@ -85,18 +91,29 @@ class _Arrival:
 
 
 class _Recorder:
-    """The engine's executor, counting the batches it runs and noting the requests
-    whose forwards read cached PAGEs (write_from > 0)."""
+    """The engine's executor, counting the batches it runs, noting the requests
+    whose forwards read cached PAGEs (write_from > 0), and checking after each step
+    that the rank holds the running requests alone, each with its PAGE table."""
 
-    def __init__(self, inner: DPStepExecutor) -> None:
+    def __init__(self, engine: Engine, inner: DPStepExecutor) -> None:
+        self.engine = engine
         self.inner = inner
         self.batches = 0
         self.hit_readers: set[str] = set()
 
+    @property
+    def rank_requests(self) -> PersistentBatch:
+        return self.inner.runner.requests if isinstance(self.inner, LocalRank) else self.inner.requests
+
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
         self.batches += sum(1 for batch in batches if not batch.is_empty)
         self.hit_readers.update(seg.request_id for batch in batches for seg in batch.segments if seg.write_from > 0)
-        return self.inner.execute(batches, metadata)
+        results = self.inner.execute(batches, metadata)
+        held, bm = self.rank_requests, self.engine.block_manager
+        running = {r.request_id for r in self.engine.scheduler.running}
+        assert held.request_ids == running, (held.request_ids, running)
+        assert all(held.pages(rid) == bm.page_table(rid) for rid in running)
+        return results
 
     def restart(self) -> None:
         self.inner.restart()
@@ -105,7 +122,7 @@ class _Recorder:
 def _engine(model: Model, **options: object) -> tuple[Engine, _Recorder]:
     params, tokenizer = model
     engine = Engine.from_params(params, tokenizer, engine_options(options))
-    recorder = _Recorder(engine.executor)
+    recorder = _Recorder(engine, engine.executor)
     engine.executor = recorder
     return engine, recorder
 
@@ -142,6 +159,9 @@ def _drive(engine: Engine, recorder: _Recorder, arrivals: list[_Arrival]) -> dic
     s = bm.stats()
     assert (s.pages_free, s.images, s.slots_used, s.requests) == (bm.config.num_pages, 0, 0, 0), s
     bm.check_invariants()
+    engine.step()  # delivers the releases of the requests that ended last
+    table = recorder.rank_requests.block_table
+    assert not recorder.rank_requests and all(table.num_pages(r) == 0 for r in range(table.num_rows))
     return finals
 
 
@@ -374,6 +394,7 @@ class _SimulatedRank:
         if self.words.shape[1] < self.block_size + 1:
             raise ValueError(f"page_bytes {geometry.page_bytes}: too few for {self.block_size} prefix ids")
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (committed position, prefix id)
+        self.requests = PersistentBatch(engine.pool_size.num_slots)
         self._prefix_ids: dict[str, list[int]] = {}
 
     def prefix_ids(self, request_id: str) -> list[int]:
@@ -394,6 +415,7 @@ class _SimulatedRank:
         raise AssertionError("a simulated rank never fails")
 
     def _execute(self, batch: ScheduledBatch) -> StepResult:
+        self.requests.update(batch)
         offload = self.engine.offload
         for seg in batch.segments:
             for fill in seg.fetch:
@@ -439,7 +461,8 @@ class _SimulatedRank:
     def _read(self, seg: ScheduledSegment) -> None:
         """Every row below the forward's writes holds the request's own prefix."""
         ids = self.prefix_ids(seg.request_id)
-        assert len(seg.page_table) * self.block_size >= seg.end, f"{seg.request_id}: PAGEs short of {seg.end}"
+        pages = self.requests.pages(seg.request_id)
+        assert len(pages) * self.block_size >= seg.end, f"{seg.request_id}: PAGEs short of {seg.end}"
         pages, rows = self._rows(seg, 0, self._first_write(seg))
         held = torch.where(self.words[pages, 0] == _TAG_KV, self.words[pages, rows], 0)
         expected = torch.tensor(ids[1 : len(pages) + 1], dtype=torch.int64)
@@ -463,7 +486,7 @@ class _SimulatedRank:
 
     def _rows(self, seg: ScheduledSegment, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(start, end)
-        table = torch.tensor(seg.page_table, dtype=torch.int64)
+        table = torch.tensor(self.requests.pages(seg.request_id), dtype=torch.int64)
         return table[positions // self.block_size], 1 + positions % self.block_size
 
 

@@ -198,7 +198,9 @@ def test_request_bookkeeping_and_delta_outputs(
     exactly the tokens (and logprob entries) gained since the last one taken, however
     many steps passed between takes, and their concatenation is every token
     generated; finished/finish_reason appear only at the end; CumulativeOutputs adds
-    the deltas up to the whole output; a finished request takes no more tokens."""
+    the deltas up to the whole output (each sum so far a prefix of the next, handed
+    back by ``add`` with the finishing delta alone); a finished request takes no more
+    tokens."""
     request = _request(SamplingParams(max_tokens=len(outputs), logprobs=num_logprobs), tuple(prompt))
     deltas = []
     for i, token in enumerate(outputs):
@@ -219,7 +221,11 @@ def test_request_bookkeeping_and_delta_outputs(
     else:
         assert [e for d in deltas for e in d.logprobs] == [{t: -0.5} for t in outputs]
     whole = CumulativeOutputs()
-    cumulative = [whole.add(d) for d in deltas]
+    cumulative = []
+    for d in deltas:
+        done = whole.add(d)
+        assert (done is not None) == d.finished
+        cumulative.append(done or whole.output(d.request_id))
     assert cumulative[-1].token_ids == tuple(outputs) and cumulative[-1].finished
     assert all(a.token_ids == b.token_ids[: len(a.token_ids)] for a, b in zip(cumulative, cumulative[1:]))
     with pytest.raises(RuntimeError, match="takes no more tokens"):

@@ -69,7 +69,8 @@ def _stream(output_ids: list[int], params: SamplingParams) -> tuple[Request, lis
     for token_id in output_ids:
         request.append_output_token(token_id)
         finished = checker.check_stop(request)
-        snapshots.append(whole.add(request.take_output()))
+        delta = request.take_output()
+        snapshots.append(whole.add(delta) or whole.output(delta.request_id))
         if finished:
             break
     return request, snapshots

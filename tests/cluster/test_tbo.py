@@ -23,7 +23,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv41.actors.engine_group import EngineGroup
-from dsv41.cluster.batch import DPMetadata, DPMetadataError, MicrobatchRows, RankStepInfo, ScheduledBatch, ScheduledSegment
+from dsv41.cluster.batch import (
+    DPMetadata,
+    DPMetadataError,
+    MicrobatchRows,
+    NewRequestData,
+    RankStepInfo,
+    ScheduledBatch,
+    ScheduledSegment,
+)
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineError, EngineOptions
 from dsv41.cluster.ranks import DPLayout
@@ -245,9 +253,9 @@ def batches(draw: st.DrawFn) -> ScheduledBatch:
         start = draw(st.integers(0, 100))
         segments.append(
             ScheduledSegment(
-                request_id=f"q{i}", slot=i, page_table=(i,) * 8, start=start, token_ids=tuple(range(5, 5 + n)),
-                write_from=0, window_start=0, sample=draw(st.booleans()), params=GREEDY, seed=0, output_index=0,
-                num_prompt_tokens=start + n,
+                request_id=f"q{i}", slot=i, start=start, token_ids=tuple(range(5, 5 + n)), write_from=0,
+                window_start=0, sample=draw(st.booleans()), output_index=0, num_prompt_tokens=start + n,
+                new_pages=(i,) * 8, kept_pages=0, new_request=NewRequestData(GREEDY, 0),
             )
         )
     return ScheduledBatch(step_id=1, segments=tuple(segments))
@@ -258,8 +266,10 @@ def batches(draw: st.DrawFn) -> ScheduledBatch:
 def test_a_split_is_the_batch_cut_in_two(batch: ScheduledBatch, token_split: bool) -> None:
     """The microbatches are the step's rows in order, cut once: at the middle row
     (inside a request if one spans it) or at the request boundary nearest it; a
-    request cut in two is two consecutive chunks of it, only the second sampling;
-    a batch that cannot be cut in two non-empty parts is not split."""
+    request cut in two is two consecutive chunks of it, only the second sampling,
+    the first carrying the step's PAGE delta and slot preparation and the second
+    continuing from the table it leaves; a batch that cannot be cut in two non-empty
+    parts is not split."""
     parts = split(batch, token_split)
     rows = [(s.request_id, s.start + i, t) for s in batch.segments for i, t in enumerate(s.token_ids)]
     if parts is None:
@@ -280,6 +290,13 @@ def test_a_split_is_the_batch_cut_in_two(batch: ScheduledBatch, token_split: boo
         original = next(s for s in batch.segments if s.request_id == head.request_id)
         assert not head.sample and tail.sample == original.sample and head.end == tail.start
         assert tail.reset is None and tail.restore is None
+        assert (head.new_pages, head.kept_pages, head.new_request) == (
+            original.new_pages,
+            original.kept_pages,
+            original.new_request,
+        )
+        assert tail.new_request is None and not tail.new_pages
+        assert tail.kept_pages == original.kept_pages + len(original.new_pages)
 
 
 def test_tbo_is_refused_before_loading_without_dp_attention(trained_tiny_dir: Path, tmp_path: Path) -> None:

@@ -30,7 +30,8 @@ def engine(tiny_dir: Path) -> Iterator[AsyncEngine]:
 async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
     """The stream's deltas added up: what a client has after each one."""
     whole = CumulativeOutputs()
-    return [whole.add(output) async for output in engine.generate(request_id, prompt, params)]
+    stream = engine.generate(request_id, prompt, params)
+    return [whole.add(output) or whole.output(output.request_id) async for output in stream]
 
 
 def _pages_used(engine: AsyncEngine) -> int:
@@ -144,7 +145,8 @@ def test_engine_death_ends_every_request_and_fails_health(tiny_dir: Path) -> Non
 class _RankLosingEngine(Engine):
     """A one-rank DP engine (its rank a thread) that loses its rank at its third step:
     as after a rank failure, every request in flight ends with finish reason "error"
-    (``fail_all``, what ``recover`` does before restarting the ranks)."""
+    (``fail_all``: as ``recover`` ends them, but the ranks keep running and are told
+    to drop what they hold)."""
 
     steps = 0
 

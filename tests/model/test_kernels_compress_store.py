@@ -209,7 +209,7 @@ def test_pool_ratio2_matches_torch_across_calls_and_chunkings() -> None:
     a tail is the same arithmetic as a pair of this step's rows); a padding group gives
     a zero row and a NO_ROW tail write leaves the tails alone."""
     dim, shape = 64, PoolShape(block_size=32, window=8, ring_rows=8, ratios=(2,))
-    slots, pages = (0, 2, 3), ((0, 1), (2, 3), (4, 5))
+    slots, page_tables = (0, 2, 3), torch.tensor(((0, 1), (2, 3), (4, 5)))
     length = 40
     g = torch.Generator().manual_seed(11)
     v_seq = torch.randn(3, length, dim, generator=g)
@@ -220,8 +220,8 @@ def test_pool_ratio2_matches_torch_across_calls_and_chunkings() -> None:
     chunked: dict[tuple[int, int], torch.Tensor] = {}
     done = [0, 0, 0]
     for lengths in chunks:
-        segments = [SegmentSpec(slots[r], pages[r], done[r], n) for r, n in enumerate(lengths)]
-        plan = build_step_addresses(segments, shape).compression[2]
+        segments = [SegmentSpec(slots[r], done[r], n) for r, n in enumerate(lengths)]
+        plan = build_step_addresses(segments, page_tables, shape).compression[2]
         v = torch.cat([v_seq[r, done[r] : done[r] + n] for r, n in enumerate(lengths)])
         gate = torch.cat([g_seq[r, done[r] : done[r] + n] for r, n in enumerate(lengths)])
         magnitude = _pair_magnitude(v, gate, plan, tails["torch"])
@@ -234,8 +234,8 @@ def test_pool_ratio2_matches_torch_across_calls_and_chunkings() -> None:
             for j in range(done[r] // 2, (done[r] + n) // 2):
                 chunked[(r, j)] = next(groups)
             done[r] += n
-    whole = [SegmentSpec(slots[r], pages[r], 0, done[r]) for r in range(3)]
-    plan = build_step_addresses(whole, shape).compression[2]
+    whole = [SegmentSpec(slots[r], 0, done[r]) for r in range(3)]
+    plan = build_step_addresses(whole, page_tables, shape).compression[2]
     v = torch.cat([v_seq[r, : done[r]] for r in range(3)]).to(DEVICE)
     gate = torch.cat([g_seq[r, : done[r]] for r in range(3)]).to(DEVICE)
     fresh_tails = torch.zeros(4, 2, dim, device=DEVICE)
