@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch
+from dsv41.cluster.cuda_graphs import DecodeBuckets
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
 from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.options import EngineOptions, RankLayout, check_replica_options
@@ -96,6 +97,7 @@ class DPRank:
         batch_invariant: bool = False,
         decoder_replay: bool = False,
         tbo: TBOOptions | None = None,
+        decode_graphs: DecodeBuckets | None = None,
     ) -> None:
         if tbo is not None and exchange is None:
             raise DPError(f"tbo: {tbo} on a rank without an exchange (allowed: a rank of a replica of >= 2 ranks)")
@@ -115,6 +117,7 @@ class DPRank:
             offload=offload,
             batch_invariant=batch_invariant,
             decoder_replay=decoder_replay,
+            decode_graphs=decode_graphs,
         )
 
     @classmethod
@@ -159,6 +162,7 @@ class DPRank:
             batch_invariant=bool(options.batch_invariant),
             decoder_replay=options.decoder_swa_bounded_replay,
             tbo=TBOOptions.of(options),
+            decode_graphs=layout.decode_buckets(params.config, options),
         )
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor | None) -> StepResult:

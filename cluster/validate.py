@@ -74,7 +74,8 @@ class ReplicaShape:
     uninterrupted run's as the kernels are indifferent to batch shape). With
     ``speculative_method`` every scenario runs speculating, and its expected tokens are
     the uninterrupted runs without speculation: speculative greedy decoding must be
-    plain greedy decoding, token for token."""
+    plain greedy decoding, token for token. Likewise with ``cudagraph_mode`` "full"
+    the expected tokens are eager runs': replayed decode graphs must give them."""
 
     kind: str = "engine"
     dp: int = 1
@@ -86,6 +87,7 @@ class ReplicaShape:
     dtype: str = "float32"
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
+    cudagraph_mode: str = "none"
 
     def __post_init__(self) -> None:
         if self.kind not in REPLICA_KINDS:
@@ -257,6 +259,7 @@ class _Validation:
             "dtype": DTYPES[self.shape.dtype],
             "speculative_method": self.shape.speculative_method,
             "num_speculative_tokens": self.shape.num_speculative_tokens,
+            "cudagraph_mode": self.shape.cudagraph_mode,
         }
         return base | options
 
@@ -274,7 +277,7 @@ class _Validation:
         other: one prefill chunk each, nothing cached (prefix caching off)."""
         self.progress(f"uninterrupted runs of {len(self.prompts)} prompts")
         budget = max(64, *(len(prompt) for prompt in self.prompts.values()))
-        plain = {"speculative_method": None, "num_speculative_tokens": None}
+        plain = {"speculative_method": None, "num_speculative_tokens": None, "cudagraph_mode": "none"}
         with self.replica(enable_prefix_caching=False, max_num_batched_tokens=budget, **plain) as replica:
             for name, prompt in self.prompts.items():
                 self.expected[name] = _run(replica, [(0, name, prompt)]).outputs[name].token_ids

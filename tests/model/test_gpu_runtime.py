@@ -61,17 +61,20 @@ def test_triton_on_gpu_matches_torch_and_the_reference(tiny_dir: Path, kv: str, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fixed_tile_gemm_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> None:
-    """The batch-invariant GEMM on the GPU: a row of a call of any size, at any
-    position, equals that row projected alone; the product is the matmul's to the
+    """The batch-invariant GEMM on the GPU (K cut into splits, rows beyond one launch's
+    SPLIT_ROWS): a row of a call of any size, at any position, equals that row
+    projected alone; the product is the matmul's to the
     dtype's rounding (bf16 inputs; fp32: rounding of a sum of K = 4096 products, about
     sqrt(K) * 2**-24 = 4e-6 relative; 1.15e-6 measured on an H200, 2026-12-02)."""
-    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul, plan_k_splits
 
     g = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(1000, 4096, generator=g, device="cuda").to(dtype)
-    rows = torch.randn(300, 4096, generator=g, device="cuda").to(dtype)
+    rows = torch.randn(1100, 4096, generator=g, device="cuda").to(dtype)
+    assert plan_k_splits(1000, 4096, dtype, 264) > 1, "K is cut into splits here"
     alone = torch.cat([fixed_tile_matmul(rows[i : i + 1], weight) for i in range(40)])
-    for count, start in ((1, 0), (3, 0), (40, 0), (299, 1), (300, 0)):
+    # 1,100 rows: more than one launch's SPLIT_ROWS.
+    for count, start in ((1, 0), (3, 0), (40, 0), (299, 1), (1100, 0)):
         got = fixed_tile_matmul(rows[start : start + count], weight)
         keep = min(count, 40 - start)
         assert torch.equal(got[:keep], alone[start : start + keep]), (count, start)

@@ -139,16 +139,21 @@ def test_the_mode_is_per_thread_and_restored() -> None:
 
 def test_triton_fixed_tile_gemm_is_the_matmul() -> None:
     """The GPU mode's GEMM, run here by Triton's interpreter, is the matmul to fp32
-    rounding at edge shapes. (Its rows' independence of the call is a property of the
+    rounding at edge shapes, in one walk over K or cut into splits. (Its rows' independence of the call is a property of the
     GPU's dot instructions, not of the interpreter's numpy dots: tests/model/
     test_gpu_runtime.py checks it on a GPU.)"""
     pytest.importorskip("triton")
-    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul, plan_k_splits
 
-    weight = torch.randn(70, 48, generator=_generator(10))
-    rows = torch.randn(40, 48, generator=_generator(11))
-    for count in (1, 33, 40):
-        torch.testing.assert_close(fixed_tile_matmul(rows[:count], weight), rows[:count] @ weight.t(), rtol=1e-5, atol=1e-5)
+    weight = torch.randn(70, 200, generator=_generator(10))
+    rows = torch.randn(40, 200, generator=_generator(11))
+    # programs 1: K in one walk; 4 and 16: cut into 2 and 7 splits (plan_k_splits),
+    # summed in split order.
+    for programs, splits in ((1, 1), (4, 2), (16, 7)):
+        assert plan_k_splits(70, 200, torch.float32, programs) == splits
+        for count in (1, 33, 40):
+            got = fixed_tile_matmul(rows[:count], weight, programs=programs)
+            torch.testing.assert_close(got, rows[:count] @ weight.t(), rtol=1e-5, atol=1e-5)
     assert fixed_tile_matmul(rows[:0], weight).shape == (0, 70)
 
 
