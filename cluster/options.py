@@ -133,12 +133,6 @@ class EngineOptions:
             raise EngineError("offload_host_bytes: needs enable_prefix_caching (offloaded units are prefix-cache PAGEs)")
         if self.batch_invariant is None:
             object.__setattr__(self, "batch_invariant", default_batch_invariant(self.device))
-        if self.batch_invariant and self.kernel_backend == "torch" and not self.device.startswith("cpu"):
-            raise EngineError(
-                f"batch_invariant: True with kernel_backend 'torch' on {self.device!r} (allowed: kernel_backend "
-                "'triton' on a GPU, or the CPU: the torch backend's attention there runs cuBLAS batched GEMMs, "
-                "whose algorithm follows the batch)"
-            )
         for name in ("num_pages", "num_state_slots", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

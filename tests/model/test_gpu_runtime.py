@@ -83,6 +83,41 @@ def test_fixed_tile_gemm_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> N
     assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_batched_fixed_tile_gemm_items_do_not_depend_on_the_batch() -> None:
+    """The per-row products of the mode on the GPU (attention at Flash widths: 64 heads
+    x 512 dims against 640 keys, then the probabilities against the values as a
+    transposed view): an item's product is the same alone or among 300, at any place."""
+    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(300, 64, 512, generator=g, device="cuda")
+    keys = torch.randn(300, 640, 512, generator=g, device="cuda")
+    for a, b in ((q, keys), (torch.softmax(fixed_tile_matmul(q, keys), -1), keys.transpose(1, 2))):
+        whole = fixed_tile_matmul(a, b)
+        for start, count in ((0, 1), (7, 1), (5, 3), (1, 299)):
+            assert torch.equal(fixed_tile_matmul(a[start : start + count], b[start : start + count]), whole[start : start + count])
+        want = torch.bmm(a.double(), b.double().transpose(1, 2))
+        assert float((whole.double() - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_in_the_mode_equals_the_reference_on_the_gpu(tiny_dir: Path, dtype: torch.dtype) -> None:
+    """The torch kernels in the batch-invariant mode on the GPU: paged logits and
+    selections of a prompt fed in chunks 3/1/129/7/128 equal the GPU dense reference's
+    (in the mode) bit for bit: every product, attention's included, is the fixed-tile
+    GEMM on both sides."""
+    engine = Engine.from_pretrained(
+        tiny_dir, dtype=dtype, block_size=32, device="cuda", kernel_backend="torch", batch_invariant=True,
+        enable_prefix_caching=False,
+    )
+    prompt = _prompts()[0]
+    paged = engine.prompt_logits(prompt, chunk_sizes=(3, 1, 129, 7, 128))
+    reference = ReferenceModel(engine.params, batch_invariant=True).forward(prompt)
+    assert torch.equal(paged.logits, reference.logits.cpu())
+    for layer, selected in reference.selections.items():
+        assert torch.equal(paged.selections[layer].cpu(), selected.cpu()), f"layer {layer}"
+
+
 def test_row_sum_rows_do_not_depend_on_the_call() -> None:
     """The batch-invariant row reduction on the GPU: a row's sum is the same in a call
     of 1 row or 4096, and is the sum to fp32 rounding."""
