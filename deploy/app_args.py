@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from dsv41.cluster.options import engine_options
+from dsv41.deploy.heap import DEFAULT_HEAP_TRIM_IDLE_S
+from dsv41.deploy.memory_probe import ProbeOptions
 from dsv41.deploy.metrics import DEFAULT_METRICS_PREFIX
 from dsv41.deploy.openai_api import RequestLimits
 from dsv41.deploy.ray_metrics import check_metrics_options
@@ -69,6 +71,13 @@ class AppArgs:
     ``RequestLimits`` fields. ``grpc_port``: where the ingress serves
     ``dsv41.GenerateService`` (None: no gRPC), on ``grpc_host`` (loopback by default).
     ``metrics_prefix``, ``ray_metrics``: the metrics' names and Ray export (deploy/ray_metrics.py).
+    ``heap_trim_idle_s``: each ingress and LLM server replica returns its C heap's free
+    pages to the OS (``malloc_trim(0)``) once it has had no request in flight for this
+    many seconds after serving (deploy/heap.py); None: never.
+    ``memory_probe`` (a diagnostic, off by default): ``deploy.memory_probe.ProbeOptions``
+    fields; when set (``{}`` for the defaults), each ingress and LLM server replica
+    answers ``memory_report`` through its deployment handle (no HTTP route): what its
+    process's memory is, Python's and the allocator's (bench/soak.py reads it).
     """
 
     model: str | None = None
@@ -96,6 +105,8 @@ class AppArgs:
     grpc_port: int | None = None
     metrics_prefix: str = DEFAULT_METRICS_PREFIX
     ray_metrics: bool = True
+    heap_trim_idle_s: float | None = DEFAULT_HEAP_TRIM_IDLE_S
+    memory_probe: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -134,9 +145,10 @@ class AppArgs:
             if not isinstance(getattr(self, name), Mapping):
                 raise ValueError(f"{name}: {getattr(self, name)!r} (allowed: Ray actor options)")
         for name in ("health_check_period_s", "health_check_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}: {value!r} (allowed: a positive number of seconds)")
+            if not _is_seconds(getattr(self, name)):
+                raise ValueError(f"{name}: {getattr(self, name)!r} (allowed: a positive number of seconds)")
+        if self.heap_trim_idle_s is not None and not _is_seconds(self.heap_trim_idle_s):
+            raise ValueError(f"heap_trim_idle_s: {self.heap_trim_idle_s!r} (allowed: a positive number of seconds, or null for never)")
         if not isinstance(self.group, Mapping):
             raise ValueError(f"group: {self.group!r} (allowed: a mapping of GroupOptions fields)")
         if self.group and self.backend != "ray":
@@ -161,6 +173,10 @@ class AppArgs:
         if self.grpc_port is not None and not (isinstance(self.grpc_port, int) and 0 <= self.grpc_port <= 65535):
             raise ValueError(f"grpc_port: {self.grpc_port!r} (allowed: a port 0..65535, 0 for any free one, or null)")
         check_metrics_options(self.metrics_prefix, self.ray_metrics)
+        if self.memory_probe is not None:
+            if not isinstance(self.memory_probe, Mapping):
+                raise ValueError(f"memory_probe: {self.memory_probe!r} (allowed: a mapping of ProbeOptions fields, or null)")
+            ProbeOptions.from_dict(self.memory_probe)
         # Refuse bad engine options here, before Serve starts a replica that would die on them.
         options = engine_options(self.engine_options())
         if options.speculative_method is not None and self.backend != "local":
@@ -206,6 +222,9 @@ class AppArgs:
     def request_limits(self) -> RequestLimits:
         return RequestLimits.from_dict(self.limits)
 
+    def probe_options(self) -> ProbeOptions | None:
+        return None if self.memory_probe is None else ProbeOptions.from_dict(self.memory_probe)
+
     def ingress_options(self) -> "IngressOptions":
         return IngressOptions(
             api_key=self.api_key,
@@ -213,22 +232,31 @@ class AppArgs:
             limits=self.request_limits(),
             grpc_host=self.grpc_host,
             grpc_port=self.grpc_port,
+            heap_trim_idle_s=self.heap_trim_idle_s,
+            memory_probe=self.probe_options(),
         )
 
 
 @dataclass(frozen=True)
 class IngressOptions:
-    """What the ingress accepts and where it listens for gRPC (AppArgs' fields)."""
+    """What the ingress accepts, where it listens for gRPC, when it trims its heap and
+    whether it answers ``memory_report`` (AppArgs' fields)."""
 
     api_key: str | None = field(default=None, repr=False)
     public_routes: tuple[str, ...] = OPEN_ROUTES
     limits: RequestLimits = RequestLimits()
     grpc_host: str = LOOPBACK_HOST
     grpc_port: int | None = None
+    heap_trim_idle_s: float | None = DEFAULT_HEAP_TRIM_IDLE_S
+    memory_probe: ProbeOptions | None = None
 
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _replica_bundle(ray_actor_options: Mapping[str, Any]) -> dict[str, float]:
