@@ -143,20 +143,23 @@ def _mib(value: float | None) -> str:
 
 
 def probe_table(points: list[tuple[str, dict[str, dict]]]) -> list[str]:
-    """One row per process and reading: RSS, gc-tracked objects, pymalloc's arenas,
-    glibc's arena bytes (in use / free), its mmapped bytes and arenas, RSS after trim."""
+    """One row per process and reading: RSS (and after a full collection), the garbage
+    that collection found, gc-tracked objects, pymalloc's arenas, glibc's arena bytes
+    (in use / free), its mmapped bytes and arenas, RSS after trim."""
     lines = [
-        "| process | reading | RSS MiB | gc objects | pymalloc arenas MiB (blocks used) | malloc arena MiB (in use / free) "
+        "| process | reading | RSS MiB (after gc) | garbage collected | gc objects | pymalloc arenas MiB (blocks used) | malloc arena MiB (in use / free) "
         "| mmapped MiB | arenas | RSS after trim MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for point, readings in points:
         for name, r in readings.items():
             pymalloc, malloc = r.get("pymalloc"), r["malloc"]
             pm = "" if pymalloc is None else f"{_mib(pymalloc['arena_bytes'])} ({_mib(pymalloc['allocated_block_bytes'])})"
             trimmed = r.get("trim", {}).get("rss_bytes")
+            before = r.get("rss_bytes_before_collect")
+            rss = _mib(r["rss_bytes"]) if before is None else f"{_mib(before)} ({_mib(r['rss_bytes'])})"
             lines.append(
-                f"| {name} | {point} | {_mib(r['rss_bytes'])} | {r.get('gc_objects', '')} | {pm} "
+                f"| {name} | {point} | {rss} | {r.get('gc_collected', '')} | {r.get('gc_objects', '')} | {pm} "
                 f"| {_mib(malloc['arena'])} ({_mib(malloc['in_use'])} / {_mib(malloc['free'])}) "
                 f"| {_mib(malloc['mmapped'])} | {malloc['arenas']} | {_mib(trimmed)} |"
             )

@@ -123,14 +123,19 @@ class MemoryProbe:
         self._snapshot: tracemalloc.Snapshot | None = None
 
     def read(self, *, trim: bool = False) -> dict[str, Any]:
-        """RSS; live objects by type (and the types that grew since the last reading);
-        pymalloc's arenas; glibc's allocator; tracemalloc's bytes (live, and the peak
-        since the last reading) and the sites that grew. With ``trim``, then
-        ``malloc_trim(0)`` and the RSS and glibc stats after it."""
-        gc.collect()
+        """RSS before and after a full collection (and the unreachable objects it found:
+        garbage cycles still waiting for the collector); live objects by type (and the
+        types that grew since the last reading); pymalloc's arenas; glibc's allocator;
+        tracemalloc's bytes (live, and the peak since the last reading) and the sites
+        that grew. With ``trim``, then ``malloc_trim(0)`` and the RSS and glibc stats
+        after it."""
+        rss_before_collect = rss_bytes(os.getpid())
+        collected = gc.collect()
         counts = object_counts()
         reading: dict[str, Any] = {
             "pid": os.getpid(),
+            "rss_bytes_before_collect": rss_before_collect,
+            "gc_collected": collected,
             "rss_bytes": rss_bytes(os.getpid()),
             "gc_objects": sum(counts.values()),
             "gc_frozen": gc.get_freeze_count(),
