@@ -15,7 +15,7 @@ Must not import at module level: ``torch`` or ``actors``. Must not be imported b
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from dsv41.cluster.options import engine_options
 from dsv41.deploy.heap import DEFAULT_HEAP_TRIM_IDLE_S
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from dsv41.actors.group import GroupOptions
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BACKENDS = ("local", "ray")
 EXPERT_MODES = ("ep", "tp")
@@ -176,7 +178,7 @@ class AppArgs:
         if self.memory_probe is not None:
             if not isinstance(self.memory_probe, Mapping):
                 raise ValueError(f"memory_probe: {self.memory_probe!r} (allowed: a mapping of ProbeOptions fields, or null)")
-            ProbeOptions.from_dict(self.memory_probe)
+            self.probe_options()
         # Refuse bad engine options here, before Serve starts a replica that would die on them.
         options = engine_options(self.engine_options())
         if options.speculative_method is not None and self.backend != "local":
@@ -187,11 +189,7 @@ class AppArgs:
 
     @classmethod
     def from_dict(cls, args: Mapping[str, Any]) -> "AppArgs":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise ValueError(f"args: unknown {unknown} (allowed: {sorted(known)})")
-        return cls(**args)
+        return _declared(cls, args, "args")
 
     @property
     def model_name(self) -> str:
@@ -211,10 +209,7 @@ class AppArgs:
         """``group`` as ``actors.group.GroupOptions``."""
         from dsv41.actors.group import GroupOptions
 
-        unknown = sorted(set(self.group) - set(GroupOptions.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"group: unknown {unknown} (allowed: {sorted(GroupOptions.__dataclass_fields__)})")
-        return GroupOptions(**self.group)
+        return _declared(GroupOptions, self.group, "group")
 
     def model_dir(self) -> Path:
         return Path(self.model) if self.model is not None else embedded_model_dir()
@@ -223,7 +218,8 @@ class AppArgs:
         return RequestLimits.from_dict(self.limits)
 
     def probe_options(self) -> ProbeOptions | None:
-        return None if self.memory_probe is None else ProbeOptions.from_dict(self.memory_probe)
+        """``memory_probe`` as ``deploy.memory_probe.ProbeOptions`` (None: off)."""
+        return None if self.memory_probe is None else _declared(ProbeOptions, self.memory_probe, "memory_probe")
 
     def ingress_options(self) -> "IngressOptions":
         return IngressOptions(
@@ -249,6 +245,15 @@ class IngressOptions:
     grpc_port: int | None = None
     heap_trim_idle_s: float | None = DEFAULT_HEAP_TRIM_IDLE_S
     memory_probe: ProbeOptions | None = None
+
+
+def _declared(declaration: type[T], values: Mapping[str, Any], name: str) -> T:
+    """``declaration(**values)``, a key it does not declare refused naming ``name``."""
+    known = sorted(declaration.__dataclass_fields__)  # type: ignore[attr-defined]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{name}: unknown {unknown} (allowed: {known})")
+    return declaration(**values)
 
 
 def _is_count(value: object) -> bool:

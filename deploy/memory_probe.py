@@ -29,7 +29,7 @@ import sys
 import tempfile
 import tracemalloc
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from dsv41.deploy.heap import glibc, malloc_stats, trim_heap
 from dsv41.deploy.procfs import rss_bytes
@@ -102,13 +102,6 @@ class ProbeOptions:
             raise ValueError(f"memory_probe.trace_frames: {self.trace_frames!r} (allowed: an integer >= 0, 0 for no tracing)")
         if isinstance(self.top, bool) or not isinstance(self.top, int) or self.top < 1:
             raise ValueError(f"memory_probe.top: {self.top!r} (allowed: an integer >= 1)")
-
-    @classmethod
-    def from_dict(cls, options: Mapping[str, Any]) -> "ProbeOptions":
-        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"memory_probe: unknown {unknown} (allowed: {sorted(cls.__dataclass_fields__)})")
-        return cls(**options)
 
 
 class MemoryProbe:
