@@ -147,12 +147,15 @@ def distinct_experts_per_step(engine: Engine, steps: int) -> float:
         counted.append(int(routing.expert_ids.unique().numel()))
         return original(layer, h)
 
+    # A replayed decode graph never calls the hook: count on eager steps.
+    graphs, engine.runner.graphs = engine.runner.graphs, None
     runtime.moe = counting
     try:
         for _ in range(steps):
             engine.step()
     finally:
         runtime.moe = original
+        engine.runner.graphs = graphs
     return sum(counted) / steps
 
 
@@ -244,6 +247,7 @@ def main() -> None:
         max_num_seqs=biggest,
         max_num_batched_tokens=max(workload.max_num_batched_tokens, biggest),
         tokens_per_request=workload.prompt_len + workload.max_tokens(biggest),
+        graph_batch_sizes=workload.batches,
     )
     rows = []
     for batch in workload.batches:

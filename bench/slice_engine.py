@@ -21,6 +21,7 @@ import torch
 
 from dsv41.cache.pools import PoolSize
 from dsv41.cluster.engine import Engine
+from dsv41.cluster.cuda_graphs import CUDAGRAPH_MODES
 from dsv41.cluster.options import EngineOptions, RankLayout
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.params import ModelParams
@@ -64,6 +65,10 @@ def add_slice_options(parser: argparse.ArgumentParser) -> None:
         help="the engine's batch-invariant mode (default: the engine's, on for the CPU, off on a GPU)",
     )
     parser.add_argument(
+        "--cudagraph-mode", default="none", choices=CUDAGRAPH_MODES,
+        help="the engine's cudagraph_mode (full: decode steps replayed from CUDA graphs, Triton kernels on CUDA)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None,
         help="torch intra-op threads on the CPU (default 1: on a shared box more threads spin against each other)",
     )
@@ -91,11 +96,13 @@ def build_slice_engine(
     max_num_batched_tokens: int,
     tokens_per_request: int,
     decoder_replay: bool = False,
+    graph_batch_sizes: tuple[int, ...] | None = None,
 ) -> Engine:
     """The slice (bf16 compute) in an in-process engine on ``args.device`` whose pools
-    hold ``max_num_seqs`` requests of ``tokens_per_request`` tokens each; prefix
-    caching is off (random prompts share nothing); ``decoder_replay``: the engine's
-    decoder_swa_bounded_replay."""
+    hold ``max_num_seqs`` requests of ``tokens_per_request`` tokens each (its context
+    limit); prefix caching is off (random prompts share nothing); ``decoder_replay``:
+    the engine's decoder_swa_bounded_replay; under ``--cudagraph-mode full`` the batch
+    buckets captured are ``graph_batch_sizes`` (None: the engine's default)."""
     device, backend = resolve_device(args)
     spec = SMALL_SLICE if args.small else REFERENCE_SLICE
     model = SliceModel.build(spec, V41Config.from_pretrained(FLASH, text_only=True), expert_format=args.experts)
@@ -120,6 +127,9 @@ def build_slice_engine(
         device=device,
         batch_invariant=args.batch_invariant,
         decoder_swa_bounded_replay=decoder_replay,
+        max_model_len=tokens_per_request,
+        cudagraph_mode=args.cudagraph_mode,
+        cudagraph_batch_sizes=graph_batch_sizes if args.cudagraph_mode != "none" else None,
     )
     geometry = RankLayout.build(model.config, options).geometry
     # One page more than the requests need: the sizing must never be what preempts.
@@ -180,6 +190,7 @@ def environment(args: argparse.Namespace, engine: Engine, ceilings: dict[str, fl
         "seed": args.seed,
         "kernel_backend": backend,
         "batch_invariant": engine.options.batch_invariant,
+        "cudagraph_mode": engine.options.cudagraph_mode,
         "block_size": engine.options.block_size,
         "kv_cache_dtype": engine.options.kv_cache_dtype,
         "index_cache_dtype": engine.options.index_cache_dtype,

@@ -156,11 +156,9 @@ class EntryTile:
 class StepAddresses:
     positions: torch.Tensor  # [R]
     row_segments: torch.Tensor  # [R] segment index of each row
-    segment_slots: torch.Tensor  # [S]
     window: WindowPlan
     compression: dict[int, CompressionPlan]
     tiles: dict[int, EntryTile]
-    last_rows: torch.Tensor  # [S] each segment's last row (NO_ROW for an empty segment)
 
 
 @dataclass(frozen=True)
@@ -214,14 +212,12 @@ def build_step_addresses(
     _check_page_tables(segments, page_tables, B)
     positions: list[int] = []
     row_segments: list[int] = []
-    last_rows: list[int] = []
     write_rows: list[int] = []
     write_dst: list[int] = []
     base = 0
     for s, seg in enumerate(segments):
         positions.extend(range(seg.start, seg.end))
         row_segments.extend([s] * seg.length)
-        last_rows.append(base + seg.length - 1 if seg.length else NO_ROW)
         for pos in range(max(seg.start, seg.end - ring_rows), seg.end):
             write_rows.append(base + pos - seg.start)
             write_dst.append(seg.slot * ring_rows + pos % ring_rows)
@@ -254,12 +250,105 @@ def build_step_addresses(
     return StepAddresses(
         positions=pos_t,
         row_segments=seg_t,
-        segment_slots=slots,
         window=window,
         compression=plans,
         tiles=tiles,
-        last_rows=_long(last_rows),
     )
+
+
+@dataclass(frozen=True)
+class DecodeWidth:
+    """The fixed width of a decode step replayed from a graph: ``requests`` rows, one
+    per request (the step's own first, then padding requests), and ``pages`` PAGEs in
+    every request's tile page table, whatever the step's own batch and context.
+    Padding carries the sentinels: a padding row is the one row of a zero-length
+    padding segment (its tile empty, nothing visible, no window key valid), every
+    padding write names NO_ROW as its destination (a padding compression group reads
+    row 0 and is never stored), so padding reads no state and writes none."""
+
+    requests: int
+    pages: int
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DecodeWidth.{name}: {value!r} (allowed: an integer >= 1)")
+
+
+def decode_pages(segments: Sequence[SegmentSpec], shape: PoolShape) -> int:
+    """The PAGEs the longest request of a decode step covers: the narrowest
+    ``DecodeWidth.pages`` its tiles fit."""
+    return max((-(-seg.end // shape.block_size) for seg in segments), default=1)
+
+
+def build_decode_addresses(
+    segments: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, width: DecodeWidth
+) -> StepAddresses:
+    """The addresses of a decode step (one committed row per segment; ``page_tables``
+    as ``build_step_addresses`` takes them) at ``width``: the step's own rows are
+    exactly ``build_step_addresses``'s, and every tensor is padded to the shapes
+    ``width`` fixes (DecodeWidth says what padding holds)."""
+    if len(segments) > width.requests:
+        raise ValueError(f"segments: {len(segments)} requests (allowed: at most width.requests = {width.requests})")
+    for i, seg in enumerate(segments):
+        if seg.length != 1 or seg.tentative:
+            raise ValueError(
+                f"segments[{i}]: {seg.length} rows, {seg.tentative} tentative (allowed: one committed row, a decode)"
+            )
+    if decode_pages(segments, shape) > width.pages:
+        raise ValueError(f"segments: cover {decode_pages(segments, shape)} PAGEs (allowed: at most width.pages = {width.pages})")
+    own = build_step_addresses(segments, page_tables, shape)
+    rows, pad = width.requests, width.requests - len(segments)
+    window = own.window
+    padded_window = WindowPlan(
+        chunk_rows=_padded(window.chunk_rows, rows, NO_ROW),
+        ring_rows=_padded(window.ring_rows, rows, NO_ROW),
+        valid=_padded(window.valid, rows, False),
+        write_rows=_padded(window.write_rows, rows, 0),
+        write_dst=_padded(window.write_dst, rows, NO_ROW),
+    )
+    compression = {
+        ratio: CompressionPlan(
+            ratio=ratio,
+            first_rows=_padded(plan.first_rows, rows, NO_ROW),
+            first_tail_slots=_padded(plan.first_tail_slots, rows, NO_ROW),
+            second_rows=_padded(plan.second_rows, rows, 0),
+            entry_positions=_padded(plan.entry_positions, rows, 0),
+            dst=_padded(plan.dst, rows, NO_ROW),
+            tail_write_rows=_padded(plan.tail_write_rows, rows, 0),
+            tail_write_slots=_padded(plan.tail_write_slots, rows, NO_ROW),
+            staged_rows=plan.staged_rows,
+            staged_slots=plan.staged_slots,
+            staged_tail_rows=plan.staged_tail_rows,
+        )
+        for ratio, plan in own.compression.items()
+    }
+    tiles = {}
+    for ratio, tile in own.tiles.items():
+        page_tables = torch.full((rows, width.pages), NO_ROW, dtype=torch.long)
+        page_tables[: len(segments), : tile.page_tables.shape[1]] = tile.page_tables
+        tiles[ratio] = EntryTile(
+            ratio=ratio,
+            entries_per_page=tile.entries_per_page,
+            width=width.pages * tile.entries_per_page,
+            page_tables=page_tables,
+            counts=_padded(tile.counts, rows, 0),
+            visible=_padded(tile.visible, rows, 0),
+        )
+    return StepAddresses(
+        positions=_padded(own.positions, rows, 0),
+        row_segments=torch.cat((own.row_segments, torch.arange(len(segments), len(segments) + pad))),
+        window=padded_window,
+        compression=compression,
+        tiles=tiles,
+    )
+
+
+def _padded(values: torch.Tensor, rows: int, fill: int | bool) -> torch.Tensor:
+    """``values`` [N, ...] followed by ``fill`` up to ``rows`` along the first dimension."""
+    extra = torch.full((rows - values.shape[0], *values.shape[1:]), fill, dtype=values.dtype)
+    return torch.cat((values, extra))
 
 
 def _check_page_tables(segments: Sequence[SegmentSpec], page_tables: torch.Tensor, block_size: int) -> None:

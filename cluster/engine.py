@@ -146,6 +146,7 @@ class Engine(EngineClient):
             offload=offload,
             batch_invariant=bool(options.batch_invariant),
             decoder_replay=options.decoder_swa_bounded_replay,
+            decode_graphs=layout.decode_buckets(params.config, options),
         )
         return cls(params.config, tokenizer, options, 1, LocalRank(rank), offload)
 

@@ -20,6 +20,7 @@ from dsv41.cache.block_manager import BlockManager, CacheConfig, StateTransfer
 from dsv41.cache.geometry import V41PoolGeometry
 from dsv41.cache.offload import TieredStore
 from dsv41.cache.pools import PoolSize
+from dsv41.cluster.cuda_graphs import CUDAGRAPH_MODES, DecodeBuckets
 from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.pool_layout import pool_geometry
 from dsv41.cluster.scheduler import Scheduler, SchedulerConfig
@@ -95,6 +96,13 @@ class EngineOptions:
     # mtp stages draft num_speculative_tokens per step; None: the spec's 5).
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
+    # The spec's graph modes (cluster/cuda_graphs.py): "none" (eager, the baseline) or
+    # "full" (every decode step one CUDA graph replay, one graph per batch-size and
+    # PAGE-count bucket captured at startup; prefill stays eager). Needs the Triton
+    # kernels on a CUDA device. cudagraph_batch_sizes: the batch buckets (None: 1, 2,
+    # 4, then multiples of 8 up to max_num_seqs).
+    cudagraph_mode: str = "none"
+    cudagraph_batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -125,12 +133,6 @@ class EngineOptions:
             raise EngineError("offload_host_bytes: needs enable_prefix_caching (offloaded units are prefix-cache PAGEs)")
         if self.batch_invariant is None:
             object.__setattr__(self, "batch_invariant", default_batch_invariant(self.device))
-        if self.batch_invariant and self.kernel_backend == "torch" and not self.device.startswith("cpu"):
-            raise EngineError(
-                f"batch_invariant: True with kernel_backend 'torch' on {self.device!r} (allowed: kernel_backend "
-                "'triton' on a GPU, or the CPU: the torch backend's attention there runs cuBLAS batched GEMMs, "
-                "whose algorithm follows the batch)"
-            )
         for name in ("num_pages", "num_state_slots", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -140,6 +142,7 @@ class EngineOptions:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise EngineError(f"{name}: {value!r} (allowed: a positive integer)")
         self._check_speculation()
+        self._check_graphs()
         for name in ("enable_tbo_prefill", "tbo_prefill_token_split"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineError(f"{name}: {getattr(self, name)!r} (allowed: True, False)")
@@ -152,6 +155,43 @@ class EngineOptions:
         elif not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise EngineError(f"long_prefill_token_threshold: {threshold!r} (allowed: None, 0 = off, or a positive integer)")
 
+
+    def _check_graphs(self) -> None:
+        """Refuses a graph mode this replica cannot capture, before any weight."""
+        mode, sizes = self.cudagraph_mode, self.cudagraph_batch_sizes
+        if mode not in CUDAGRAPH_MODES:
+            raise EngineError(
+                f"cudagraph_mode: {mode!r} (allowed: {', '.join(map(repr, CUDAGRAPH_MODES))}; the spec's tr_hybrid, "
+                "token graphs with attention eager between them, is not built here yet)"
+            )
+        if sizes is not None:
+            if isinstance(sizes, list):
+                sizes = tuple(sizes)
+                object.__setattr__(self, "cudagraph_batch_sizes", sizes)
+            if (
+                not isinstance(sizes, tuple)
+                or not sizes
+                or any(not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= self.max_num_seqs for v in sizes)
+            ):
+                raise EngineError(
+                    f"cudagraph_batch_sizes: {sizes!r} (allowed: None, or integers in 1..max_num_seqs = "
+                    f"{self.max_num_seqs})"
+                )
+            if mode == "none":
+                raise EngineError("cudagraph_batch_sizes: set with cudagraph_mode 'none' (allowed: with 'full')")
+        if mode == "none":
+            return
+        if self.kernel_backend != "triton" or torch.device(self.device).type != "cuda":
+            raise EngineError(
+                f"cudagraph_mode: {mode!r} with kernel_backend {self.kernel_backend!r} on {self.device!r} (allowed: "
+                "kernel_backend 'triton' on a CUDA device: a graph replays CUDA kernels, and the torch backend's "
+                "padding writes select rows on the host)"
+            )
+        if self.speculative_method is not None:
+            raise EngineError(
+                f"cudagraph_mode: {mode!r} with speculative_method {self.speculative_method!r} (allowed: 'none'; "
+                "verify steps are not captured here yet)"
+            )
 
     def _check_speculation(self) -> None:
         """Resolves ``num_speculative_tokens`` (0 without a method, the spec's 5 with
@@ -212,6 +252,11 @@ def check_replica_options(config: V41Config, options: EngineOptions, world: int)
             f"speculative_method: {options.speculative_method!r} with {world} DP ranks (allowed: one rank; DSpark "
             "under DP attention is not implemented here yet: the draft stages' MoE joins no DP exchange)"
         )
+    if options.cudagraph_mode != "none" and world != 1:
+        raise EngineError(
+            f"cudagraph_mode: {options.cudagraph_mode!r} with {world} DP ranks (allowed: one rank; under DP attention "
+            "the MoE exchange's collectives are not captured here yet)"
+        )
     if options.enable_tbo_prefill and world < 2:
         raise EngineError(
             f"enable_tbo_prefill: True on a replica of {world} DP rank (allowed: DP attention over >= 2 ranks; "
@@ -270,6 +315,15 @@ class RankLayout:
             geometry, options.cache_memory_bytes, num_slots=slots, max_num_pages=options.num_pages
         )
         return cls(geometry=geometry, pool_size=pool_size, num_slots=slots)
+
+    def decode_buckets(self, config: V41Config, options: EngineOptions) -> DecodeBuckets | None:
+        """The decode graphs' buckets under ``options`` (None: graphs off): batch sizes
+        up to max_num_seqs, PAGE counts up to the replica's context limit."""
+        if options.cudagraph_mode == "none":
+            return None
+        pool_tokens = self.pool_size.num_pages * options.block_size
+        max_pages = -(-default_max_model_len(config, options, pool_tokens) // options.block_size)
+        return DecodeBuckets.of(options.max_num_seqs, max_pages, options.cudagraph_batch_sizes)
 
     def offload_store(self, options: EngineOptions) -> TieredStore | None:
         """The offload store ``options`` ask for (None: no offload), serving this

@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch
+from dsv41.cluster.cuda_graphs import DecodeBuckets
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
 from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.options import EngineOptions, RankLayout, check_replica_options
 from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
 from dsv41.cluster.tbo import TBOOptions, microbatch_rows, runs_split, split
-from dsv41.model.kernels import load_kernels
+from dsv41.model.kernels import load_kernels, register_batch_invariant_kernels
 from dsv41.model.kernels.interface import PagedKernels
 from dsv41.model.loader import ExpertShard
 from dsv41.model.params import ModelParams
@@ -96,9 +97,12 @@ class DPRank:
         batch_invariant: bool = False,
         decoder_replay: bool = False,
         tbo: TBOOptions | None = None,
+        decode_graphs: DecodeBuckets | None = None,
     ) -> None:
         if tbo is not None and exchange is None:
             raise DPError(f"tbo: {tbo} on a rank without an exchange (allowed: a rank of a replica of >= 2 ranks)")
+        if batch_invariant:
+            register_batch_invariant_kernels(device)
         self.rank = rank
         self.exchange = exchange
         self.tbo = tbo
@@ -113,6 +117,7 @@ class DPRank:
             offload=offload,
             batch_invariant=batch_invariant,
             decoder_replay=decoder_replay,
+            decode_graphs=decode_graphs,
         )
 
     @classmethod
@@ -157,6 +162,7 @@ class DPRank:
             batch_invariant=bool(options.batch_invariant),
             decoder_replay=options.decoder_swa_bounded_replay,
             tbo=TBOOptions.of(options),
+            decode_graphs=layout.decode_buckets(params.config, options),
         )
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor | None) -> StepResult:

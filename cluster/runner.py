@@ -39,6 +39,7 @@ from dsv41.cache.geometry import CURSOR_POSITION, V41PoolGeometry
 from dsv41.cache.plane_io import PlaneIO
 from dsv41.cache.pools import PoolSize, V41Pools
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
+from dsv41.cluster.cuda_graphs import DecodeBuckets, DecodeGraphs
 from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.persistent_batch import PersistentBatch
 from dsv41.cluster.sampler import Sampler, SamplingMetadata
@@ -49,7 +50,7 @@ from dsv41.model.kernels.interface import PagedKernels
 from dsv41.model.linalg import batch_invariant, cpu_threads
 from dsv41.model.microbatch import MoESteps
 from dsv41.model.params import LayerParams, ModelParams
-from dsv41.model.runtime import Microbatch, PagedRuntime
+from dsv41.model.runtime import Microbatch, PagedRuntime, StepOutput
 
 
 class DecoderReplayError(RuntimeError):
@@ -129,6 +130,7 @@ class ModelRunner:
         offload: OffloadConnector | None = None,
         batch_invariant: bool = False,
         decoder_replay: bool = False,
+        decode_graphs: DecodeBuckets | None = None,
     ) -> None:
         config = params.config
         self.decoder_replay = decoder_replay
@@ -156,6 +158,17 @@ class ModelRunner:
                 geometry.num_speculative_tokens,
                 batch_invariant,
             )
+        # FULL graph mode: every bucket's decode step captured now (on a CUDA device;
+        # elsewhere the same static steps run eagerly).
+        self.graphs = None
+        if decode_graphs is not None:
+            if self.speculator is not None:
+                raise ValueError("decode_graphs: with speculation (allowed: decode graphs without a speculator)")
+            device = self.pools.device
+            self.graphs = DecodeGraphs(
+                self.runtime, self.store, self.shape, decode_graphs, device, capture=device.type == "cuda"
+            )
+            self.graphs.capture_all()
 
     def execute(
         self, batch: ScheduledBatch, microbatches: Sequence[tuple[ScheduledBatch, MoESteps]] = ()
@@ -178,13 +191,18 @@ class ModelRunner:
         # Engram n-grams are host work (the tables are on the host); the rest runs on
         # the pools' device.
         compressed = self.params.token_map[tokens]
-        histories = self.pools.cursor[[seg.slot for seg in segments], CURSOR_POSITION + 1 :].cpu()
+        cursors = self._committed_cursors(segments)
+        histories = cursors[:, CURSOR_POSITION + 1 :]
         if self.speculator is None and any(s.num_draft_tokens for s in segments):
             raise RuntimeError("a segment carries drafts, but this rank does not speculate (num_speculative_tokens 0)")
         logit_rows, logit_ranges, sample_rows = self.logit_rows(segments)
         device = self.pools.device
         ngrams = self._ngrams(segments, compressed, histories)
-        if not microbatches:
+        graph_logits = None if microbatches else self._graph_logits(segments, tokens, ngrams)
+        if graph_logits is not None:
+            addresses, decoder = None, None
+            output = StepOutput(logits=graph_logits, selections={}, layer_inputs={})
+        elif not microbatches:
             addresses, decoder = self._plan(segments)
             output = self.runtime.forward(
                 tokens.to(device),
@@ -206,7 +224,7 @@ class ModelRunner:
                 parts.append(Microbatch(part_tokens.to(device), plan, part_rows.to(device), part_decoder, moe))
             output = self.runtime.forward_microbatches(parts, ngrams, self.store)
         accepted, sampled, committed = self._verify(segments, self._sample(segments, output.logits, sample_rows))
-        self._advance_cursors(segments, compressed, histories, committed)
+        self._advance_cursors(segments, compressed, cursors, committed)
         drafts_next: dict[str, tuple[int, ...]] = {}
         if self.speculator is not None:
             stage = addresses if decoder is None else decoder.plan
@@ -302,12 +320,43 @@ class ModelRunner:
             )
         return speculator.draft(wanted)
 
+    def _graph_logits(
+        self, segments: tuple[ScheduledSegment, ...], tokens: torch.Tensor, ngrams: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The logits of a decode step replayed from its bucket's graph; None when the
+        replica has no graphs, the step is not a plain decode (one committed output
+        row per segment, sampled: no prefill row, no prompt logits, no drafts, no
+        slot reset or restore), or no bucket holds it. Every row of such a step runs
+        every layer with its whole window, also under decoder replay (a decode row's
+        window starts past its prompt's tail)."""
+        if self.graphs is None or not all(
+            seg.length == 1
+            and seg.sample
+            and seg.start >= seg.num_prompt_tokens
+            and not seg.want_prompt_logits
+            and not seg.num_draft_tokens
+            and seg.reset is None
+            and seg.restore is None
+            for seg in segments
+        ):
+            return None
+        specs = self._specs(segments)
+        width = self.graphs.width_for(specs)
+        if width is None:
+            return None
+        page_tables = self.requests.page_tables(segments, self.shape.block_size)
+        return self.graphs.run(width, tokens, specs, page_tables, self.runtime.lookup_engram(ngrams))
+
+    @staticmethod
+    def _specs(segments: tuple[ScheduledSegment, ...]) -> list[SegmentSpec]:
+        return [
+            SegmentSpec(s.slot, s.start, s.length, s.write_from, s.window_start, s.num_draft_tokens) for s in segments
+        ]
+
     def _plan(self, segments: tuple[ScheduledSegment, ...]) -> tuple[StepAddresses, DecoderAddresses | None]:
         """The forward's addresses of ``segments`` on the pools' device, and under
         decoder replay its decoder rows'."""
-        specs = [
-            SegmentSpec(s.slot, s.start, s.length, s.write_from, s.window_start, s.num_draft_tokens) for s in segments
-        ]
+        specs = self._specs(segments)
         page_tables = self.requests.page_tables(segments, self.shape.block_size)
         device = self.pools.device
         plan = move_tensors(build_step_addresses(specs, page_tables, self.shape), device)
@@ -340,12 +389,19 @@ class ModelRunner:
                 cursor[CURSOR_POSITION + 1 + self.history_len - history.numel() :] = history
         elif seg.restore is not None:
             self.checkpoints.restore(seg.restore, seg.slot)
-        position = int(self.pools.cursor[seg.slot, CURSOR_POSITION])
-        if position != seg.start:
-            raise RuntimeError(
-                f"request {seg.request_id}: slot {seg.slot} is committed at {position}, "
-                f"but the step computes from {seg.start}"
-            )
+
+    def _committed_cursors(self, segments: tuple[ScheduledSegment, ...]) -> torch.Tensor:
+        """Each segment's slot cursor [S, 1 + history] (position, Engram history) on the
+        host, read in one copy; an error unless each slot is committed at its
+        segment's start."""
+        cursors = self.pools.cursor[[seg.slot for seg in segments]].cpu()
+        for seg, position in zip(segments, cursors[:, CURSOR_POSITION].tolist()):
+            if position != seg.start:
+                raise RuntimeError(
+                    f"request {seg.request_id}: slot {seg.slot} is committed at {position}, "
+                    f"but the step computes from {seg.start}"
+                )
+        return cursors
 
     def _ngrams(self, segments: tuple[ScheduledSegment, ...], compressed: torch.Tensor, histories: torch.Tensor) -> torch.Tensor:
         if self.hashing is None:
@@ -361,20 +417,25 @@ class ModelRunner:
         self,
         segments: tuple[ScheduledSegment, ...],
         compressed: torch.Tensor,
-        histories: torch.Tensor,
+        cursors: torch.Tensor,
         committed: dict[str, int],
     ) -> None:
         """Each slot's cursor past the rows its segment commits (a verify: its
-        accepted prefix), and its Engram history over those rows' tokens."""
+        accepted prefix), and its Engram history over those rows' tokens: built on
+        the host from ``cursors`` (the step's, ``_committed_cursors``) and written in
+        one copy."""
+        rows = cursors.clone()
         base = 0
         for i, seg in enumerate(segments):
-            cursor = self.pools.cursor[seg.slot]
             kept = committed[seg.request_id]
-            cursor[CURSOR_POSITION] = seg.start + kept
+            rows[i, CURSOR_POSITION] = seg.start + kept
             if self.hashing is not None:
                 chunk = compressed[base : base + kept]
-                cursor[CURSOR_POSITION + 1 :] = self.hashing.next_history(chunk, histories[i])
+                rows[i, CURSOR_POSITION + 1 :] = self.hashing.next_history(chunk, cursors[i, CURSOR_POSITION + 1 :])
             base += seg.length
+        slots = torch.tensor([seg.slot for seg in segments], dtype=rows.dtype).unsqueeze(1)
+        written = torch.cat((slots, rows), dim=1).to(self.pools.device)
+        self.pools.cursor[written[:, 0]] = written[:, 1:]
 
     @staticmethod
     def logit_rows(

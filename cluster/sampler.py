@@ -191,7 +191,7 @@ class SamplingMetadata:
             )
 
         def row_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return torch.tensor(values, dtype=dtype)
 
         fields: dict[str, torch.Tensor | None] = {}
         if any(p.min_p > 0 for p in params):
@@ -228,16 +228,29 @@ class SamplingMetadata:
             if vocab_size is None:
                 raise SamplerError("vocab_size: needed to read the guides' token masks")
             fields["allowed_rows"] = row_tensor(masked, torch.int64)
-            fields["allowed_tokens"] = _packed_masks([guides[row] for row in masked], bitmask_words(vocab_size), device)
-        return cls(
+        fields.update(
             temperature=row_tensor([p.temperature for p in params], torch.float32),
             top_k=row_tensor([p.top_k for p in params], torch.int64),
             top_p=row_tensor([p.top_p for p in params], torch.float32),
             seeds=row_tensor([_as_int64(s) for s in seeds], torch.int64),
             output_indices=row_tensor(list(output_indices), torch.int64),
-            num_logprobs=tuple(p.logprobs for p in params),
-            **fields,
         )
+        fields = _moved_rows(fields, device)
+        if masked:
+            fields["allowed_tokens"] = _packed_masks([guides[row] for row in masked], bitmask_words(vocab_size), device)
+        return cls(num_logprobs=tuple(p.logprobs for p in params), **fields)
+
+
+def _moved_rows(rows: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The host row tensors on ``device``: one copy per dtype (a decode step's sampling
+    inputs travel in two copies, not one per field), each tensor a view of its copy."""
+    moved: dict[str, torch.Tensor] = {}
+    for dtype in {t.dtype for t in rows.values()}:
+        names = [name for name, t in rows.items() if t.dtype == dtype]
+        joined = torch.cat([rows[name] for name in names]).to(device)
+        for name, part in zip(names, joined.split([rows[name].numel() for name in names])):
+            moved[name] = part
+    return moved
 
 
 def _packed_masks(guides: Sequence[SamplingGuide], words: int, device: torch.device | str) -> torch.Tensor:

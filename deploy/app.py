@@ -58,6 +58,8 @@ from starlette.exceptions import HTTPException
 from dsv41.deploy.app_args import INGRESS_NUM_CPUS, RETRY_AFTER_S, AppArgs, IngressOptions
 from dsv41.deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
 from dsv41.deploy.llm_server import LLMServer, llm_server_placement
+from dsv41.deploy.heap import IdleHeapTrim, idle_heap_trim, serving
+from dsv41.deploy.memory_probe import probe_for, read_probe
 from dsv41.deploy.metrics import METRICS_CONTENT_TYPE
 from dsv41.deploy.openai_api import parse_body
 from dsv41.deploy.openai_errors import (
@@ -143,25 +145,27 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _forward(first: str, events: Any, request_id: str) -> AsyncIterator[str]:
-    """The LLM server's events; a client that goes away cancels the call, which
-    aborts the request and frees its cache. A failure past the status line ends the
-    stream with an error event and ``[DONE]``: a replica that died mid-stream with
-    ``replica_lost``, anything else with a generic error (the details go to the log)."""
-    try:
-        yield first
-        async for event in events:
-            yield event
-    except RayActorError:
-        logger.exception("request %s: the LLM server replica of a stream died", request_id)
-        yield sse(replica_lost(request_id).body())
-        yield SSE_DONE
-    except Exception:  # noqa: BLE001 - the client gets the generic error, the log the details
-        logger.exception("request %s failed while streaming", request_id)
-        yield sse(internal_error(request_id).body())
-        yield SSE_DONE
-    finally:
-        events.cancel()
+async def _forward(first: str, events: Any, request_id: str, heap_trim: IdleHeapTrim | None) -> AsyncIterator[str]:
+    """The LLM server's events (a request in flight for ``heap_trim``); a client that
+    goes away cancels the call, which aborts the request and frees its cache. A failure
+    past the status line ends the stream with an error event and ``[DONE]``: a replica
+    that died mid-stream with ``replica_lost``, anything else with a generic error (the
+    details go to the log)."""
+    with serving(heap_trim):
+        try:
+            yield first
+            async for event in events:
+                yield event
+        except RayActorError:
+            logger.exception("request %s: the LLM server replica of a stream died", request_id)
+            yield sse(replica_lost(request_id).body())
+            yield SSE_DONE
+        except Exception:  # noqa: BLE001 - the client gets the generic error, the log the details
+            logger.exception("request %s failed while streaming", request_id)
+            yield sse(internal_error(request_id).body())
+            yield SSE_DONE
+        finally:
+            events.cancel()
 
 
 @serve.deployment
@@ -178,6 +182,8 @@ class OpenAIIngress:
         self.options = options
         self._grpc: grpc.aio.Server | None = None
         self._grpc_address: str | None = None
+        self._heap_trim = idle_heap_trim(options.heap_trim_idle_s, name="dsv41-ingress-heap-trim")
+        self._memory_probe = probe_for(options.memory_probe)
         if options.grpc_port is not None:
             servicer = GenerateServicer(llm, options.api_key)
             self._grpc, port = await start_generate_server(
@@ -186,6 +192,8 @@ class OpenAIIngress:
             self._grpc_address = f"{options.grpc_host}:{port}"
 
     async def __del__(self) -> None:
+        if self._heap_trim is not None:
+            self._heap_trim.close()
         if self._grpc is not None:
             await self._grpc.stop(grace=STOP_GRACE_S)
         # Serve's ASGI wrapper (next in the deployment class's bases) ends the app's lifespan.
@@ -194,6 +202,11 @@ class OpenAIIngress:
     def grpc_address(self) -> str | None:
         """``host:port`` the gRPC listener bound (None: no gRPC)."""
         return self._grpc_address
+
+    async def memory_report(self, trim: bool = False) -> dict[str, Any]:
+        """This replica's memory (``deploy.memory_probe``), for a handle's caller only
+        (no route); refused unless the application was built with ``memory_probe``."""
+        return read_probe(self._memory_probe, trim=trim)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -265,6 +278,10 @@ class OpenAIIngress:
         return bearer_matches(request.headers.get("authorization"), key)
 
     async def _answer(self, request: Request, method: str, stream_method: str | None = None) -> Response:
+        with serving(self._heap_trim):
+            return await self._respond(request, method, stream_method)
+
+    async def _respond(self, request: Request, method: str, stream_method: str | None) -> Response:
         request_id = _request_id(request)
         try:
             if not self._authorized(request):
@@ -278,7 +295,8 @@ class OpenAIIngress:
                 first = await anext(events)
                 if isinstance(first, OpenAIError):
                     return _error_response(first)
-                return StreamingResponse(_forward(first, events, request_id), media_type="text/event-stream")
+                stream = _forward(first, events, request_id, self._heap_trim)
+                return StreamingResponse(stream, media_type="text/event-stream")
             result = await getattr(self.llm, method).remote(body, request_id)
         except OpenAIError as error:
             return _error_response(error)

@@ -15,9 +15,11 @@ Must not import at module level: ``torch`` or ``actors``. Must not be imported b
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from dsv41.cluster.options import engine_options
+from dsv41.deploy.heap import DEFAULT_HEAP_TRIM_IDLE_S
+from dsv41.deploy.memory_probe import ProbeOptions
 from dsv41.deploy.metrics import DEFAULT_METRICS_PREFIX
 from dsv41.deploy.openai_api import RequestLimits
 from dsv41.deploy.ray_metrics import check_metrics_options
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from dsv41.actors.group import GroupOptions
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BACKENDS = ("local", "ray")
 EXPERT_MODES = ("ep", "tp")
@@ -69,6 +73,13 @@ class AppArgs:
     ``RequestLimits`` fields. ``grpc_port``: where the ingress serves
     ``dsv41.GenerateService`` (None: no gRPC), on ``grpc_host`` (loopback by default).
     ``metrics_prefix``, ``ray_metrics``: the metrics' names and Ray export (deploy/ray_metrics.py).
+    ``heap_trim_idle_s``: each ingress and LLM server replica returns its C heap's free
+    pages to the OS (``malloc_trim(0)``) once it has had no request in flight for this
+    many seconds after serving (deploy/heap.py); None: never.
+    ``memory_probe`` (a diagnostic, off by default): ``deploy.memory_probe.ProbeOptions``
+    fields; when set (``{}`` for the defaults), each ingress and LLM server replica
+    answers ``memory_report`` through its deployment handle (no HTTP route): what its
+    process's memory is, Python's and the allocator's (bench/soak.py reads it).
     """
 
     model: str | None = None
@@ -96,6 +107,8 @@ class AppArgs:
     grpc_port: int | None = None
     metrics_prefix: str = DEFAULT_METRICS_PREFIX
     ray_metrics: bool = True
+    heap_trim_idle_s: float | None = DEFAULT_HEAP_TRIM_IDLE_S
+    memory_probe: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -134,9 +147,10 @@ class AppArgs:
             if not isinstance(getattr(self, name), Mapping):
                 raise ValueError(f"{name}: {getattr(self, name)!r} (allowed: Ray actor options)")
         for name in ("health_check_period_s", "health_check_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}: {value!r} (allowed: a positive number of seconds)")
+            if not _is_seconds(getattr(self, name)):
+                raise ValueError(f"{name}: {getattr(self, name)!r} (allowed: a positive number of seconds)")
+        if self.heap_trim_idle_s is not None and not _is_seconds(self.heap_trim_idle_s):
+            raise ValueError(f"heap_trim_idle_s: {self.heap_trim_idle_s!r} (allowed: a positive number of seconds, or null for never)")
         if not isinstance(self.group, Mapping):
             raise ValueError(f"group: {self.group!r} (allowed: a mapping of GroupOptions fields)")
         if self.group and self.backend != "ray":
@@ -161,6 +175,10 @@ class AppArgs:
         if self.grpc_port is not None and not (isinstance(self.grpc_port, int) and 0 <= self.grpc_port <= 65535):
             raise ValueError(f"grpc_port: {self.grpc_port!r} (allowed: a port 0..65535, 0 for any free one, or null)")
         check_metrics_options(self.metrics_prefix, self.ray_metrics)
+        if self.memory_probe is not None:
+            if not isinstance(self.memory_probe, Mapping):
+                raise ValueError(f"memory_probe: {self.memory_probe!r} (allowed: a mapping of ProbeOptions fields, or null)")
+            self.probe_options()
         # Refuse bad engine options here, before Serve starts a replica that would die on them.
         options = engine_options(self.engine_options())
         if options.speculative_method is not None and self.backend != "local":
@@ -171,11 +189,7 @@ class AppArgs:
 
     @classmethod
     def from_dict(cls, args: Mapping[str, Any]) -> "AppArgs":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise ValueError(f"args: unknown {unknown} (allowed: {sorted(known)})")
-        return cls(**args)
+        return _declared(cls, args, "args")
 
     @property
     def model_name(self) -> str:
@@ -195,16 +209,17 @@ class AppArgs:
         """``group`` as ``actors.group.GroupOptions``."""
         from dsv41.actors.group import GroupOptions
 
-        unknown = sorted(set(self.group) - set(GroupOptions.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"group: unknown {unknown} (allowed: {sorted(GroupOptions.__dataclass_fields__)})")
-        return GroupOptions(**self.group)
+        return _declared(GroupOptions, self.group, "group")
 
     def model_dir(self) -> Path:
         return Path(self.model) if self.model is not None else embedded_model_dir()
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits.from_dict(self.limits)
+
+    def probe_options(self) -> ProbeOptions | None:
+        """``memory_probe`` as ``deploy.memory_probe.ProbeOptions`` (None: off)."""
+        return None if self.memory_probe is None else _declared(ProbeOptions, self.memory_probe, "memory_probe")
 
     def ingress_options(self) -> "IngressOptions":
         return IngressOptions(
@@ -213,22 +228,40 @@ class AppArgs:
             limits=self.request_limits(),
             grpc_host=self.grpc_host,
             grpc_port=self.grpc_port,
+            heap_trim_idle_s=self.heap_trim_idle_s,
+            memory_probe=self.probe_options(),
         )
 
 
 @dataclass(frozen=True)
 class IngressOptions:
-    """What the ingress accepts and where it listens for gRPC (AppArgs' fields)."""
+    """What the ingress accepts, where it listens for gRPC, when it trims its heap and
+    whether it answers ``memory_report`` (AppArgs' fields)."""
 
     api_key: str | None = field(default=None, repr=False)
     public_routes: tuple[str, ...] = OPEN_ROUTES
     limits: RequestLimits = RequestLimits()
     grpc_host: str = LOOPBACK_HOST
     grpc_port: int | None = None
+    heap_trim_idle_s: float | None = DEFAULT_HEAP_TRIM_IDLE_S
+    memory_probe: ProbeOptions | None = None
+
+
+def _declared(declaration: type[T], values: Mapping[str, Any], name: str) -> T:
+    """``declaration(**values)``, a key it does not declare refused naming ``name``."""
+    known = sorted(declaration.__dataclass_fields__)  # type: ignore[attr-defined]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{name}: unknown {unknown} (allowed: {known})")
+    return declaration(**values)
 
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _replica_bundle(ray_actor_options: Mapping[str, Any]) -> dict[str, float]:

@@ -38,6 +38,8 @@ from dsv41.deploy.app_args import AppArgs, _replica_bundle
 from dsv41.deploy.async_engine import AsyncEngine, EngineDeadError, parent_request_id
 from dsv41.deploy.chat_parser import OUTPUT_MARKERS
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
+from dsv41.deploy.heap import idle_heap_trim, serving
+from dsv41.deploy.memory_probe import probe_for, read_probe
 from dsv41.deploy.openai_api import ChatCompletionRequest, CompletionRequest
 from dsv41.deploy.openai_errors import REFUSALS, OpenAIError, bad_request, error_for, model_not_found
 from dsv41.deploy.openai_responses import (
@@ -182,6 +184,8 @@ class LLMServer:
             eos_token_id=config.eos_token_id,
             pad_token_id=config.pad_token_id,
         )
+        self._heap_trim = idle_heap_trim(args.heap_trim_idle_s, name="dsv41-llm-server-heap-trim")
+        self._memory_probe = probe_for(args.probe_options())
 
     # -- Serve hooks ------------------------------------------------------------------
 
@@ -200,7 +204,10 @@ class LLMServer:
                 raise EngineDeadError("the engine group cannot serve") from exc
 
     def __del__(self) -> None:
-        """Serve's shutdown hook: stops the step loop, then the engine group."""
+        """Serve's shutdown hook: stops the heap trimmer and the step loop, then the engine group."""
+        heap_trim = getattr(self, "_heap_trim", None)
+        if heap_trim is not None:
+            heap_trim.close()
         engine = getattr(self, "engine", None)
         try:
             if engine is not None:
@@ -221,6 +228,11 @@ class LLMServer:
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
+
+    async def memory_report(self, trim: bool = False) -> dict[str, Any]:
+        """This replica's memory (``deploy.memory_probe``); refused unless the
+        application was built with ``memory_probe``."""
+        return read_probe(self._memory_probe, trim=trim)
 
     def tokenize(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any] | OpenAIError:
         return self._tokenizer_answer(self.tokenizer_endpoints.tokenize, body, request_id)
@@ -380,9 +392,10 @@ class LLMServer:
         streams = [self.engine.generate(f"{request_id}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
 
         async def indexed() -> AsyncGenerator[tuple[int, RequestOutput], None]:
-            async with aclosing(_merged(streams)) as merged:
-                async for prompt_index, output in merged:
-                    yield prompt_index * params.n + _sample_index(output), output
+            with serving(self._heap_trim):
+                async with aclosing(_merged(streams)) as merged:
+                    async for prompt_index, output in merged:
+                        yield prompt_index * params.n + _sample_index(output), output
 
         return indexed()
 

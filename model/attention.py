@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.model.formats import round_fp8
-from dsv41.model.linalg import grouped_linear, linear, softmax
+from dsv41.model.linalg import batched_matmul, grouped_linear, linear, softmax
 from dsv41.model.norm import rms_norm
 from dsv41.model.rope import Rope
 
@@ -64,11 +64,11 @@ def sparse_attention(
     Returns [T, H, D] in q's dtype.
     """
     kf = keys.float()
-    logits = torch.einsum("thd,tkd->thk", q.float(), kf) * softmax_scale
+    logits = batched_matmul(q.float(), kf) * softmax_scale  # [T, H, K]: each row's heads . its keys
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
     sink_logits = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
     probs = softmax(torch.cat((logits, sink_logits), dim=-1))[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, kf).to(q.dtype)
+    return batched_matmul(probs, kf.transpose(1, 2)).to(q.dtype)  # [T, H, D]: probs x values
 
 
 def output_projection(

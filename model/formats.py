@@ -23,6 +23,8 @@ import from ``model/``), ray, triton.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_E4M3_MAX = 448.0
@@ -83,15 +85,13 @@ def pow2_scale(amax: torch.Tensor, grid_max: float, floor: float) -> torch.Tenso
 # -- E8M0 ---------------------------------------------------------------------------
 
 
-def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
-    """A power-of-two float scale as its biased exponent byte."""
-    exponent = torch.log2(scale.float())
-    if not torch.equal(exponent, torch.round(exponent)):
-        raise FormatError("e8m0_encode: scale is not a power of two")
-    biased = exponent + E8M0_BIAS
-    if biased.numel() and (biased.min() < 0 or biased.max() > 254):
-        raise FormatError("e8m0_encode: scale outside E8M0's range 2^-127..2^127")
-    return biased.to(torch.uint8)
+def pow2_scale_byte(scale: torch.Tensor) -> torch.Tensor:
+    """The E8M0 byte of each scale ``pow2_scale`` made: a normal float32 power of two,
+    whose biased exponent field is its E8M0 code (both biased by 127). Unlike
+    a log2 of the scale, this needs no check that it is a power of two, so nothing
+    waits on the device (a forward captured as a CUDA graph quantises through here).
+    A float32 2^-127 is subnormal, with exponent field 0: E8M0's code for it."""
+    return ((scale.float().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
 
 
 def e8m0_decode(code: torch.Tensor) -> torch.Tensor:
@@ -131,7 +131,7 @@ def quantize_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
     xb = _blocks(padded, block, "quantize_fp8")
     scale = pow2_scale(xb.abs().amax(-1, keepdim=True), FP8_E4M3_MAX, FP8_AMAX_FLOOR)
     values = _to_e4m3(xb / scale).view(torch.uint8).reshape(padded.shape)[..., :width]
-    return values, e8m0_encode(scale.squeeze(-1))
+    return values, pow2_scale_byte(scale.squeeze(-1))
 
 
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -154,19 +154,26 @@ def round_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
 # -- E2M1 (FP4) codes ---------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A constant float32 table on ``device``, made once per device: a forward
+    captured as a CUDA graph cannot copy one from the host."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 code (ties to even, saturating at 6) of each value, uint8 in 0..15."""
     a = x.float().abs()
-    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
+    mids = _table(_E2M1_MIDPOINTS, x.device)
     code = torch.bucketize(a, mids, right=False)
-    ties_up = torch.tensor(_E2M1_TIES_UP, dtype=torch.float32, device=x.device)
+    ties_up = _table(_E2M1_TIES_UP, x.device)
     code = code + torch.isin(a, ties_up).to(code.dtype)
     sign = (x.float() < 0) & (code > 0)
     return (code | (sign.to(code.dtype) << 3)).to(torch.uint8)
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=code.device)
+    grid = _table(E2M1_GRID, code.device)
     c = code.to(torch.int64)
     magnitude = grid[c & 7]
     return torch.where((c & 8) != 0, -magnitude, magnitude)
@@ -194,7 +201,7 @@ def quantize_mxfp4(x: torch.Tensor, block: int = MXFP4_BLOCK) -> tuple[torch.Ten
     xb = _blocks(x, block, "quantize_mxfp4")
     scale = pow2_scale(xb.abs().amax(-1, keepdim=True), E2M1_MAX, MXFP4_AMAX_FLOOR)
     codes = e2m1_encode(xb / scale).reshape(x.shape)
-    return pack_nibbles(codes), e8m0_encode(scale.squeeze(-1))
+    return pack_nibbles(codes), pow2_scale_byte(scale.squeeze(-1))
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, block: int = MXFP4_BLOCK) -> torch.Tensor:
@@ -248,7 +255,7 @@ def quantize_fp8_weight(w: torch.Tensor, block: int = WEIGHT_BLOCK) -> tuple[tor
     tiles = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
     scale = pow2_scale(tiles.abs().amax(dim=(1, 3), keepdim=True), FP8_E4M3_MAX, FP8_AMAX_FLOOR)
     values = _to_e4m3(tiles / scale).reshape(padded.shape)[:rows, :cols]
-    return values, e8m0_encode(scale.reshape(scale.shape[0], scale.shape[2]))
+    return values, pow2_scale_byte(scale.reshape(scale.shape[0], scale.shape[2]))
 
 
 def dequantize_fp8_weight(values: torch.Tensor, scales: torch.Tensor, block: int = WEIGHT_BLOCK) -> torch.Tensor:

@@ -61,20 +61,20 @@ def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     return torch.div(positions + 1, ratio, rounding_mode="floor")
 
 
-def candidate_mask(
-    scores: torch.Tensor, entry_ids: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int
-) -> torch.Tensor:
+def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int) -> torch.Tensor:
     """Which scored entries are candidates of the candidate source.
 
-    scores [T, K] with -inf where invisible; entry_ids [T, K] (or [K]) the entry index
-    of each column. Block score = max over its visible entries; the newest visible
-    block is forced in; the top ``topk_blocks`` blocks are kept (ties: smaller block).
-    """
-    ids = entry_ids.expand_as(scores)
-    if ids.numel() == 0:
+    scores [T, K] over entries 0..K-1, with -inf where invisible. Block score = max
+    over its visible entries; the newest visible block is forced in; the top
+    ``topk_blocks`` blocks are kept (ties: smaller block). The block count follows
+    from K alone, so nothing here waits on the device (a captured decode graph holds
+    this too)."""
+    if scores.numel() == 0:
         return torch.zeros_like(scores, dtype=torch.bool)
-    num_blocks = int(ids.max().item()) // block_size + 1
-    block_of = torch.div(ids.clamp_min(0), block_size, rounding_mode="floor")
+    entries = scores.shape[1]
+    num_blocks = (entries - 1) // block_size + 1
+    ids = torch.arange(entries, device=scores.device).expand_as(scores)
+    block_of = torch.div(ids, block_size, rounding_mode="floor")
     block_scores = torch.full((scores.shape[0], num_blocks), float("-inf"), dtype=torch.float32, device=scores.device)
     block_scores = block_scores.scatter_reduce(1, block_of, scores.float(), reduce="amax", include_self=True)
     newest = torch.div(visible - 1, block_size, rounding_mode="floor").clamp_min(0)
@@ -124,9 +124,7 @@ class SelectionState:
         entry_ids = torch.arange(scores.shape[1], device=scores.device)
         scores = scores.masked_fill(entry_ids.unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
         if topology.is_candidate_source:
-            self.candidates = candidate_mask(
-                scores, entry_ids, visible, config.candidate_block_size, config.candidate_topk_blocks
-            )
+            self.candidates = candidate_mask(scores, visible, config.candidate_block_size, config.candidate_topk_blocks)
         if topology.uses_candidates:
             if self.candidates is None:
                 raise RuntimeError(f"layer {topology.layer_id}: Reindex layer before the candidate source")

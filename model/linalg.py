@@ -2,8 +2,9 @@
 
 Owns every operation of the arithmetic whose result for one row could depend on the
 other rows of the call: the dense projections (``linear``, ``grouped_linear``), the
-per-row reductions (``row_sum``, ``row_mean``, ``softmax``) and the index scorer's
-dot products (``tiled_dots``). Outside the mode they are the plain torch calls. In the
+per-row reductions (``row_sum``, ``row_mean``, ``softmax``), each row's products with
+its own keys (``batched_matmul``: the attention's two products) and the index
+scorer's dot products (``tiled_dots``). Outside the mode they are the plain torch calls. In the
 batch-invariant mode (``batch_invariant(True)``, entered by a forward for its whole
 duration) each computes a row in an order fixed by the row alone:
 
@@ -16,11 +17,17 @@ duration) each computes a row in an order fixed by the row alone:
 - dot products against a varying set of keys go through GEMMs of one shape,
   ``KEY_TILE`` keys each, so a key's dot product does not depend on how many keys
   share the call;
-- on a CUDA device the projections run a fixed-tile Triton GEMM (no split over K, no
-  autotuning: model/kernels/triton/gemm.py) and the row reductions a one-program-per-row
-  Triton reduction, because cuBLAS and torch's CUDA reductions choose their splits
-  from the problem size. The Triton backend registers both here when it is imported
-  (``register_gpu_kernels``): the kernels sit above this module, never below it.
+- a batch of per-row products (a row's attention heads against its own keys, then its
+  probabilities against them) goes through one batched GEMM of at least two items, so
+  ATen never hands it to the plain GEMM;
+- on a CUDA device the projections and the per-row products run a fixed-tile Triton
+  GEMM (no split over K, no autotuning, each batch item its own programs:
+  model/kernels/triton/gemm.py) and the row reductions a one-program-per-row Triton
+  reduction, because cuBLAS and torch's CUDA reductions choose their algorithm and
+  splits from the problem size (a batched GEMM's from its batch count too). The Triton
+  backend registers both here when it is imported (``register_gpu_kernels``; an
+  engine in the mode on a GPU imports it whatever its kernels backend): the kernels
+  sit above this module, never below it.
 
 Elementwise arithmetic is batch-invariant but for one thing: on the CPU, ATen runs
 an elementwise op over whole vector steps and the last few elements of the tensor
@@ -64,8 +71,9 @@ _mode = threading.local()
 @dataclass(frozen=True)
 class GpuKernels:
     """The batch-invariant mode's GPU implementations: ``matmul(a [M, K], b [N, K])`` ->
-    a @ b.T with one tile walk per output tile, ``row_sum(x [..., C])`` -> [...] fp32
-    with one order per row."""
+    a @ b.T, or ``matmul(a [B, M, K], b [B, N, K])`` -> each item's a[i] @ b[i].T, with
+    one tile walk per output tile; ``row_sum(x [..., C])`` -> [...] fp32 with one order
+    per row."""
 
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     row_sum: Callable[[torch.Tensor], torch.Tensor]
@@ -84,7 +92,8 @@ def _gpu() -> GpuKernels:
     if _gpu_kernels is None:
         raise RuntimeError(
             "the batch-invariant mode on a GPU runs the Triton backend's GEMM and row reduction, and none is "
-            "registered: load kernel_backend 'triton' (model.kernels.load_kernels) first"
+            "registered: call model.kernels.register_batch_invariant_kernels(device) first (an engine in the "
+            "mode does)"
         )
     return _gpu_kernels
 
@@ -161,6 +170,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, weight.shape[0])
 
 
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each batch item's own product ``a[i] @ b[i].T``: a [B, M, K], b [B, N, K] (any
+    strides: ``values.transpose(1, 2)`` multiplies by the values) -> [B, M, N] in a's
+    dtype. In the batch-invariant mode an item's product does not depend on B or on
+    the item's place in the batch."""
+    if not batch_invariant_enabled():
+        return torch.bmm(a, b.transpose(1, 2))
+    if a.is_cuda:
+        return _gpu().matmul(a, b)
+    return _tiled_bmm(a, b.transpose(1, 2))
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Group g of every row through its own projection: x [T, G, I], weight [G, O, I]
     -> [T, G, O]."""
@@ -196,8 +217,8 @@ def _tile_dots(q: torch.Tensor, keys: torch.Tensor, tiles: int) -> torch.Tensor:
     padded = keys.new_zeros(rows, tiles * KEY_TILE, dim)
     padded[:, :count] = keys
     per_tile_q = q.unsqueeze(1).expand(rows, tiles, heads, dim).reshape(rows * tiles, heads, dim)
-    per_tile_keys = padded.view(rows * tiles, KEY_TILE, dim).transpose(1, 2)
-    dots = _tiled_bmm(per_tile_q, per_tile_keys).view(rows, tiles, heads, KEY_TILE)
+    per_tile_keys = padded.view(rows * tiles, KEY_TILE, dim)
+    dots = batched_matmul(per_tile_q, per_tile_keys).view(rows, tiles, heads, KEY_TILE)
     return dots.permute(0, 2, 1, 3).reshape(rows, heads, tiles * KEY_TILE)[:, :, :count]
 
 

@@ -10,14 +10,16 @@ and its microbatches yield at the same points, so every rank issues the same
 collectives in the same order. Also owns ``EngramRows``: each Engram layer's table
 rows for a step's rows, looked up once on the host and handed to every forward that
 reads them (the one forward of a step, or both microbatches of a split one: the
-lookup they share).
+lookup they share), and ``StagedEngramRows``, rows looked up before the forward and
+already on its device (a graph-replayed decode step's: a captured graph holds no host
+work).
 
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Generator, Sequence, TypeVar
+from typing import Callable, Generator, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -32,6 +34,14 @@ Steps = Generator[None, None, T]
 # The MoE of one layer for a microbatch's rows, yielding while its collectives run
 # (cluster/distributed.DPExpertExchange.microbatch gives one per microbatch).
 MoESteps = Callable[[LayerParams, torch.Tensor], Steps[torch.Tensor]]
+
+
+class EngramSource(Protocol):
+    """Where a forward reads each Engram layer's table rows for its rows."""
+
+    def embeddings(self, layer: LayerParams, rows: torch.Tensor) -> torch.Tensor:
+        """The table rows [len(rows), input_dim] of ``rows`` (step rows) at Engram ``layer``."""
+        ...
 
 
 def run_steps(steps: Steps[T]) -> T:
@@ -117,3 +127,23 @@ class EngramRows:
         else:
             self._looked_up[layer_id] = (table, where, taken + 1)
         return table[at]
+
+
+class StagedEngramRows:
+    """Each Engram layer's table rows of every row of a step, looked up before the
+    forward and staged on its device (``rows`` [R, input_dim] per layer id), for a
+    forward whose every row runs every layer."""
+
+    def __init__(self, rows: Mapping[int, torch.Tensor]) -> None:
+        self.rows = rows
+
+    def embeddings(self, layer: LayerParams, rows: torch.Tensor) -> torch.Tensor:
+        staged = self.rows.get(layer.layer_id)
+        if staged is None:
+            raise RuntimeError(f"layer {layer.layer_id}: no staged Engram rows (staged: {sorted(self.rows)})")
+        if rows.numel() != staged.shape[0]:
+            raise RuntimeError(
+                f"layer {layer.layer_id}: {rows.numel()} rows asked for, {staged.shape[0]} staged "
+                "(staged rows serve a forward whose every row runs every layer)"
+            )
+        return staged

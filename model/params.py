@@ -101,9 +101,10 @@ class ModelParams:
     dspark: DSparkParams | None = None  # None: the checkpoint ships no mtp.* tensors
 
     def to(self, device: torch.device | str) -> "ModelParams":
-        """The same weights on ``device``; Engram tables, their hashing and the token
-        map stay on the host, where the Engram lookup runs."""
-        moved = move_tensors(self, device, keep=(EngramTable, EngramHashing, Rope, V41Config))
+        """The same weights on ``device``, RoPE frequencies included (a captured decode
+        graph reads them in place); Engram tables, their hashing and the token map stay
+        on the host, where the Engram lookup runs."""
+        moved = move_tensors(self, device, keep=(EngramTable, EngramHashing, V41Config))
         return dataclasses.replace(moved, token_map=self.token_map)
 
     @classmethod

@@ -45,7 +45,7 @@ from dsv41.model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.linalg import batch_invariant, linear
 from dsv41.model.mhc import expand, final_hidden, first_pre, open_site, run_site, site_input
-from dsv41.model.microbatch import EngramRows, MoESteps, Steps, interleave, run_steps
+from dsv41.model.microbatch import EngramRows, EngramSource, MoESteps, StagedEngramRows, Steps, interleave, run_steps
 from dsv41.model.moe import ExpertWeights, Routing, combine_slots, expert_ffn, route
 from dsv41.model.params import LayerParams, ModelParams
 
@@ -287,6 +287,28 @@ class PagedRuntime:
             )
             return run_steps(steps)
 
+    def lookup_engram(self, engram_ngrams: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every Engram layer's table rows [R, input_dim] (fp32, host) of a step's rows
+        from their n-grams [R, max_ngram] (host): what ``forward_staged`` reads once
+        moved to the device."""
+        rows = torch.arange(engram_ngrams.shape[0])
+        lookup = EngramRows(self.params.engram_hashing, engram_ngrams, self.config.topology.decoder_start)
+        return {layer.layer_id: lookup.embeddings(layer, rows) for layer in self.params.layers if layer.engram is not None}
+
+    @torch.no_grad()
+    def forward_staged(
+        self, token_ids: torch.Tensor, engram: StagedEngramRows, plan: StepPlan, store: PagedStore
+    ) -> torch.Tensor:
+        """The logits [R, vocab] of every row of a step whose every row runs every
+        layer, its Engram rows already on the device (``lookup_engram``, moved): the
+        forward a decode graph captures, with no host work and no host sync. In the
+        batch-invariant mode each row's logits are ``forward``'s bits for that row."""
+        rows = token_ids.numel()
+        logit_rows = torch.arange(rows, device=token_ids.device)
+        with batch_invariant(self.batch_invariant):
+            steps = self._steps(token_ids, engram, torch.arange(rows), plan, store, logit_rows, None, None)
+            return run_steps(steps).logits
+
     @torch.no_grad()
     def forward_microbatches(
         self, microbatches: Sequence[Microbatch], engram_ngrams: torch.Tensor, store: PagedStore
@@ -366,7 +388,7 @@ class PagedRuntime:
     def _steps(
         self,
         token_ids: torch.Tensor,
-        engram: EngramRows,
+        engram: EngramSource,
         engram_rows: torch.Tensor,
         plan: StepPlan,
         store: PagedStore,

@@ -10,7 +10,8 @@ every top-k selection equal the dense forward's exactly, on whatever CPU runs th
 suite (tests/cluster/test_isa_parity.py reruns the first test under each instruction
 set the CPU has). Every cache format stores the model's rounded values exactly, so the
 fp4 main pool and the fp4 index plane are compared with the same reference; the other
-formats, dtypes and checkpoints run the two ragged chunkings.
+formats, dtypes and checkpoints run the two ragged chunkings. At V4.1-Flash's attention
+widths (512-dim heads, window 128, the Flash indexer) the equality is just as exact.
 """
 
 from __future__ import annotations
@@ -22,12 +23,39 @@ import pytest
 import torch
 
 from dsv41.cluster.engine import Engine
+from dsv41.cluster.options import EngineOptions
 from dsv41.cluster.sampling_params import SamplingParams
+from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
+from dsv41.model.linalg import KEY_TILE
+from dsv41.model.params import ModelParams
 from dsv41.model.reference import ReferenceModel
+from dsv41.model.reference_slice import SliceModel, SliceSpec, load_slice
 from dsv41.model.tiny import TINY, make_tiny
 
 EVERY_CHUNKING = ((1,), (2,), (3,), (5,), (16,), (3, 1, 29, 7), (3, 1, 129, 7, 128), None)
 RAGGED = ((3, 1, 29, 7), (3, 1, 129, 7, 128))
+# V4.1-Flash's attention at its own widths (64 heads of 512 dims with 64 RoPE channels,
+# q/o LoRA ranks 1280/1024 in 8 output groups, window 128, 32 index heads of 128 dims)
+# on a ratio-2 owner and a ratio-1 owner; the rest small enough for CI: hidden 1024, 4
+# experts of 64 channels, a 512-token vocabulary, index_topk 32 (so a selection chooses).
+FLASH_ATTENTION = SliceSpec(
+    name="flash-attention-two-layers",
+    num_hidden_layers=2,
+    compress_ratios=(2, 1),
+    kv_source_layer_ids=(0, 1),
+    index_source_layer_ids=(0, 1),
+    candidate_source_layer_id=1,
+    engram_layer_ids=(0,),
+    engram_vocab_size=1009,
+    n_routed_experts=4,
+    widths=(
+        ("vocab_size", 512),
+        ("hidden_size", 1024),
+        ("moe_intermediate_size", 64),
+        ("num_experts_per_tok", 2),
+        ("index_topk", 32),
+    ),
+)
 
 
 def _prompt(vocab: int, length: int, seed: int) -> list[int]:
@@ -93,6 +121,22 @@ def test_parity_holds_in_bfloat16(tiny_dir: Path) -> None:
         tiny_dir, dtype=torch.bfloat16, block_size=32, enable_prefix_caching=False, max_num_seqs=4
     )
     _assert_parity(engine, _prompt(engine.config.vocab_size, 150, 10), RAGGED)
+
+
+def test_parity_holds_at_flash_attention_widths() -> None:
+    """At V4.1-Flash's attention widths a 160-token prompt fed in chunks 3, 1, 129, 7,
+    128 (odd ends split ratio-2 pairs across chunks, the 129-row chunk is wider than the
+    128-row ring, the scored entries pass KEY_TILE within a chunk) gives the dense
+    forward's logits and selections bit for bit, in fp32."""
+    model = SliceModel.build(FLASH_ATTENTION, V41Config.from_pretrained(FLASH_CONFIG_DIR, text_only=True))
+    params = ModelParams.from_checkpoint(load_slice(model, dtype=torch.float32))
+    config = params.config
+    assert (config.head_dim, config.num_attention_heads, config.sliding_window) == (512, 64, 128)
+    options = EngineOptions(block_size=32, state_transfer="copy", enable_prefix_caching=False, max_num_seqs=2, num_pages=16)
+    engine = Engine.from_params(params, model.tokenizer, options)
+    prompt = _prompt(config.vocab_size, 160, 13)
+    assert len(prompt) // 2 > 2 * KEY_TILE and len(prompt) > config.sliding_window
+    _assert_parity(engine, prompt, ((3, 1, 129, 7, 128),))
 
 
 def _logprob_trace(engine: Engine, prompts: dict[str, list[int]], want: str) -> list[dict[int, float]]:

@@ -1,14 +1,13 @@
-"""Autoscaling over HTTP: a live local Serve app of its own whose LLM server scales on
-ongoing requests between one and two replicas (each a whole local engine), on a 2-CPU
-Ray cluster started and shut down by this module. Every wait has a deadline."""
+"""Autoscaling over HTTP: a live local Serve app whose LLM server scales on ongoing
+requests between one and two replicas (each a whole local engine), the only application
+on the package's shared 2-CPU Ray cluster. Every wait has a deadline."""
 
 from __future__ import annotations
 
 import threading
 import time
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import openai
 import pytest
@@ -40,7 +39,7 @@ AUTOSCALING = {
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
+def base_url(tiny_dir: Path, serve_app: Callable[..., str]) -> str:
     args = {
         "model": str(tiny_dir),
         "served_model_name": "tiny",
@@ -49,8 +48,7 @@ def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[s
         "max_ongoing_requests": 8,
         "ray_actor_options": {"num_cpus": 1},
     }
-    with local_serve(args, name=APP_NAME) as url:
-        yield url
+    return serve_app(args, name=APP_NAME)
 
 
 def _replica_states() -> dict[str, int]:

@@ -1,21 +1,20 @@
 """The client helpers end to end: one live local Serve app on the tiny model (started
-once for the module; no proxy, every call goes through a DeploymentHandle), driven by
-``deploy.client``'s ``generate``, ``stream`` and the Ray Data ``complete_dataset``."""
+once for the module, on the package's shared cluster; every call goes through a
+DeploymentHandle, none through the HTTP proxy), driven by ``deploy.client``'s
+``generate``, ``stream`` and the Ray Data ``complete_dataset``."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import ray
 import ray.data
-from ray import serve
 from ray.serve.handle import DeploymentHandle
 from tokenizers import Tokenizer
 
-from dsv41.deploy.app import build_app
 from dsv41.deploy.client import complete_dataset, generate, llm_handle, stream
 from dsv41.deploy.openai_errors import OpenAIError
 
@@ -24,20 +23,16 @@ APP_NAME = "batch"
 
 
 @pytest.fixture(scope="module")
-def handle(tiny_dir: Path, worker_env: dict[str, dict[str, str]]) -> Iterator[DeploymentHandle]:
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env=worker_env)
-    serve.start(proxy_location="Disabled")
+def handle(tiny_dir: Path, serve_app: Callable[..., str]) -> DeploymentHandle:
     args = {
         "model": str(tiny_dir),
         "served_model_name": "tiny",
         "engine": {"block_size": 32, "max_model_len": 256, "cache_memory_bytes": 64 << 20},
         "ray_actor_options": {"num_cpus": 1},
     }
-    serve.run(build_app(args), name=APP_NAME, route_prefix=None)
+    serve_app(args, name=APP_NAME)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    yield llm_handle(APP_NAME)
-    serve.shutdown()
-    ray.shutdown()
+    return llm_handle(APP_NAME)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import concurrent.futures
 import json
 import socket
 import time
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -35,9 +34,7 @@ INTERNAL_TEXT = ("Ray", "Actor", "Traceback", "pid=", "\x1b[")
 
 
 @pytest.fixture(scope="module")
-def addresses(
-    tiny_dir: Path, free_port: Callable[[], int], local_serve: Callable[..., AbstractContextManager[str]]
-) -> Iterator[tuple[str, int]]:
+def addresses(tiny_dir: Path, free_port: Callable[[], int], serve_app: Callable[..., str]) -> tuple[str, int]:
     """(HTTP base URL, gRPC port) of the running app."""
     grpc_port = free_port()
     args = {
@@ -48,8 +45,7 @@ def addresses(
         "api_key": API_KEY,
         "public_routes": ["/health"],
     }
-    with local_serve(args, name=APP, grpc_port=grpc_port) as url:
-        yield url, grpc_port
+    return serve_app(args, name=APP, grpc_port=grpc_port), grpc_port
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 from ray import serve
@@ -108,9 +107,8 @@ def test_a_ray_replica_reserves_its_ranks_in_its_own_placement_group() -> None:
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
-    with local_serve({"model": str(tiny_dir), **APP_ARGS}, name=APP_NAME) as url:
-        yield url
+def base_url(tiny_dir: Path, serve_app: Callable[..., str]) -> str:
+    return serve_app({"model": str(tiny_dir), **APP_ARGS}, name=APP_NAME)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import urllib.request
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -32,9 +31,7 @@ MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="module")
-def addresses(
-    tiny_dir: Path, free_port: Callable[[], int], local_serve: Callable[..., AbstractContextManager[str]]
-) -> Iterator[tuple[str, str]]:
+def addresses(tiny_dir: Path, free_port: Callable[[], int], serve_app: Callable[..., str]) -> tuple[str, str]:
     """(HTTP base URL, gRPC address) of the running app."""
     grpc_port = free_port()
     args = {
@@ -43,8 +40,7 @@ def addresses(
         "engine": {"block_size": 32, "max_model_len": MAX_MODEL_LEN, "cache_memory_bytes": 64 << 20},
         "ray_actor_options": {"num_cpus": 1},
     }
-    with local_serve(args, name="grpc", grpc_port=grpc_port) as url:
-        yield url, f"127.0.0.1:{grpc_port}"
+    return serve_app(args, name="grpc", grpc_port=grpc_port), f"127.0.0.1:{grpc_port}"
 
 
 @pytest.fixture(scope="module")

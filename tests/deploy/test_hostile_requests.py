@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import requests
@@ -37,7 +36,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
+def base_url(tiny_dir: Path, serve_app: Callable[..., str]) -> str:
     args = {
         "model": str(tiny_dir),
         "served_model_name": "tiny",
@@ -50,8 +49,7 @@ def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[s
         "ray_actor_options": {"num_cpus": 1},
         "limits": LIMITS,
     }
-    with local_serve(args, name="hostile") as url:
-        yield url
+    return serve_app(args, name="hostile")
 
 
 def _send(base_url: str, path: str, body: Any, timeout: float = ANSWER_S) -> tuple[int, Any, float]:

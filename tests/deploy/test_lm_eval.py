@@ -8,9 +8,8 @@ with a local one (the checkpoint's tokenizer.json through transformers)."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Mapping
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from lm_eval.models.openai_completions import LocalCompletionsAPI
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.sampling_params import SamplingParams
 
-ENGINE_OPTIONS = {"block_size": 32, "max_model_len": 512, "cache_memory_bytes": 64 << 20}
 PAIRS = [("The quick brown", " fox jumps"), ("hello", " world, hello again"), ("a b c ", "d e f")]
 ROLLING = ["the lazy dog sleeps under the old tree while the fox runs"]
 CONTEXTS = ["Once upon a time", "hello world"]
@@ -28,15 +26,13 @@ MAX_GEN_TOKS = 8
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
-    args = {"model": str(tiny_dir), "served_model_name": "tiny", "engine": ENGINE_OPTIONS, "ray_actor_options": {"num_cpus": 1}}
-    with local_serve(args, name="lm-eval") as url:
-        yield url
+def base_url(tiny_app: str) -> str:
+    return tiny_app
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir: Path) -> Engine:
-    return Engine.from_pretrained(tiny_dir, **ENGINE_OPTIONS)
+def engine(tiny_dir: Path, tiny_app_engine: Mapping[str, Any]) -> Engine:
+    return Engine.from_pretrained(tiny_dir, **tiny_app_engine)
 
 
 def _client(base_url: str, **kwargs: Any) -> LocalCompletionsAPI:

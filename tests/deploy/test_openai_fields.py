@@ -10,9 +10,8 @@ from the tokenizer itself."""
 from __future__ import annotations
 
 import importlib.metadata
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Mapping
 
 import openai
 import pytest
@@ -24,17 +23,14 @@ from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.chat_parser import OUTPUT_MARKERS
 from dsv41.deploy.chat_protocol import PromptEncoder, render_pieces
 
-ENGINE_OPTIONS = {"block_size": 32, "max_model_len": 512, "cache_memory_bytes": 64 << 20}
 PROMPT = "hello world, the quick brown fox"
 # A sampled run long enough to hold special tokens and byte tokens that split a character.
 SAMPLED = {"temperature": 1.0, "seed": 5, "max_tokens": 96}
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
-    args = {"model": str(tiny_dir), "served_model_name": "tiny", "engine": ENGINE_OPTIONS, "ray_actor_options": {"num_cpus": 1}}
-    with local_serve(args, name="fields") as url:
-        yield url
+def base_url(tiny_app: str) -> str:
+    return tiny_app
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +39,8 @@ def client(base_url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir: Path) -> Engine:
-    return Engine.from_pretrained(tiny_dir, **ENGINE_OPTIONS)
+def engine(tiny_dir: Path, tiny_app_engine: Mapping[str, Any]) -> Engine:
+    return Engine.from_pretrained(tiny_dir, **tiny_app_engine)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +201,7 @@ def test_chat_skips_special_tokens_but_the_parsers_markers(
     assert any("\ufffd" in item.token and b"\xef\xbf\xbd" not in bytes(item.bytes) for item in items)
 
 
-def test_tokenize_and_detokenize_answer_as_vllm(base_url: str, tokenizer: Tokenizer) -> None:
+def test_tokenize_and_detokenize_answer_as_vllm(base_url: str, tokenizer: Tokenizer, tiny_app_engine: Mapping[str, Any]) -> None:
     """/tokenize of a prompt is the tokenizer's encoding (add_special_tokens as asked,
     token strings when asked), of messages the chat prompt's ids; /detokenize inverts
     it; both refuse what they cannot read with the OpenAI error shape."""
@@ -213,7 +209,7 @@ def test_tokenize_and_detokenize_answer_as_vllm(base_url: str, tokenizer: Tokeni
     ids = tokenizer.encode(PROMPT).ids
     assert answer == {
         "count": len(ids),
-        "max_model_len": ENGINE_OPTIONS["max_model_len"],
+        "max_model_len": tiny_app_engine["max_model_len"],
         "tokens": ids,
         "token_strs": [tokenizer.id_to_token(t) for t in ids],
     }

@@ -1,6 +1,6 @@
-"""Overload over HTTP: a live local Serve app of its own whose LLM server holds one
-request and queues one (``max_ongoing_requests`` 1, ``max_queued_requests`` 1), on a
-2-CPU Ray cluster started and shut down by this module. Every wait has a deadline, so a
+"""Overload over HTTP: a live local Serve app whose LLM server holds one request and
+queues one (``max_ongoing_requests`` 1, ``max_queued_requests`` 1), the only
+application on the package's shared 2-CPU Ray cluster. Every wait has a deadline, so a
 Serve app that cannot start or a request that never ends fails here, not by hanging."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from contextlib import AbstractContextManager
 from email.message import Message
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import openai
 import pytest
@@ -36,7 +35,7 @@ APP_FAIL_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
+def base_url(tiny_dir: Path, serve_app: Callable[..., str]) -> str:
     args = {
         "model": str(tiny_dir),
         "served_model_name": "tiny",
@@ -45,8 +44,7 @@ def base_url(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[s
         "max_queued_requests": 1,
         "ray_actor_options": {"num_cpus": LLM_SERVER_CPUS},
     }
-    with local_serve(args, name="overload") as url:
-        yield url
+    return serve_app(args, name="overload")
 
 
 def _request(url: str, body: dict[str, Any]) -> urllib.request.Request:
@@ -146,7 +144,7 @@ def test_an_app_the_cluster_cannot_place_fails_fast(base_url: str, tiny_dir: Pat
     """An LLM server asking for two CPUs while one is free cannot be placed:
     ``serve.run`` would wait forever, ``run_app`` raises AppStartTimeout after its
     timeout naming the pending deployment and leaving no thread of its own behind (one
-    still waiting would touch Ray after the module's ``ray.shutdown()``, which exits the
+    still waiting would touch Ray after the cluster's ``ray.shutdown()``, which exits the
     test process); withdrawn, it leaves the running app serving. (No graceful shutdown
     for the replica that never started: Serve would otherwise wait its default 20 s for
     it on withdrawal.)"""

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import AbstractContextManager
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jsonschema
 import openai
@@ -21,7 +19,6 @@ import pytest
 
 from dsv41.deploy.chat_protocol import THINK_END
 
-MAX_MODEL_LEN = 2048  # room for a prompt that declares tools
 THINK_END_ID = 7  # the tiny tokenizer's </think>
 SCHEMA = {
     "type": "object",
@@ -50,15 +47,8 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris, as JSON?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_dir: Path, local_serve: Callable[..., AbstractContextManager[str]]) -> Iterator[openai.OpenAI]:
-    args = {
-        "model": str(tiny_dir),
-        "served_model_name": "tiny",
-        "engine": {"block_size": 32, "max_model_len": MAX_MODEL_LEN, "cache_memory_bytes": 64 << 20},
-        "ray_actor_options": {"num_cpus": 1},
-    }
-    with local_serve(args, name="structured") as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+def client(tiny_app: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_app}/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def _chat(client: openai.OpenAI, **kwargs: Any) -> Any:

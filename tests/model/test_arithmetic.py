@@ -163,7 +163,7 @@ def test_candidate_blocks_keep_top_blocks_and_force_the_newest() -> None:
     scores = torch.randn(tokens, entries, generator=g)
     visible = torch.randint(1, entries + 1, (tokens,), generator=g)
     scores = scores.masked_fill(torch.arange(entries) >= visible.unsqueeze(1), float("-inf"))
-    got = candidate_mask(scores, torch.arange(entries), visible, block, keep)
+    got = candidate_mask(scores, visible, block, keep)
     for t in range(tokens):
         v = int(visible[t])
         nblocks = (v + block - 1) // block

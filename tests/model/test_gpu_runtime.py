@@ -61,23 +61,61 @@ def test_triton_on_gpu_matches_torch_and_the_reference(tiny_dir: Path, kv: str, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fixed_tile_gemm_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> None:
-    """The batch-invariant GEMM on the GPU: a row of a call of any size, at any
-    position, equals that row projected alone; the product is the matmul's to the
+    """The batch-invariant GEMM on the GPU (K cut into splits, rows beyond one launch's
+    SPLIT_ROWS): a row of a call of any size, at any position, equals that row
+    projected alone; the product is the matmul's to the
     dtype's rounding (bf16 inputs; fp32: rounding of a sum of K = 4096 products, about
     sqrt(K) * 2**-24 = 4e-6 relative; 1.15e-6 measured on an H200, 2026-12-02)."""
-    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul, plan_k_splits
 
     g = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(1000, 4096, generator=g, device="cuda").to(dtype)
-    rows = torch.randn(300, 4096, generator=g, device="cuda").to(dtype)
+    rows = torch.randn(1100, 4096, generator=g, device="cuda").to(dtype)
+    assert plan_k_splits(1000, 4096, dtype, 264) > 1, "K is cut into splits here"
     alone = torch.cat([fixed_tile_matmul(rows[i : i + 1], weight) for i in range(40)])
-    for count, start in ((1, 0), (3, 0), (40, 0), (299, 1), (300, 0)):
+    # 1,100 rows: more than one launch's SPLIT_ROWS.
+    for count, start in ((1, 0), (3, 0), (40, 0), (299, 1), (1100, 0)):
         got = fixed_tile_matmul(rows[start : start + count], weight)
         keep = min(count, 40 - start)
         assert torch.equal(got[:keep], alone[start : start + keep]), (count, start)
     want = rows.double() @ weight.double().t()
     error = float((fixed_tile_matmul(rows, weight).double() - want).norm() / want.norm())
     assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_batched_fixed_tile_gemm_items_do_not_depend_on_the_batch() -> None:
+    """The per-row products of the mode on the GPU (attention at Flash widths: 64 heads
+    x 512 dims against 640 keys, then the probabilities against the values as a
+    transposed view): an item's product is the same alone or among 300, at any place."""
+    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(300, 64, 512, generator=g, device="cuda")
+    keys = torch.randn(300, 640, 512, generator=g, device="cuda")
+    for a, b in ((q, keys), (torch.softmax(fixed_tile_matmul(q, keys), -1), keys.transpose(1, 2))):
+        whole = fixed_tile_matmul(a, b)
+        for start, count in ((0, 1), (7, 1), (5, 3), (1, 299)):
+            assert torch.equal(fixed_tile_matmul(a[start : start + count], b[start : start + count]), whole[start : start + count])
+        want = torch.bmm(a.double(), b.double().transpose(1, 2))
+        assert float((whole.double() - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_in_the_mode_equals_the_reference_on_the_gpu(tiny_dir: Path, dtype: torch.dtype) -> None:
+    """The torch kernels in the batch-invariant mode on the GPU: paged logits and
+    selections of a prompt fed in chunks 3/1/129/7/128 equal the GPU dense reference's
+    (in the mode) bit for bit: every product, attention's included, is the fixed-tile
+    GEMM on both sides."""
+    engine = Engine.from_pretrained(
+        tiny_dir, dtype=dtype, block_size=32, device="cuda", kernel_backend="torch", batch_invariant=True,
+        enable_prefix_caching=False,
+    )
+    prompt = _prompts()[0]
+    paged = engine.prompt_logits(prompt, chunk_sizes=(3, 1, 129, 7, 128))
+    reference = ReferenceModel(engine.params, batch_invariant=True).forward(prompt)
+    assert torch.equal(paged.logits, reference.logits.cpu())
+    for layer, selected in reference.selections.items():
+        assert torch.equal(paged.selections[layer].cpu(), selected.cpu()), f"layer {layer}"
 
 
 def test_row_sum_rows_do_not_depend_on_the_call() -> None:

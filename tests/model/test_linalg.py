@@ -16,6 +16,7 @@ from dsv41.model.linalg import (
     KEY_TILE,
     ROW_TILE,
     batch_invariant,
+    batched_matmul,
     batch_invariant_enabled,
     grouped_linear,
     linear,
@@ -55,6 +56,7 @@ def test_outside_the_mode_every_function_is_the_plain_call() -> None:
     assert torch.equal(linear(x[:, 0], w[0]), x[:, 0] @ w[0].t())
     assert torch.equal(grouped_linear(x, w), torch.einsum("tgi,goi->tgo", x, w))
     assert torch.equal(tiled_dots(x, keys), torch.einsum("thd,tcd->thc", x, keys))
+    assert torch.equal(batched_matmul(x, keys), torch.bmm(x, keys.transpose(1, 2)))
     assert torch.equal(pointwise(torch.exp, x), torch.exp(x))
 
 
@@ -81,6 +83,21 @@ def test_a_keys_dot_product_does_not_depend_on_the_other_keys(count: int) -> Non
         assert torch.equal(tiled_dots(q[2:3], keys[2:3, :count]), everything[2:3, :, :count])
         shared = keys[0, :count]
         assert torch.equal(tiled_dots(q, shared.unsqueeze(0).expand(6, -1, -1)), tiled_dots(q, keys[:1, :count].expand(6, -1, -1)))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(64, 160, 512), (64, 512, 160), (4, 3, 16)])
+def test_a_rows_own_product_does_not_depend_on_the_batch(m: int, n: int, k: int) -> None:
+    """batched_matmul (the attention's per-row products, at Flash widths among others):
+    an item's a[i] @ b[i].T is the same in a batch of one or of many, at any place in
+    it, with b a transposed view as the values product passes; it is the product."""
+    a = torch.randn(12, m, k, generator=_generator(13))
+    values = torch.randn(12, k, n, generator=_generator(14))
+    for b in (torch.randn(12, n, k, generator=_generator(15)), values.transpose(1, 2)):
+        with batch_invariant(True):
+            alone = torch.cat([batched_matmul(a[i : i + 1], b[i : i + 1]) for i in range(12)])
+            for count, start in ((2, 0), (3, 5), (12, 0)):
+                assert torch.equal(batched_matmul(a[start : start + count], b[start : start + count]), alone[start : start + count])
+        torch.testing.assert_close(alone, a @ b.transpose(1, 2), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -122,17 +139,41 @@ def test_the_mode_is_per_thread_and_restored() -> None:
 
 def test_triton_fixed_tile_gemm_is_the_matmul() -> None:
     """The GPU mode's GEMM, run here by Triton's interpreter, is the matmul to fp32
-    rounding at edge shapes. (Its rows' independence of the call is a property of the
+    rounding at edge shapes, in one walk over K or cut into splits. (Its rows' independence of the call is a property of the
     GPU's dot instructions, not of the interpreter's numpy dots: tests/model/
     test_gpu_runtime.py checks it on a GPU.)"""
     pytest.importorskip("triton")
+    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul, plan_k_splits
+
+    weight = torch.randn(70, 200, generator=_generator(10))
+    rows = torch.randn(40, 200, generator=_generator(11))
+    # programs 1: K in one walk; 4 and 16: cut into 2 and 7 splits (plan_k_splits),
+    # summed in split order.
+    for programs, splits in ((1, 1), (4, 2), (16, 7)):
+        assert plan_k_splits(70, 200, torch.float32, programs) == splits
+        for count in (1, 33, 40):
+            got = fixed_tile_matmul(rows[:count], weight, programs=programs)
+            torch.testing.assert_close(got, rows[:count] @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert fixed_tile_matmul(rows[:0], weight).shape == (0, 70)
+
+
+def test_triton_batched_fixed_tile_gemm_is_each_items_matmul() -> None:
+    """The GPU mode's per-row products (interpreted here): each item of a batch gets its
+    own a[i] @ b[i].T, the same bits whatever the batch's size or the item's place, for
+    a contiguous b, a transposed view (the attention's values) and one b shared by every
+    item (an expanded view)."""
+    pytest.importorskip("triton")
     from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
 
-    weight = torch.randn(70, 48, generator=_generator(10))
-    rows = torch.randn(40, 48, generator=_generator(11))
-    for count in (1, 33, 40):
-        torch.testing.assert_close(fixed_tile_matmul(rows[:count], weight), rows[:count] @ weight.t(), rtol=1e-5, atol=1e-5)
-    assert fixed_tile_matmul(rows[:0], weight).shape == (0, 70)
+    a = torch.randn(5, 40, 48, generator=_generator(16))
+    values = torch.randn(5, 48, 70, generator=_generator(17))
+    shared = torch.randn(70, 48, generator=_generator(18))
+    for b in (values.transpose(1, 2).contiguous(), values.transpose(1, 2), shared.expand(5, -1, -1)):
+        whole = fixed_tile_matmul(a, b)
+        torch.testing.assert_close(whole, a @ b.transpose(1, 2), rtol=1e-5, atol=1e-5)
+        for start, count in ((0, 1), (3, 2)):
+            assert torch.equal(fixed_tile_matmul(a[start : start + count], b[start : start + count]), whole[start : start + count])
+    assert fixed_tile_matmul(a[:0], values[:0].transpose(1, 2)).shape == (0, 40, 70)
 
 
 def test_triton_row_sum_rows_do_not_depend_on_the_call() -> None:

@@ -1,11 +1,18 @@
 """A fixed-tile GEMM for the batch-invariant mode on NVIDIA GPUs.
 
-Owns ``fixed_tile_matmul``: ``a @ b.T`` where every output tile is computed by one
-program with one tile shape and one walk over K (no split over K, no autotuning, no
-choice from the problem size), so an output row's value does not depend on how many
-rows share the call or where the row sits in it. cuBLAS instead picks its algorithm,
-and possibly a split of K, from M, which is why model/linalg.py routes the projections
-here in that mode. fp32 operands use IEEE products (no TF32), as torch's fp32 matmul.
+Owns ``fixed_tile_matmul``: ``a @ b.T`` where every output tile is computed with one
+tile shape and one walk over K (no autotuning, nothing chosen from the number of
+rows), so an output row's value does not depend on how many rows share the call or
+where the row sits in it. K is cut into a number of splits chosen from the weight's
+shape and the GPU's size alone (``plan_k_splits``), each split's fp32 partial summed in
+split order: a decode step's few rows read a weight with every SM, not with one program
+per column tile walking all of K. A batch of items (each row's own product with its own
+keys: attention, index scores) gets each item's ``a[i] @ b[i].T`` from that item's own
+programs, K in one walk: the items fill the GPU, and an item's value does not depend on
+how many share the call. cuBLAS instead picks its algorithm, and possibly a split of K,
+from M (a batched GEMM's from the batch count too), which is why model/linalg.py routes
+the projections and the per-row products here in that mode. fp32 operands use IEEE
+products (no TF32), as torch's fp32 matmul.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -22,6 +29,9 @@ from dsv41.model.kernels.triton.moe import TL_DTYPES
 # Triton's CPU interpreter computes bf16 dots wrongly (model/kernels/triton/__init__.py),
 # so under it bf16 operands are lifted to fp32, which holds them exactly.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Elements one program of the split sum adds; rows whose partials one launch keeps.
+SUM_BLOCK = 1024
+SPLIT_ROWS = 1024
 # One tile shape per operand dtype (fp32's smaller tiles keep IEEE dots in shared memory).
 TILES = {
     torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
@@ -37,8 +47,16 @@ def fixed_tile_matmul_kernel(
     M,
     N,
     K,
+    K_PER_SPLIT,
+    M_TILES,
+    stride_ab,
     stride_am,
+    stride_ak,
+    stride_bb,
     stride_bn,
+    stride_bk,
+    stride_cb,
+    stride_cs,
     stride_cm,
     OUT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -46,43 +64,134 @@ def fixed_tile_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """One output tile of one batch item (``program_id(0)``: item * M_TILES + row
+    tile, on the grid axis without CUDA's 65,535 limit) summed over one split of K
+    (split ``program_id(2)``: K_PER_SPLIT values from split * K_PER_SPLIT), in BLOCK_K
+    steps, into ``c`` (the output when there is one split, else that split's fp32
+    partial)."""
+    item = (tl.program_id(0) // M_TILES).to(tl.int64)
+    a_ptr += item * stride_ab
+    b_ptr += item * stride_bb
+    c_ptr += item * stride_cb
+    rows = (tl.program_id(0) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     row_mask, col_mask = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = split * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptr + cols.to(tl.int64)[:, None] * stride_bn + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        k_mask = ks < k_end
+        a = tl.load(
+            a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks.to(tl.int64)[None, :] * stride_ak,
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + cols.to(tl.int64)[:, None] * stride_bn + ks.to(tl.int64)[None, :] * stride_bk,
+            mask=col_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
         if IEEE:
             acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(b))
     tl.store(
-        c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :],
+        c_ptr + split.to(tl.int64) * stride_cs + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :],
         acc.to(OUT),
         mask=row_mask[:, None] & col_mask[None, :],
     )
 
 
-def fixed_tile_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def sum_splits_kernel(partial_ptr, out_ptr, count, SPLITS: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the splits' partials summed in split order (fp32), in ``OUT``."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < count
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(SPLITS):
+        acc += tl.load(partial_ptr + split * count + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, acc.to(OUT), mask=mask)
+
+
+def plan_k_splits(n: int, k: int, dtype: torch.dtype, programs: int) -> int:
+    """How many parts ``fixed_tile_matmul`` cuts K into for a weight [n, k]: enough
+    that one row tile's programs (column tiles x splits) reach ``programs``, each part
+    whole BLOCK_K steps. It follows from the weight's shape and the device alone,
+    never from the rows: a decode step's few rows then still read the weight with the
+    whole GPU, and a row's sum order is the same in a call of any size."""
+    tiles = TILES[dtype]
+    column_tiles = triton.cdiv(n, tiles["BLOCK_N"])
+    steps = triton.cdiv(k, tiles["BLOCK_K"])
+    wanted = min(steps, max(1, triton.cdiv(programs, column_tiles)))
+    return triton.cdiv(steps, triton.cdiv(steps, wanted))
+
+
+def _default_programs(device: torch.device) -> int:
+    """Two programs per SM of a GPU; one under the CPU interpreter (its programs run
+    one after another)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 2 * torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fixed_tile_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: int | None = None) -> torch.Tensor:
     """``a @ b.T`` for a [M, K] and b [N, K] of one dtype (bf16 or fp32) -> [M, N] in
-    that dtype, accumulated in fp32 over K in ``BLOCK_K`` steps."""
+    that dtype, accumulated in fp32 over K in ``BLOCK_K`` steps, cut into the splits
+    ``plan_k_splits`` gives for ``programs`` (None: the device's) and summed in split
+    order; or each item's ``a[i] @ b[i].T`` for a [B, M, K] and b [B, N, K] -> [B, M,
+    N], K in one walk. Any strides (a transposed view of the values is a ``b``)."""
     if a.dtype != b.dtype or a.dtype not in TILES:
         raise ValueError(f"a, b: {a.dtype}, {b.dtype} (allowed: both {' or both '.join(map(str, TILES))})")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"a, b: shapes {tuple(a.shape)}, {tuple(b.shape)} (allowed: [M, K] and [N, K])")
-    a, b = a.contiguous(), b.contiguous()
+    batched = a.dim() == 3
+    if a.dim() not in (2, 3) or b.dim() != a.dim() or a.shape[-1] != b.shape[-1] or (batched and a.shape[0] != b.shape[0]):
+        raise ValueError(
+            f"a, b: shapes {tuple(a.shape)}, {tuple(b.shape)} (allowed: [M, K] and [N, K], or [B, M, K] and [B, N, K])"
+        )
+    tiles = TILES[a.dtype]
+    ieee = a.dtype == torch.float32 or INTERPRETED
+    if batched:
+        items, m, k = a.shape
+        n = b.shape[1]
+        out = torch.empty(items, m, n, dtype=a.dtype, device=a.device)
+        if items and m and n:
+            m_tiles = triton.cdiv(m, tiles["BLOCK_M"])
+            fixed_tile_matmul_kernel[(items * m_tiles, triton.cdiv(n, tiles["BLOCK_N"]), 1)](
+                a, b, out, m, n, k, k, m_tiles, *a.stride(), *b.stride(), out.stride(0), 0, out.stride(1),
+                OUT=TL_DTYPES[a.dtype], IEEE=ieee, **tiles,
+            )
+        return out
     m, k = a.shape
     n = b.shape[0]
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    tiles = TILES[a.dtype]
-    grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
-    fixed_tile_matmul_kernel[grid](
-        a, b, out, m, n, k, a.stride(0), b.stride(0), out.stride(0),
-        OUT=TL_DTYPES[a.dtype], IEEE=a.dtype == torch.float32 or INTERPRETED, **tiles,
-    )
+    splits = plan_k_splits(n, k, a.dtype, _default_programs(a.device) if programs is None else programs)
+    k_per_split = triton.cdiv(triton.cdiv(k, tiles["BLOCK_K"]), splits) * tiles["BLOCK_K"]
+    # One item: the batch strides are never used.
+    strides = (0, *a.stride(), 0, *b.stride(), 0)
+    if splits == 1:
+        m_tiles = triton.cdiv(m, tiles["BLOCK_M"])
+        fixed_tile_matmul_kernel[(m_tiles, triton.cdiv(n, tiles["BLOCK_N"]), 1)](
+            a, b, out, m, n, k, k_per_split, m_tiles, *strides, 0, out.stride(0),
+            OUT=TL_DTYPES[a.dtype], IEEE=ieee, **tiles,
+        )
+        return out
+    # The partials of at most SPLIT_ROWS rows at a time: a row's sum does not depend on
+    # which rows share its launch, and a long prefill's workspace stays bounded.
+    chunk = min(m, SPLIT_ROWS)
+    partials = torch.empty(splits, chunk, n, dtype=torch.float32, device=a.device)
+    for start in range(0, m, chunk):
+        rows = min(chunk, m - start)
+        m_tiles = triton.cdiv(rows, tiles["BLOCK_M"])
+        fixed_tile_matmul_kernel[(m_tiles, triton.cdiv(n, tiles["BLOCK_N"]), splits)](
+            a[start:], b, partials, rows, n, k, k_per_split, m_tiles, *strides, rows * n, n,
+            OUT=tl.float32, IEEE=ieee, **tiles,
+        )
+        count = rows * n
+        sum_splits_kernel[(triton.cdiv(count, SUM_BLOCK),)](
+            partials, out[start:], count, SPLITS=splits, OUT=TL_DTYPES[a.dtype], BLOCK=SUM_BLOCK
+        )
     return out

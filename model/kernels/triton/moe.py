@@ -234,7 +234,10 @@ def align_pairs(expert_ids: torch.Tensor, held_ids: torch.Tensor, block_m: int) 
     device = flat.device
     position = torch.searchsorted(held_ids, flat)
     local = torch.where(held_ids[position.clamp(max=num_held - 1)] == flat, position, num_held)
-    counts = torch.bincount(local, minlength=num_held + 1)[:num_held]
+    # A scatter, not bincount: bincount sizes its output from the data (a host sync,
+    # which a captured decode graph cannot hold).
+    counts = torch.zeros(num_held + 1, dtype=local.dtype, device=device).scatter_add_(0, local, torch.ones_like(local))
+    counts = counts[:num_held]
     blocks = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
     block_end = torch.cumsum(blocks, 0)
     pair_start = torch.cumsum(counts, 0) - counts

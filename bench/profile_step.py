@@ -1,0 +1,159 @@
+"""Launches per decode step and the GPU-busy fraction, from a torch.profiler trace.
+
+The real engine path on the reference slice (as bench/decode_step.py builds it): for
+each batch size, that many random prompts are prefilled, a few decode steps warm up,
+then ``--steps`` whole decode steps (scheduling, addresses, Engram lookup, forward,
+sampling) are profiled. Per step: the launches the host issued (CUDA runtime / driver
+calls that start device work: kernel launches, graph launches, copies and memsets),
+the kernels the device ran, the step's wall time, and how much of it the device was
+busy (the union of its kernels' and copies' intervals). With ``--cudagraph-mode full``
+a decode step is one graph launch plus what surrounds it.
+
+Prints a table and writes JSON. On the GPU machine, from the repo root:
+    python3 -m bench.profile_step [--cudagraph-mode full] [--batches 1,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from bench.decode_step import FULL_WORKLOAD, SMALL_WORKLOAD, Workload
+from bench.slice_engine import add_slice_options, build_slice_engine, environment, prepare_device, random_prompts
+from bench.ceilings import ceilings
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.sampling_params import SamplingParams
+
+# Host calls that start device work (CUDA runtime and driver names).
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchKernelExC",
+    "cudaGraphLaunch",
+    "cudaMemcpyAsync",
+    "cudaMemsetAsync",
+    "cudaMemcpy",
+)
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy
+
+
+def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top_kernels: int) -> dict[str, object]:
+    """One batch size: prefill, warm-up, then ``steps`` profiled decode steps; the
+    ``top_kernels`` device ops that take the most time."""
+    params = SamplingParams(max_tokens=workload.max_tokens(batch) + steps, temperature=0.0, ignore_eos=True)
+    ids = [f"p{batch}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, random_prompts(batch, workload.prompt_len, engine.config.vocab_size, seed=batch)):
+        engine.add_request(rid, prompt, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+    for _ in range(workload.warmup_steps + 2):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        for _ in range(steps):
+            outputs = engine.step()
+            if len(outputs) != batch:
+                raise RuntimeError(f"batch {batch}: a decode step produced {len(outputs)} tokens (expected {batch})")
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - began) * 1e6
+    for rid in ids:
+        engine.abort(rid)
+    events = prof.events()
+    launches = sum(1 for e in events if e.device_type == DeviceType.CPU and e.name in LAUNCH_CALLS)
+    graph_launches = sum(1 for e in events if e.device_type == DeviceType.CPU and e.name == "cudaGraphLaunch")
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in device_events])
+    kernel_us = [e.device_time for e in device_events]
+    by_name: dict[str, list[float]] = {}
+    for e in device_events:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top_kernels]
+    return {
+        "batch": batch,
+        "steps": steps,
+        "step_ms": wall_us / steps / 1e3,
+        "launches_per_step": launches / steps,
+        "graph_launches_per_step": graph_launches / steps,
+        "device_ops_per_step": len(device_events) / steps,
+        "device_busy_ms_per_step": busy_us / steps / 1e3,
+        "gpu_busy_fraction": busy_us / wall_us,
+        "median_device_op_us": statistics.median(kernel_us) if kernel_us else 0.0,
+        # The device ops that take the most time: name, ops per step, ms per step.
+        "top_device_ops": [
+            {"name": name[:120], "per_step": len(times) / steps, "ms_per_step": sum(times) / steps / 1e3}
+            for name, times in top
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_slice_options(parser)
+    parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 1024 (small: 128)")
+    parser.add_argument("--steps", type=int, default=8, help="profiled decode steps per batch")
+    parser.add_argument("--top", type=int, default=12, help="device ops listed by time per step")
+    parser.add_argument("--out", default="bench/results/profile_step.json")
+    args = parser.parse_args()
+    device = prepare_device(args)
+    if torch.device(device).type != "cuda":
+        parser.error("--device: this bench profiles CUDA launches (allowed: a CUDA device)")
+    workload = SMALL_WORKLOAD if args.small else FULL_WORKLOAD
+    workload = dataclasses.replace(
+        workload,
+        batches=tuple(int(b) for b in args.batches.split(",")),
+        prompt_len=args.prompt_len or workload.prompt_len,
+    )
+    biggest = max(workload.batches)
+    engine = build_slice_engine(
+        args,
+        max_num_seqs=biggest,
+        max_num_batched_tokens=max(workload.max_num_batched_tokens, biggest),
+        tokens_per_request=workload.prompt_len + workload.max_tokens(biggest) + args.steps,
+        graph_batch_sizes=workload.batches,
+    )
+    rows = [profile_case(engine, batch, workload, args.steps, args.top) for batch in workload.batches]
+    result = {**environment(args, engine, ceilings(device)), "workload": dataclasses.asdict(workload), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print()
+    print("| batch | ms/step | launches/step | graph launches/step | device ops/step | device busy ms/step | GPU busy |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['step_ms']:.2f} | {r['launches_per_step']:.0f} | {r['graph_launches_per_step']:.0f} "
+            f"| {r['device_ops_per_step']:.0f} | {r['device_busy_ms_per_step']:.2f} | {r['gpu_busy_fraction']:.0%} |"
+        )
+    for r in rows:
+        print(f"\nbatch {r['batch']}: device ops by time per step")
+        print("| ms/step | per step | op |")
+        print("|---:|---:|---|")
+        for op in r["top_device_ops"]:
+            print(f"| {op['ms_per_step']:.3f} | {op['per_step']:.0f} | {op['name']} |")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

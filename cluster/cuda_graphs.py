@@ -1,0 +1,334 @@
+"""Decode steps replayed from CUDA graphs (the spec's FULL graph mode).
+
+Owns the graph mode's declaration (``DecodeBuckets``: the batch-size and PAGE-count
+buckets a replica captures, and which one a step runs at), the persistent step
+(``StaticDecodeStep``: one bucket's inputs at fixed addresses, staged on the host in
+one pinned int64 buffer and one fp32 buffer for the Engram rows, each moved in one
+copy per step, and the forward that reads only them) and ``DecodeGraphs``: every
+bucket's step captured once at startup (largest first, one memory pool, capture time
+and memory reported as progress) and a decode step run as one replay. A step is run
+at its bucket's width (cache/addressing.DecodeWidth: padding rows read and write
+nothing), so its real rows' logits are the eager forward's bits in the
+batch-invariant mode. A step beyond the largest bucket runs eagerly (logged once).
+
+Must not import: actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from dsv41.cache.addressing import (
+    DecodeWidth,
+    PoolShape,
+    SegmentSpec,
+    StepAddresses,
+    build_decode_addresses,
+    decode_pages,
+)
+from dsv41.model.microbatch import StagedEngramRows
+from dsv41.model.runtime import PagedRuntime, PagedStore
+
+CUDAGRAPH_MODES = ("none", "full")
+# The page tables of a step of no request (what capture stages: padding alone).
+_NO_PAGES = torch.zeros(0, 0, dtype=torch.long)
+
+logger = logging.getLogger(__name__)
+
+
+def default_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, then every multiple of 8, up to ``max_num_seqs`` (included): vLLM's
+    default capture sizes, cut at the replica's batch."""
+    sizes = {size for size in (1, 2, 4) if size < max_num_seqs}
+    sizes.update(range(8, max_num_seqs, 8))
+    sizes.add(max_num_seqs)
+    return tuple(sorted(sizes))
+
+
+def page_buckets(max_pages: int) -> tuple[int, ...]:
+    """Powers of two below ``max_pages``, then ``max_pages``: a step's tiles are at
+    most twice as wide as its longest request needs."""
+    buckets = []
+    count = 1
+    while count < max_pages:
+        buckets.append(count)
+        count *= 2
+    buckets.append(max_pages)
+    return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class DecodeBuckets:
+    """The widths a replica captures: every (batch size, PAGE count) pair."""
+
+    batch_sizes: tuple[int, ...]
+    page_counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("batch_sizes", "page_counts"):
+            values = getattr(self, name)
+            if (
+                not values
+                or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values)
+                or list(values) != sorted(set(values))
+            ):
+                raise ValueError(f"DecodeBuckets.{name}: {values!r} (allowed: distinct positive integers, ascending)")
+
+    @classmethod
+    def of(cls, max_num_seqs: int, max_pages: int, batch_sizes: Sequence[int] | None = None) -> "DecodeBuckets":
+        """The buckets of a replica of ``max_num_seqs`` requests whose longest request
+        covers ``max_pages`` PAGEs; ``batch_sizes`` None: ``default_batch_sizes``."""
+        sizes = default_batch_sizes(max_num_seqs) if batch_sizes is None else tuple(sorted(set(batch_sizes)))
+        return cls(batch_sizes=sizes, page_counts=page_buckets(max_pages))
+
+    def width_for(self, requests: int, pages: int) -> DecodeWidth | None:
+        """The narrowest captured width holding ``requests`` rows whose longest covers
+        ``pages`` PAGEs; None beyond the largest bucket."""
+        b = bisect.bisect_left(self.batch_sizes, requests)
+        p = bisect.bisect_left(self.page_counts, pages)
+        if b == len(self.batch_sizes) or p == len(self.page_counts):
+            return None
+        return DecodeWidth(requests=self.batch_sizes[b], pages=self.page_counts[p])
+
+    def widths(self) -> list[DecodeWidth]:
+        """Every width, largest first (the capture order: smaller graphs reuse the
+        memory pool the largest sized)."""
+        return [
+            DecodeWidth(requests=b, pages=p)
+            for b in reversed(self.batch_sizes)
+            for p in reversed(self.page_counts)
+        ]
+
+
+def tensor_leaves(record: Any) -> list[torch.Tensor]:
+    """The tensors of a record of dataclasses, dicts and tensors, in a fixed order
+    (fields in declaration order, dict entries by key)."""
+    if isinstance(record, torch.Tensor):
+        return [record]
+    if dataclasses.is_dataclass(record):
+        return [leaf for f in dataclasses.fields(record) for leaf in tensor_leaves(getattr(record, f.name))]
+    if isinstance(record, dict):
+        return [leaf for key in sorted(record) for leaf in tensor_leaves(record[key])]
+    return []
+
+
+def with_leaves(record: Any, leaves: Iterator[torch.Tensor]) -> Any:
+    """``record`` with its tensors replaced, in ``tensor_leaves`` order, by ``leaves``."""
+    if isinstance(record, torch.Tensor):
+        return next(leaves)
+    if dataclasses.is_dataclass(record):
+        changes = {f.name: with_leaves(getattr(record, f.name), leaves) for f in dataclasses.fields(record)}
+        return dataclasses.replace(record, **changes)
+    if isinstance(record, dict):
+        return {key: with_leaves(record[key], leaves) for key in sorted(record)}
+    return record
+
+
+class StaticDecodeStep:
+    """One width's persistent decode step: the token ids and addresses (int64) and
+    the Engram rows (fp32) of ``width.requests`` rows, each kind in one host buffer
+    (pinned on a GPU) and one device buffer at fixed addresses, and the forward that
+    reads only the device buffers (``forward``: what a graph captures)."""
+
+    def __init__(
+        self,
+        runtime: PagedRuntime,
+        store: PagedStore,
+        shape: PoolShape,
+        width: DecodeWidth,
+        device: torch.device,
+        engram_dims: dict[int, int],
+    ) -> None:
+        self.runtime = runtime
+        self.store = store
+        self.shape = shape
+        self.width = width
+        self.device = device
+        self.template = build_decode_addresses([], _NO_PAGES, shape, width)
+        rows = width.requests
+        self.int_leaves = [torch.zeros(rows, dtype=torch.long), *tensor_leaves(self.template)]
+        self.engram_dims = dict(sorted(engram_dims.items()))
+        pin = device.type == "cuda"
+        int_total = sum(leaf.numel() for leaf in self.int_leaves)
+        float_total = rows * sum(self.engram_dims.values())
+        self.host_ints = torch.zeros(int_total, dtype=torch.long, pin_memory=pin)
+        self.host_floats = torch.zeros(float_total, dtype=torch.float32, pin_memory=pin)
+        self.device_ints = torch.zeros(int_total, dtype=torch.long, device=device)
+        self.device_floats = torch.zeros(float_total, dtype=torch.float32, device=device)
+
+    def load(
+        self,
+        token_ids: torch.Tensor,
+        segments: Sequence[SegmentSpec],
+        page_tables: torch.Tensor,
+        engram_rows: dict[int, torch.Tensor],
+    ) -> None:
+        """Stages a decode step (``token_ids`` [n] host, ``segments``' specs and their
+        page tables, each Engram layer's rows [n, dim] host) at this width and moves it
+        to the device buffers: two copies."""
+        rows = self.width.requests
+        if token_ids.numel() != len(segments):
+            raise ValueError(f"token_ids: {token_ids.numel()} for {len(segments)} segments (allowed: one each)")
+        if sorted(engram_rows) != list(self.engram_dims):
+            raise ValueError(f"engram_rows: layers {sorted(engram_rows)} (allowed: {list(self.engram_dims)})")
+        tokens = torch.zeros(rows, dtype=torch.long)
+        tokens[: token_ids.numel()] = token_ids
+        leaves = [tokens, *tensor_leaves(build_decode_addresses(segments, page_tables, self.shape, self.width))]
+        at = 0
+        for leaf, staged in zip(leaves, self.int_leaves):
+            if leaf.shape != staged.shape:
+                raise RuntimeError(f"a decode address of shape {tuple(leaf.shape)} for the width's {tuple(staged.shape)}")
+            self.host_ints[at : at + leaf.numel()].copy_(leaf.reshape(-1))
+            at += leaf.numel()
+        at = 0
+        for layer_id, dim in self.engram_dims.items():
+            staged = self.host_floats[at : at + rows * dim].view(rows, dim)
+            looked_up = engram_rows[layer_id]
+            staged[: looked_up.shape[0]].copy_(looked_up)
+            staged[looked_up.shape[0] :].zero_()
+            at += rows * dim
+        self.device_ints.copy_(self.host_ints, non_blocking=True)
+        self.device_floats.copy_(self.host_floats, non_blocking=True)
+
+    def forward(self) -> torch.Tensor:
+        """The logits [width.requests, vocab] of the staged step, read from the device
+        buffers alone."""
+        views = []
+        at = 0
+        for leaf in self.int_leaves:
+            view = self.device_ints[at : at + leaf.numel()].view(leaf.shape)
+            # The window's valid mask is the one bool address; the conversion is a
+            # kernel of the graph.
+            views.append(view != 0 if leaf.dtype == torch.bool else view)
+            at += leaf.numel()
+        tokens, plan = views[0], with_leaves(self.template, iter(views[1:]))
+        staged = {}
+        at = 0
+        rows = self.width.requests
+        for layer_id, dim in self.engram_dims.items():
+            staged[layer_id] = self.device_floats[at : at + rows * dim].view(rows, dim)
+            at += rows * dim
+        return self.runtime.forward_staged(tokens, StagedEngramRows(staged), plan, self.store)
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    graphs: int
+    seconds: float
+    memory_bytes: int  # device memory reserved since the graphs were set up: their pool and step buffers
+
+
+class DecodeGraphs:
+    """Every bucket's decode step, captured as a CUDA graph (``capture`` True, a CUDA
+    device) or run as its static step eagerly (``capture`` False: what the CPU tests
+    check, the very function a graph captures), and decode steps run at their
+    bucket's width."""
+
+    def __init__(
+        self,
+        runtime: PagedRuntime,
+        store: PagedStore,
+        shape: PoolShape,
+        buckets: DecodeBuckets,
+        device: torch.device,
+        *,
+        capture: bool,
+    ) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError(f"capture: True on {device} (allowed: a CUDA device)")
+        self._reserved_before = torch.cuda.memory_reserved(device) if capture else 0
+        self.runtime = runtime
+        self.buckets = buckets
+        self.capture = capture
+        self.device = device
+        params = runtime.params
+        engram_dims = {layer.layer_id: layer.engram.wkv.shape[1] for layer in params.layers if layer.engram is not None}
+        self.steps = {
+            width: StaticDecodeStep(runtime, store, shape, width, device, engram_dims) for width in buckets.widths()
+        }
+        self.shape = shape
+        vocab = params.head.shape[0]
+        # Every graph writes its logits here (a copy inside the graph), so no graph
+        # keeps an output of its own.
+        self.logits = torch.zeros(buckets.batch_sizes[-1], vocab, dtype=torch.float32, device=device)
+        self._graphs: dict[DecodeWidth, torch.cuda.CUDAGraph] = {}
+        self._warned_beyond = False
+        self.report: CaptureReport | None = None  # capture_all's
+
+    def _run_static(self, step: StaticDecodeStep) -> None:
+        self.logits[: step.width.requests].copy_(step.forward())
+
+    def capture_all(self, progress: Callable[[str], None] = logger.info) -> CaptureReport:
+        """Runs every bucket's step once on padding (compiling its kernels) and, when
+        capturing, records it; reports each graph and the totals through ``progress``."""
+        begin = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if self.capture else None
+        total = len(self.steps)
+        for i, (width, step) in enumerate(self.steps.items(), start=1):
+            padding = {lid: torch.zeros(0, dim) for lid, dim in step.engram_dims.items()}
+            step.load(torch.zeros(0, dtype=torch.long), [], _NO_PAGES, padding)
+            self._run_static(step)
+            if self.capture:
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._run_static(step)
+                self._graphs[width] = graph
+            progress(
+                f"decode graph {i}/{total}: {width.requests} requests x {width.pages} PAGEs "
+                f"({time.perf_counter() - begin:.1f} s)"
+            )
+        if self.capture:
+            torch.cuda.synchronize(self.device)
+        memory = torch.cuda.memory_reserved(self.device) - self._reserved_before if self.capture else 0
+        report = CaptureReport(graphs=len(self._graphs), seconds=time.perf_counter() - begin, memory_bytes=memory)
+        progress(
+            f"decode graphs: {report.graphs} captured in {report.seconds:.1f} s, "
+            f"{report.memory_bytes / 2**20:.1f} MiB of device memory"
+        )
+        self.report = report
+        return report
+
+    def width_for(self, segments: Sequence[SegmentSpec]) -> DecodeWidth | None:
+        """The bucket a decode step of ``segments`` runs at; None (logged once) when
+        it is beyond the largest, and the step runs eagerly."""
+        width = self.buckets.width_for(len(segments), decode_pages(segments, self.shape))
+        if width is None and not self._warned_beyond:
+            self._warned_beyond = True
+            logger.warning(
+                "decode graphs: a step of %d requests covering %d PAGEs is beyond the largest bucket "
+                "(%d requests, %d PAGEs) and runs eagerly (logged once)",
+                len(segments),
+                decode_pages(segments, self.shape),
+                self.buckets.batch_sizes[-1],
+                self.buckets.page_counts[-1],
+            )
+        return width
+
+    def run(
+        self,
+        width: DecodeWidth,
+        token_ids: torch.Tensor,
+        segments: Sequence[SegmentSpec],
+        page_tables: torch.Tensor,
+        engram_rows: dict[int, torch.Tensor],
+    ) -> torch.Tensor:
+        """The logits [len(segments), vocab] of a decode step run at ``width``: staged,
+        then the bucket's graph replayed (or its static step run)."""
+        step = self.steps[width]
+        step.load(token_ids, segments, page_tables, engram_rows)
+        graph = self._graphs.get(width)
+        if graph is not None:
+            graph.replay()
+        elif self.capture:
+            raise RuntimeError(f"decode graphs: width {width} was never captured (capture_all first)")
+        else:
+            self._run_static(step)
+        return self.logits[: len(segments)]

@@ -1,0 +1,196 @@
+"""FULL graph mode's decode steps (cluster/cuda_graphs.py) on the CPU: the static step a
+graph captures, run eagerly, gives exactly the eager engine's tokens and logprobs.
+
+A decode step runs at its bucket's width (padding rows that read and write nothing)
+from persistent buffers, its Engram rows staged before the forward; the bucket choice
+and its bounds are unit-tested here. The capture and replay themselves need a CUDA
+device (tests/model/test_gpu_runtime.py runs graph == eager there).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv41.cache.addressing import DecodeWidth
+from dsv41.cluster.cuda_graphs import DecodeBuckets, default_batch_sizes, page_buckets
+from dsv41.cluster.engine import Engine, LocalRank
+from dsv41.cluster.options import EngineError, RankLayout, check_replica_options, engine_options
+from dsv41.cluster.ranks import DPRank
+from dsv41.cluster.request import CumulativeOutputs, RequestOutput
+from dsv41.cluster.sampling_params import SamplingParams
+from dsv41.model.kernels import load_kernels
+from dsv41.model.source import ModelSource
+
+BUCKETS = DecodeBuckets(batch_sizes=(1, 2, 4), page_counts=(1, 2, 4))
+
+
+def test_default_buckets() -> None:
+    """vLLM's capture sizes cut at the batch; PAGE counts doubling up to the context's."""
+    assert default_batch_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert default_batch_sizes(3) == (1, 2, 3)
+    assert default_batch_sizes(1) == (1,)
+    assert page_buckets(1) == (1,)
+    assert page_buckets(32) == (1, 2, 4, 8, 16, 32)
+    assert page_buckets(33) == (1, 2, 4, 8, 16, 32, 33)
+
+
+def test_a_step_runs_at_the_narrowest_bucket_holding_it() -> None:
+    """width_for picks the smallest batch and PAGE buckets at or above the step's, None
+    beyond the largest of either; widths() lists every pair, largest first."""
+    for requests in range(1, 7):
+        for pages in range(1, 7):
+            width = BUCKETS.width_for(requests, pages)
+            if requests > 4 or pages > 4:
+                assert width is None
+                continue
+            assert width == DecodeWidth(
+                min(b for b in BUCKETS.batch_sizes if b >= requests), min(p for p in BUCKETS.page_counts if p >= pages)
+            )
+    widths = BUCKETS.widths()
+    assert len(widths) == 9 and widths[0] == DecodeWidth(4, 4) and widths[-1] == DecodeWidth(1, 1)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        DecodeBuckets(batch_sizes=(2, 1), page_counts=(1,))
+
+
+def test_graph_options_are_refused_where_they_cannot_run(tiny_dir: Path) -> None:
+    """FULL mode needs the Triton kernels on a CUDA device and one DP rank; tr_hybrid is
+    not built; each refusal names the field."""
+    with pytest.raises(EngineError, match="kernel_backend 'triton' on a CUDA device"):
+        engine_options(dict(cudagraph_mode="full"))
+    with pytest.raises(EngineError, match="tr_hybrid"):
+        engine_options(dict(cudagraph_mode="tr_hybrid"))
+    with pytest.raises(EngineError, match="cudagraph_batch_sizes"):
+        engine_options(dict(cudagraph_batch_sizes=(1, 2)))
+    cuda = engine_options(dict(cudagraph_mode="full", kernel_backend="triton", device="cuda"))
+    with pytest.raises(EngineError, match="2 DP ranks"):
+        check_replica_options(ModelSource.parse(tiny_dir).config(), cuda, 2)
+
+
+def _engine(model: Path, buckets: DecodeBuckets | None, **options: object) -> Engine:
+    """A one-rank engine in this thread whose runner has decode graphs of ``buckets``
+    (on the CPU: the static steps, run eagerly) or none."""
+    parsed = engine_options(options)
+    source = ModelSource.parse(model)
+    params, tokenizer = source.load_params(dtype=parsed.dtype, device=parsed.device)
+    layout = RankLayout.build(params.config, parsed)
+    rank = DPRank(
+        params,
+        layout,
+        0,
+        None,
+        kernels=load_kernels(parsed.kernel_backend),
+        batch_invariant=bool(parsed.batch_invariant),
+        decoder_replay=parsed.decoder_swa_bounded_replay,
+        decode_graphs=buckets,
+    )
+    return Engine(params.config, tokenizer, parsed, 1, LocalRank(rank), None)
+
+
+def _workload(engine: Engine, seed: int) -> dict[str, RequestOutput]:
+    """Requests arriving over the first steps (greedy and seeded sampling, logprobs),
+    stepped to completion; each one's whole output."""
+    rng = random.Random(seed)
+    vocab = engine.config.vocab_size
+    arrivals = {}
+    for i in range(7):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 70))]
+        params = SamplingParams(
+            max_tokens=rng.randrange(3, 40),
+            temperature=rng.choice([0.0, 0.8]),
+            seed=rng.randrange(1000),
+            logprobs=2,
+            ignore_eos=True,
+        )
+        arrivals.setdefault(rng.randrange(0, 12), []).append((f"r{i}", prompt, params))
+    whole = CumulativeOutputs()
+    final: dict[str, RequestOutput] = {}
+    step = 0
+    while len(final) < 7:
+        for rid, prompt, params in arrivals.get(step, []):
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            cumulative = whole.add(out)
+            if out.finished:
+                final[out.request_id] = cumulative
+        step += 1
+    return final
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_decode_steps_at_bucket_widths_give_the_eager_engines_tokens(
+    tiny_dir: Path, kernel_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A random workload whose decode batches fill a bucket, fall between buckets (padded)
+    and exceed the largest (run eagerly, logged once): every request's tokens and
+    logprobs equal the eager engine's bit for bit, and the graph path ran at padded
+    widths."""
+    if kernel_backend == "triton" and torch.cuda.is_available():
+        pytest.skip("with a GPU the Triton kernels run there: test_replayed_graphs_give_the_eager_engines_tokens_on_cuda")
+    options = dict(
+        block_size=32, max_num_seqs=6, enable_prefix_caching=False, kernel_backend=kernel_backend, num_pages=64
+    )
+    eager = _workload(_engine(tiny_dir, None, **options), seed=3)
+    graphs_engine = _engine(tiny_dir, BUCKETS, **options)
+    graphs = graphs_engine.runner.graphs
+    assert graphs is not None
+    widths: list[tuple[int, DecodeWidth]] = []
+    run = graphs.run
+
+    def recording(width: DecodeWidth, token_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        widths.append((token_ids.numel(), width))
+        return run(width, token_ids, *args)
+
+    graphs.run = recording  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="dsv41.cluster.cuda_graphs"):
+        replayed = _workload(graphs_engine, seed=3)
+    beyond = [r for r in caplog.records if "beyond the largest bucket" in r.getMessage()]
+    assert len(beyond) == 1, "a step beyond the largest bucket ran eagerly, logged once"
+    assert sorted(replayed) == sorted(eager)
+    for rid, want in eager.items():
+        got = replayed[rid]
+        assert got.token_ids == want.token_ids, rid
+        assert got.logprobs == want.logprobs, rid
+    assert any(n < width.requests for n, width in widths), "some steps ran padded"
+    assert any(n == width.requests for n, width in widths), "some steps filled their bucket"
+    assert len({width.pages for _, width in widths}) > 1, "several PAGE buckets ran"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_replayed_graphs_give_the_eager_engines_tokens_on_cuda(tiny_dir: Path) -> None:
+    """On a GPU (Triton kernels, batch-invariant): the engine with cudagraph_mode 'full'
+    captures every bucket at startup and its decode steps, replayed, give the eager
+    engine's tokens and logprobs bit for bit."""
+    options = dict(
+        block_size=32,
+        max_num_seqs=6,
+        enable_prefix_caching=False,
+        kernel_backend="triton",
+        device="cuda",
+        batch_invariant=True,
+        num_pages=64,
+        max_model_len=128,
+    )
+    eager = _workload(Engine.from_pretrained(tiny_dir, **options), seed=3)
+    engine = Engine.from_pretrained(tiny_dir, cudagraph_mode="full", cudagraph_batch_sizes=(1, 2, 4), **options)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.report is not None
+    assert graphs.report.graphs == len(graphs.buckets.widths())
+    replays = 0
+    run = graphs.run
+
+    def counting(*args: object) -> torch.Tensor:
+        nonlocal replays
+        replays += 1
+        return run(*args)
+
+    graphs.run = counting  # type: ignore[method-assign]
+    replayed = _workload(engine, seed=3)
+    assert replays > 0
+    for rid, want in eager.items():
+        assert replayed[rid].token_ids == want.token_ids, rid
+        assert replayed[rid].logprobs == want.logprobs, rid
