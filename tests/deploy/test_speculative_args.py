@@ -1,5 +1,6 @@
-"""The serving surface's speculation options: YAML ``engine:`` and the CLI flags reach
-EngineOptions, and a Ray engine group with speculation is refused before Serve starts."""
+"""The serving surface's decode options (speculation, the graph mode): YAML ``engine:``
+and the CLI flags reach EngineOptions, and a Ray engine group with speculation is
+refused before Serve starts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from dsv41.cluster.options import engine_options
 from dsv41.deploy.app_args import AppArgs
-from dsv41.deploy.cli import _speculation_options, build_parser, main
+from dsv41.deploy.cli import _decode_options, build_parser, main
 
 
 def test_yaml_engine_options_and_cli_flags_select_dspark() -> None:
@@ -19,8 +20,18 @@ def test_yaml_engine_options_and_cli_flags_select_dspark() -> None:
     options = engine_options(args.engine_options())
     assert (options.speculative_method, options.num_speculative_tokens) == ("dspark", 5)
     parsed = build_parser().parse_args(["generate", "--prompt", "x", "--max-tokens", "3", "--method", "dspark", "--num-speculative-tokens", "5"])
-    assert _speculation_options(parsed) == {"speculative_method": "dspark", "num_speculative_tokens": 5}
-    assert _speculation_options(argparse.Namespace(method=None, num_speculative_tokens=None)) == {}
+    assert _decode_options(parsed) == {"speculative_method": "dspark", "num_speculative_tokens": 5}
+    assert _decode_options(argparse.Namespace(method=None, num_speculative_tokens=None, cudagraph_mode=None)) == {}
+
+
+def test_the_cli_flag_selects_the_graph_mode_and_its_refusal_names_why() -> None:
+    """``--cudagraph-mode full`` reaches EngineOptions; on the CPU `dsv41 generate`
+    exits with the engine's reason (Triton kernels on a CUDA device) before any weight
+    is read."""
+    parsed = build_parser().parse_args(["validate", "--output", "x.json", "--cudagraph-mode", "full"])
+    assert _decode_options(parsed) == {"cudagraph_mode": "full"}
+    with pytest.raises(SystemExit, match="dsv41 generate: cudagraph_mode: 'full' with kernel_backend 'torch' on 'cpu'"):
+        main(["generate", "--prompt", "x", "--max-tokens", "4", "--cudagraph-mode", "full"])
 
 
 def test_a_ray_group_with_speculation_is_refused_before_serve_starts() -> None:
