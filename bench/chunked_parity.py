@@ -27,9 +27,11 @@ difference is of this kind.
 
 Usage (CPU, the BENCHMARKS.md figures):
     python3 -m bench.chunked_parity --out bench/results/chunked_parity.json
-GPU, the full reference slice (the validation's "long" prompt at block 128):
-    python3 -m bench.chunked_parity --device cuda --slice reference-slice --tokens 509 \
-        --block-size 128 --dtypes float32,bfloat16 --kernel-backends torch,triton \
+GPU, the full reference slice at the validation's PAGE size (1100 tokens: from row 512
+on the ratio-1 layers, from row 1024 the ratio-2 layers, choose among more entries than
+index_topk; ``--tokens 509`` is the validation's "long" prompt):
+    python3 -m bench.chunked_parity --device cuda --slice reference-slice --tokens 1100 \
+        --block-size 128 --dtypes bfloat16,float32 --kernel-backends torch,triton \
         --out bench/results/chunked_parity_h200.json
 """
 
