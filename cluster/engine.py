@@ -317,7 +317,10 @@ class Engine(EngineClient):
         return self._requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+        """True while a request runs or waits, or while a rank still holds a request
+        that left it: the step that tells it to drop them is work too, else an idle
+        engine's ranks would keep the last requests' state until the next arrival."""
+        return any(s.has_unfinished() or s.has_releases() for s in self.schedulers)
 
     def stats(self) -> EngineStats:
         return EngineStats(

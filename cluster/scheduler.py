@@ -134,6 +134,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_releases(self) -> bool:
+        """True while the rank still holds requests that left it: its next batch,
+        even one with no rows, tells it to drop them."""
+        return bool(self._released)
+
     # -- scheduling -------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
