@@ -60,7 +60,7 @@ from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineOptions
 from dsv41.model.config import FLASH_CONFIG_DIR, LayerMode, V41Config
 from dsv41.model.indexer import visible_entries
-from dsv41.model.kernels import register_batch_invariant_kernels
+from dsv41.model.kernels import register_gpu_linalg_kernels
 from dsv41.model.params import ModelParams
 from dsv41.model.reference import ReferenceModel, ReferenceOutput
 from dsv41.model.reference_slice import REFERENCE_SLICE, SliceModel, SliceSpec, load_slice
@@ -189,7 +189,7 @@ def main() -> None:
     if args.experts is not None:
         spec = dataclasses.replace(spec, n_routed_experts=args.experts)
     torch.set_num_threads(1)
-    register_batch_invariant_kernels(args.device)
+    register_gpu_linalg_kernels(args.device)
     report: dict = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": commit(),

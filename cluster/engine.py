@@ -125,7 +125,9 @@ class Engine(EngineClient):
         parsed = engine_options(options)
         source = ModelSource.parse(model)
         check_replica_options(source.config(), parsed, 1)
-        params, tokenizer = source.load_params(dtype=parsed.dtype, device=parsed.device)
+        params, tokenizer = source.load_params(
+            dtype=parsed.dtype, device=parsed.device, weight_storage=parsed.weight_storage
+        )
         return cls.from_params(params, tokenizer, parsed)
 
     @classmethod

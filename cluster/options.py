@@ -27,6 +27,7 @@ from dsv41.cluster.scheduler import Scheduler, SchedulerConfig
 from dsv41.model.config import V41Config
 from dsv41.model.kernels import KERNEL_BACKENDS
 from dsv41.model.linalg import default_batch_invariant
+from dsv41.model.loader import WEIGHT_STORAGE
 
 DEFAULT_CACHE_BYTES = 512 << 20
 # The context a CPU replica gets unless max_model_len says otherwise. A prefill's cost
@@ -103,6 +104,10 @@ class EngineOptions:
     # 4, then multiples of 8 up to max_num_seqs).
     cudagraph_mode: str = "none"
     cudagraph_batch_sizes: tuple[int, ...] | None = None
+    # How the FP8 / FP4 weights of a quantised checkpoint live on the device: "stored"
+    # (the checkpoint's bytes, model/stored_weights.py; every kernel decodes its tiles
+    # exactly) or "decoded" (the compute dtype, 2-4x the bytes).
+    weight_storage: str = "stored"
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -113,6 +118,8 @@ class EngineOptions:
             raise EngineError(f"index_cache_dtype: {self.index_cache_dtype!r} (allowed: 'fp8', 'fp4')")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise EngineError(f"kernel_backend: {self.kernel_backend!r} (allowed: {', '.join(KERNEL_BACKENDS)})")
+        if self.weight_storage not in WEIGHT_STORAGE:
+            raise EngineError(f"weight_storage: {self.weight_storage!r} (allowed: {', '.join(map(repr, WEIGHT_STORAGE))})")
         if self.state_transfer not in ("replay", "copy"):
             raise EngineError(f"state_transfer: {self.state_transfer!r} (allowed: 'replay', 'copy')")
         if self.offload_host_bytes < 0 or self.offload_disk_bytes < 0:

@@ -28,7 +28,7 @@ from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.options import EngineOptions, RankLayout, check_replica_options
 from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
 from dsv41.cluster.tbo import TBOOptions, microbatch_rows, runs_split, split
-from dsv41.model.kernels import load_kernels, register_batch_invariant_kernels
+from dsv41.model.kernels import load_kernels, register_gpu_linalg_kernels
 from dsv41.model.kernels.interface import PagedKernels
 from dsv41.model.loader import ExpertShard
 from dsv41.model.params import ModelParams
@@ -101,8 +101,7 @@ class DPRank:
     ) -> None:
         if tbo is not None and exchange is None:
             raise DPError(f"tbo: {tbo} on a rank without an exchange (allowed: a rank of a replica of >= 2 ranks)")
-        if batch_invariant:
-            register_batch_invariant_kernels(device)
+        register_gpu_linalg_kernels(device)
         self.rank = rank
         self.exchange = exchange
         self.tbo = tbo
@@ -134,7 +133,9 @@ class DPRank:
         its device and joins ``group`` (required when ``dp.world`` > 1); ``offload``
         is the replica's offload store, shared by every rank."""
         check_replica_options(model.config(), options, dp.world)
-        params, _ = model.load_params(dtype=options.dtype, device=options.device, shard=dp.shard(rank))
+        params, _ = model.load_params(
+            dtype=options.dtype, device=options.device, weight_storage=options.weight_storage, shard=dp.shard(rank)
+        )
         kernels = load_kernels(options.kernel_backend)
         exchange = None
         if dp.world > 1:

@@ -41,6 +41,7 @@ from dsv41.cluster.ranks import EXPERT_MODES, DPLayout, ThreadedRanks
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
 from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.kernels import KERNEL_BACKENDS
+from dsv41.model.loader import WEIGHT_STORAGE
 from dsv41.model.params import ModelParams
 from dsv41.model.reference import ReferenceModel
 from dsv41.model.source import ModelSource
@@ -75,7 +76,9 @@ class ReplicaShape:
     ``speculative_method`` every scenario runs speculating, and its expected tokens are
     the uninterrupted runs without speculation: speculative greedy decoding must be
     plain greedy decoding, token for token. Likewise with ``cudagraph_mode`` "full"
-    the expected tokens are eager runs': replayed decode graphs must give them."""
+    the expected tokens are eager runs': replayed decode graphs must give them. The
+    replicas hold a quantised checkpoint's FP8 / FP4 weights as ``weight_storage`` says
+    (the dense reference reads the same weights, each decoded exactly where it is used)."""
 
     kind: str = "engine"
     dp: int = 1
@@ -88,6 +91,7 @@ class ReplicaShape:
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
     cudagraph_mode: str = "none"
+    weight_storage: str = "stored"
 
     def __post_init__(self) -> None:
         if self.kind not in REPLICA_KINDS:
@@ -106,6 +110,10 @@ class ReplicaShape:
             )
         if self.dtype not in DTYPES:
             raise ValidationError(f"ReplicaShape.dtype: {self.dtype!r} (allowed: {', '.join(DTYPES)})")
+        if self.weight_storage not in WEIGHT_STORAGE:
+            raise ValidationError(
+                f"ReplicaShape.weight_storage: {self.weight_storage!r} (allowed: {', '.join(WEIGHT_STORAGE)})"
+            )
         if self.backend == "nccl" and not self.device.startswith("cuda"):
             raise ValidationError(f"ReplicaShape.backend: 'nccl' on device {self.device!r} (allowed: 'gloo' off CUDA)")
         # Threads share one device string, and gloo has no CUDA all_gather: in-process
@@ -260,6 +268,7 @@ class _Validation:
             "speculative_method": self.shape.speculative_method,
             "num_speculative_tokens": self.shape.num_speculative_tokens,
             "cudagraph_mode": self.shape.cudagraph_mode,
+            "weight_storage": self.shape.weight_storage,
         }
         return base | options
 
@@ -529,7 +538,9 @@ def run_validation(
     source = ModelSource.parse(model)
     params = tokenizer = None
     if shape.kind == "engine":
-        params, tokenizer = source.load_params(dtype=DTYPES[shape.dtype], device=shape.device)
+        params, tokenizer = source.load_params(
+            dtype=DTYPES[shape.dtype], device=shape.device, weight_storage=shape.weight_storage
+        )
     if factory is None:
         factory = _local_factory(shape, source, params, tokenizer)
     v = _Validation(source.config().vocab_size, params, tokenizer, shape, factory, block_size, progress)

@@ -295,6 +295,10 @@ def run_in_process(engine: "Engine", workload: Workload, progress: Progress | No
                 del in_flight[output.request_id]
                 finish(state.record(start, now, str(output.finish_reason)), now)
     duration = time.perf_counter() - start
+    # The step that tells the ranks the last requests left (not timed), so the engine
+    # is left idle, as it came.
+    while engine.has_unfinished_requests():
+        engine.step()
     target = {"engine": type(engine).__name__, "endpoint": workload.endpoint}
     return BenchReport.build("in-process", target, workload, records, duration)
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from dsv41.deploy.app_args import AppArgs
 
 from dsv41.cluster.cuda_graphs import CUDAGRAPH_MODES
+from dsv41.model.loader import WEIGHT_STORAGE
 from dsv41.model.tiny import embedded_model_dir
 
 SERVE_APP_NAME = "dsv41"
@@ -144,7 +145,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise SystemExit("--dp: must be a positive integer")
     model_dir = _model_dir(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    options = _decode_options(args)
+    options = _runtime_options(args)
     if args.enable_tbo == "prefill":
         options["enable_tbo_prefill"] = True
     if args.tbo_prefill_min_tokens is not None:
@@ -179,9 +180,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     _generate(args, engine.generate, engine.tokenizer, params)
 
 
-def _decode_options(args: argparse.Namespace) -> dict[str, object]:
-    """The engine options of how decode steps run: --method / --num-speculative-tokens
-    and --cudagraph-mode (none when not given)."""
+def _runtime_options(args: argparse.Namespace) -> dict[str, object]:
+    """The engine options of how the runtime runs that generate, validate and serve
+    share: --method / --num-speculative-tokens, --cudagraph-mode and --weight-storage
+    (none when not given)."""
     options: dict[str, object] = {}
     if args.method is not None:
         options["speculative_method"] = args.method
@@ -189,10 +191,12 @@ def _decode_options(args: argparse.Namespace) -> dict[str, object]:
         options["num_speculative_tokens"] = args.num_speculative_tokens
     if args.cudagraph_mode is not None:
         options["cudagraph_mode"] = args.cudagraph_mode
+    if args.weight_storage is not None:
+        options["weight_storage"] = args.weight_storage
     return options
 
 
-def _add_decode_arguments(p: argparse.ArgumentParser) -> None:
+def _add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=("dspark",), default=None, help="speculative decoding: DSpark (the mtp stages)")
     p.add_argument(
         "--num-speculative-tokens", type=int, default=None, help="drafts per step (default with --method dspark: 5)"
@@ -202,6 +206,13 @@ def _add_decode_arguments(p: argparse.ArgumentParser) -> None:
         choices=CUDAGRAPH_MODES,
         default=None,
         help="none (eager) or full (each decode step one CUDA graph replay; Triton kernels on CUDA; default none)",
+    )
+    p.add_argument(
+        "--weight-storage",
+        choices=WEIGHT_STORAGE,
+        default=None,
+        help="stored (default: a quantised checkpoint's FP8 / FP4 weights stay in its bytes, decoded in each kernel) "
+        "or decoded (the compute dtype, 2-4x the bytes)",
     )
 
 
@@ -264,6 +275,7 @@ def cmd_validate(args: argparse.Namespace) -> None:
             speculative_method=args.method,
             num_speculative_tokens=args.num_speculative_tokens,
             cudagraph_mode=args.cudagraph_mode or "none",
+            weight_storage=args.weight_storage or "stored",
         )
         with _ray_validation_groups(model, shape) if on_ray else nullcontext(None) as factory:
             report = run_validation(
@@ -371,9 +383,9 @@ def _serve_settings(args: argparse.Namespace) -> tuple[str, int, str, dict[str, 
 
         # The embedded model's name, not its directory's ("tiny-trained"), as the YAML's.
         app_args.setdefault("served_model_name", TINY_MODEL_NAME)
-    decode = _decode_options(args)
-    if decode:
-        app_args["engine"] = {**app_args.get("engine", {}), **decode}
+    runtime = _runtime_options(args)
+    if runtime:
+        app_args["engine"] = {**app_args.get("engine", {}), **runtime}
     # Made here, once, rather than by replicas racing to write the same directory.
     app_args["model"] = args.model or app_args.get("model") or str(default_model_dir())
     return host, port, route_prefix, app_args
@@ -511,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print {name: token ids} as JSON")
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="ranks in this process, or Ray actors")
     p.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks (experts sharded over them)")
-    _add_decode_arguments(p)
+    _add_runtime_arguments(p)
     p.add_argument(
         "--enable-tbo",
         choices=("prefill",),
@@ -562,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-size", type=int, default=32, help="PAGE tokens (the workload scales with it; >= window - 1 for replay)"
     )
     p.add_argument("--scenarios", help="comma-separated scenario names (default: every one the replica supports)")
-    _add_decode_arguments(p)
+    _add_runtime_arguments(p)
     p.set_defaults(func=cmd_validate)
 
     from dsv41.deploy.bench import add_bench_arguments
@@ -604,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse larger request bodies with 413 (default: the config's limits, else 8 MiB)",
     )
     p.add_argument("--config", help="Serve YAML with one application of dsv41.deploy.app:build_app")
-    _add_decode_arguments(p)
+    _add_runtime_arguments(p)
     p.add_argument(
         "--start-timeout",
         type=_positive_number,

@@ -18,17 +18,18 @@ from dsv41.model.formats import round_fp8
 from dsv41.model.linalg import batched_matmul, grouped_linear, linear, softmax
 from dsv41.model.norm import rms_norm
 from dsv41.model.rope import Rope
+from dsv41.model.stored_weights import Weight
 
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    wq_a: torch.Tensor  # [q_lora, hidden]
+    wq_a: Weight  # [q_lora, hidden]
     q_norm: torch.Tensor  # [q_lora]
-    wq_b: torch.Tensor  # [heads * head_dim, q_lora]
-    wkv: torch.Tensor  # [head_dim, hidden]
+    wq_b: Weight  # [heads * head_dim, q_lora]
+    wkv: Weight  # [head_dim, hidden]
     kv_norm: torch.Tensor  # [head_dim]
-    wo_a: torch.Tensor  # [o_groups * o_lora, heads * head_dim / o_groups]
-    wo_b: torch.Tensor  # [hidden, o_groups * o_lora]
+    wo_a: Weight  # [o_groups * o_lora, heads * head_dim / o_groups]
+    wo_b: Weight  # [hidden, o_groups * o_lora]
     attn_sink: torch.Tensor  # [heads] fp32
 
 
@@ -77,5 +78,4 @@ def output_projection(
     """Inverse RoPE at the query position, then ``wo_a`` per head group and ``wo_b``."""
     tokens = o.shape[0]
     o = rope.apply(o, positions, inverse=True).reshape(tokens, o_groups, -1)
-    wo_a = w.wo_a.reshape(o_groups, -1, o.shape[-1])
-    return linear(grouped_linear(o, wo_a).reshape(tokens, -1), w.wo_b)
+    return linear(grouped_linear(o, w.wo_a).reshape(tokens, -1), w.wo_b)

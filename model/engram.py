@@ -28,6 +28,7 @@ from tokenizers import Regex, Tokenizer, normalizers
 from dsv41.model.config import ConfigError, V41Config
 from dsv41.model.formats import FP8_BLOCK, dequantize_fp8, row_scale_groups
 from dsv41.model.linalg import linear, pointwise, row_mean, row_sum
+from dsv41.model.stored_weights import Weight
 
 DEAD: int = -1  # a history slot before the sequence start (the STATE cursor's sentinel)
 
@@ -415,7 +416,7 @@ class EngramTable:
 def engram_update(
     streams: torch.Tensor,
     embeddings: torch.Tensor,
-    wkv: torch.Tensor,
+    wkv: Weight,
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
     eps: float,
@@ -423,7 +424,7 @@ def engram_update(
     """The streams after Engram: ``h_s + gate_s * value`` per stream s.
 
     ``streams [T, hc, hidden]``; ``embeddings [T, input_dim]`` (looked-up rows);
-    ``wkv [(hc + 1) * hidden, input_dim]`` in the compute dtype, giving hc keys then one
+    ``wkv [(hc + 1) * hidden, input_dim]`` in the compute dtype or as stored, giving hc keys then one
     value; ``q_weight``, ``k_weight [hc, hidden]``. The projection runs in the compute
     dtype, the gate and the add in fp32; the result has ``streams.dtype``.
     """

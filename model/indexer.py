@@ -18,13 +18,14 @@ from dsv41.model.config import LayerTopology, V41Config
 from dsv41.model.formats import round_mxfp4
 from dsv41.model.linalg import linear, ordered_sum, tiled_dots
 from dsv41.model.rope import Rope
+from dsv41.model.stored_weights import Weight
 
 EMPTY = -1  # an unused selection slot
 
 
 @dataclass(frozen=True)
 class IndexerWeights:
-    wq_b: torch.Tensor  # [index_heads * index_head_dim, q_lora]
+    wq_b: Weight  # [index_heads * index_head_dim, q_lora]
     weights_proj: torch.Tensor  # [index_heads, hidden]
 
 

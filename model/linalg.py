@@ -53,6 +53,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from dsv41.model.stored_weights import Fp4Weight, Fp8Weight, Weight
+
 logger = logging.getLogger(__name__)
 
 # Rows per GEMM in the batch-invariant mode. Any fixed size works; 16 keeps the padding
@@ -91,9 +93,9 @@ def register_gpu_kernels(kernels: GpuKernels) -> None:
 def _gpu() -> GpuKernels:
     if _gpu_kernels is None:
         raise RuntimeError(
-            "the batch-invariant mode on a GPU runs the Triton backend's GEMM and row reduction, and none is "
-            "registered: call model.kernels.register_batch_invariant_kernels(device) first (an engine in the "
-            "mode does)"
+            "the batch-invariant mode on a GPU, and a projection through an FP8 weight as stored, run the Triton "
+            "backend's GEMM and row reduction, and none is registered: call "
+            "model.kernels.register_gpu_linalg_kernels(device) first (an engine on a GPU does)"
         )
     return _gpu_kernels
 
@@ -152,9 +154,24 @@ def _tiled_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(torch.cat((a, torch.zeros_like(a))), b.expand(2, -1, -1))[:1]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _plain(x: torch.Tensor, weight: Weight) -> torch.Tensor | Fp8Weight:
+    """The weight as a projection of ``x`` reads it: an FP8 weight stays as stored on
+    a GPU (the registered GEMM decodes its tiles in registers); elsewhere, and for an
+    FP4 weight, its exact decode in x's dtype."""
+    if isinstance(weight, Fp8Weight) and x.is_cuda:
+        return weight
+    if isinstance(weight, (Fp8Weight, Fp4Weight)):
+        return weight.decoded(x.dtype)
+    return weight
+
+
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """``x @ weight.T``: x [..., K], weight [N, K] -> [..., N] in x's dtype (the
-    operands must share a dtype)."""
+    operands must share a dtype; a stored weight decodes to x's)."""
+    weight = _plain(x, weight)
+    if isinstance(weight, Fp8Weight):
+        lead, k = x.shape[:-1], x.shape[-1]
+        return _gpu().matmul(x.reshape(-1, k), weight).reshape(*lead, weight.shape[0])
     if not batch_invariant_enabled():
         return x @ weight.t()
     lead, k = x.shape[:-1], x.shape[-1]
@@ -182,12 +199,17 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _tiled_bmm(a, b.transpose(1, 2))
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Group g of every row through its own projection: x [T, G, I], weight [G, O, I]
-    -> [T, G, O]."""
+def grouped_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """Group g of every row through its own projection, the g-th of G equal row blocks
+    of ``weight``: x [T, G, I], weight [G * O, I] -> [T, G, O]."""
+    groups = x.shape[1]
+    weight = _plain(x, weight)
+    if isinstance(weight, Fp8Weight):
+        return torch.stack([linear(x[:, g], w) for g, w in enumerate(weight.row_groups(groups))], dim=1)
+    per_group = weight.reshape(groups, -1, weight.shape[-1])
     if not batch_invariant_enabled():
-        return torch.einsum("tgi,goi->tgo", x, weight)
-    return torch.stack([linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
+        return torch.einsum("tgi,goi->tgo", x, per_group)
+    return torch.stack([linear(x[:, g], per_group[g]) for g in range(groups)], dim=1)
 
 
 def tiled_dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

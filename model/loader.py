@@ -34,6 +34,8 @@ from tokenizers import Tokenizer
 
 from dsv41.model.config import ConfigError, V41Config
 from dsv41.model.engram import EngramTable, build_compressed_token_map, engram_row_counts
+from dsv41.model.stored_weights import COMPUTE_DTYPES as STORED_COMPUTE_DTYPES
+from dsv41.model.stored_weights import Fp4Weight, Fp8Weight, Weight
 from dsv41.model.weights import (
     SCALE_SUFFIX,
     WEIGHT_SUFFIX,
@@ -77,6 +79,10 @@ _QUANTIZED_VALUE_DTYPES: dict[TensorKind, tuple[str, ...]] = {
     TensorKind.ENGRAM_TABLE: ("F8_E4M3",),
 }
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# How post-load holds the quantised weights: "stored" keeps FP8 / FP4 weights in the
+# checkpoint's bytes (model/stored_weights.py), "decoded" decodes them to the compute
+# dtype (the dense reference's form, and training's).
+WEIGHT_STORAGE = ("stored", "decoded")
 _SUPPORTED_EXPERT_DTYPES = ("fp4", "bf16")
 # A header this large is not a safetensors header (Flash's largest is a few MiB).
 _MAX_HEADER_BYTES = 1 << 28
@@ -182,7 +188,7 @@ class _StoredTensor:
 
 class LoadedCheckpoint:
     """A loaded checkpoint. ``tensors`` holds every declared tensor this rank loaded by
-    canonical name, decoded and cast (Engram tables are in ``engram_tables`` instead,
+    canonical name, decoded and cast, or its FP8 / FP4 weights as stored (``weight_storage``; Engram tables are in ``engram_tables`` instead,
     memory-mapped, by layer id); routed-expert names keep their global expert ids and
     TP-sharded ones hold the rank's slice. ``token_map`` / ``num_compressed`` are the
     Engram compressed-token map of the tokenizer."""
@@ -193,6 +199,7 @@ class LoadedCheckpoint:
         config: V41Config,
         tokenizer: Tokenizer,
         dtype: torch.dtype,
+        weight_storage: str,
         shard: ExpertShard | None,
         stored: dict[str, _StoredTensor],
         engram_tables: dict[int, EngramTable],
@@ -203,8 +210,9 @@ class LoadedCheckpoint:
         self.config = config
         self.tokenizer = tokenizer
         self.dtype = dtype
+        self.weight_storage = weight_storage
         self.shard = shard
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, Weight] = {}
         self.engram_tables = engram_tables
         self.expert_ids = expert_ids
         self.dspark_expert_ids = dspark_expert_ids
@@ -223,8 +231,9 @@ class LoadedCheckpoint:
             )
 
     def post_load(self) -> None:
-        """Decodes quantised weights exactly, casts to the compute dtype (FP32 kinds stay
-        float32) and builds the Engram compressed-token map. Runs once: decoding twice
+        """Decodes quantised weights exactly (or, under ``weight_storage="stored"``,
+        keeps FP8 and FP4 weights as stored), casts the rest to the compute dtype (FP32
+        kinds stay float32) and builds the Engram compressed-token map. Runs once: decoding twice
         would re-cast already-cast weights, so a second call is a bug and raises."""
         if self.post_load_runs:
             raise RuntimeError("LoadedCheckpoint.post_load: already ran; post-load processing runs exactly once")
@@ -241,27 +250,51 @@ class LoadedCheckpoint:
             target = torch.float32 if stored.spec.kind is TensorKind.FP32 else self.dtype
             if stored.scale is None:
                 self.tensors[name] = stored.values.to(target)
+            elif self.weight_storage == "stored":
+                self.tensors[name] = _resident(stored, self.dtype)
             else:
                 self.tensors[name] = dequantize(stored.spec, stored.values, stored.scale).to(target)
         self._stored = {}
         self.post_load_runs += 1
 
 
+def _resident(stored: _StoredTensor, dtype: torch.dtype) -> Weight:
+    """A quantised weight in the checkpoint's own bytes (scales as raw E8M0 bytes)."""
+    scale = stored.scale.view(torch.uint8)
+    if stored.spec.kind is TensorKind.FP8_WEIGHT:
+        return Fp8Weight(stored.values.view(torch.float8_e4m3fn), scale, dtype)
+    if stored.spec.kind is TensorKind.FP4_EXPERT:
+        return Fp4Weight(stored.values.view(torch.uint8), scale, dtype)
+    raise CheckpointError(f"{stored.spec.name}: kind {stored.spec.kind.name} has no resident stored form")
+
+
+def _check_load_dtype(dtype: torch.dtype, weight_storage: str) -> None:
+    if dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"dtype: {dtype} (allowed: {', '.join(str(d) for d in _COMPUTE_DTYPES)})")
+    if weight_storage not in WEIGHT_STORAGE:
+        raise ValueError(f"weight_storage: {weight_storage!r} (allowed: {', '.join(WEIGHT_STORAGE)})")
+    if weight_storage == "stored" and dtype not in STORED_COMPUTE_DTYPES:
+        raise ValueError(
+            f"dtype: {dtype} with weight_storage 'stored' (allowed: {', '.join(map(str, STORED_COMPUTE_DTYPES))}, "
+            "which hold every stored FP8 / FP4 value exactly; or weight_storage 'decoded')"
+        )
+
+
 def load_checkpoint(
     model_dir: str | Path,
     *,
     dtype: torch.dtype = torch.float32,
+    weight_storage: str = "decoded",
     shard: ExpertShard | None = None,
     text_only: bool = False,
     progress: Callable[[LoadProgress], None] | None = None,
 ) -> LoadedCheckpoint:
     """Loads ``model_dir`` for one rank (``shard``: its part of the routed experts;
-    None: all of them). ``text_only`` ignores a vision tower. ``progress`` is called
+    None: all of them), its quantised weights held as ``weight_storage`` says. ``text_only`` ignores a vision tower. ``progress`` is called
     after every tensor. Raises ConfigError / CheckpointError naming what is wrong."""
     root = Path(model_dir)
     config = V41Config.from_pretrained(root, text_only=text_only)
-    if dtype not in _COMPUTE_DTYPES:
-        raise ValueError(f"dtype: {dtype} (allowed: {', '.join(str(d) for d in _COMPUTE_DTYPES)})")
+    _check_load_dtype(dtype, weight_storage)
     _check_config_for_loading(config)
     expert_ids, dspark_expert_ids = _shard_experts(config, shard)
     tokenizer = read_tokenizer(root, config)
@@ -273,6 +306,7 @@ def load_checkpoint(
         config=config,
         tokenizer=tokenizer,
         dtype=dtype,
+        weight_storage=weight_storage,
         shard=shard,
         stored=stored,
         engram_tables=engram_tables,
@@ -316,6 +350,7 @@ def load_generated(
     *,
     source: str,
     dtype: torch.dtype = torch.float32,
+    weight_storage: str = "decoded",
     shard: ExpertShard | None = None,
 ) -> LoadedCheckpoint:
     """Loads one rank's part of a checkpoint whose stored tensors ``make`` produces in
@@ -324,8 +359,7 @@ def load_generated(
     against the declarations as a shard file's header is, and the same post-load pass
     runs once. Every declared tensor is made (DSpark stages where the config has them);
     Engram tables must be made on the host. ``source`` names the maker in errors."""
-    if dtype not in _COMPUTE_DTYPES:
-        raise ValueError(f"dtype: {dtype} (allowed: {', '.join(str(d) for d in _COMPUTE_DTYPES)})")
+    _check_load_dtype(dtype, weight_storage)
     _check_config_for_loading(config)
     _check_tokenizer(tokenizer, config, source)
     expert_ids, dspark_expert_ids = _shard_experts(config, shard)
@@ -359,6 +393,7 @@ def load_generated(
         config=config,
         tokenizer=tokenizer,
         dtype=dtype,
+        weight_storage=weight_storage,
         shard=shard,
         stored=stored,
         engram_tables=engram_tables,

@@ -19,13 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from dsv41.model.linalg import linear, ordered_sum, pointwise, small_sum
+from dsv41.model.stored_weights import Weight
 
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    w1: torch.Tensor  # [inter, hidden]
-    w2: torch.Tensor  # [hidden, inter]
-    w3: torch.Tensor  # [inter, hidden]
+    w1: Weight  # [inter, hidden]
+    w2: Weight  # [hidden, inter]
+    w3: Weight  # [inter, hidden]
 
 
 @dataclass(frozen=True)

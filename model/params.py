@@ -26,12 +26,13 @@ from dsv41.model.loader import ExpertShard, LoadedCheckpoint, LoadProgress, load
 from dsv41.model.mhc import HcSite
 from dsv41.model.moe import ExpertWeights, MoEWeights
 from dsv41.model.rope import Rope
+from dsv41.model.stored_weights import Weight
 
 
 @dataclass(frozen=True)
 class EngramParams:
     table: EngramTable
-    wkv: torch.Tensor  # [(hc + 1) * hidden, input_dim]
+    wkv: Weight  # [(hc + 1) * hidden, input_dim]
     q_weight: torch.Tensor  # [hc, hidden]
     k_weight: torch.Tensor  # [hc, hidden]
 
@@ -259,10 +260,13 @@ def load_model_params(
     model_dir: str | Path,
     *,
     dtype: torch.dtype = torch.float32,
+    weight_storage: str = "decoded",
     shard: ExpertShard | None = None,
     text_only: bool = False,
     progress: Callable[[LoadProgress], None] | None = None,
 ) -> tuple[ModelParams, LoadedCheckpoint]:
     """Loads a checkpoint (one rank's shard of it) and arranges it per layer."""
-    checkpoint = load_checkpoint(model_dir, dtype=dtype, shard=shard, text_only=text_only, progress=progress)
+    checkpoint = load_checkpoint(
+        model_dir, dtype=dtype, weight_storage=weight_storage, shard=shard, text_only=text_only, progress=progress
+    )
     return ModelParams.from_checkpoint(checkpoint), checkpoint

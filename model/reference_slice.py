@@ -32,6 +32,10 @@ from dsv41.model.tiny import PAD_TOKEN, SPECIAL_TOKENS, SYSTEM_TOKEN, init_rule
 from dsv41.model.weights import TensorKind, TensorSpec, quantize
 
 EXPERT_FORMATS = ("bf16", "fp4")
+# How the slice stores its FP8_WEIGHT kinds (attention projections, shared experts,
+# the indexer's wq_b, Engram's wkv): plain bf16, or FP8 E4M3 with 32x32 E8M0 scales as
+# the released checkpoint does.
+DENSE_FORMATS = ("bf16", "fp8")
 # Size fields a slice may also replace (config.json names): SMALL_SLICE shrinks them.
 WIDTH_FIELDS = (
     "vocab_size",
@@ -231,7 +235,8 @@ class SliceWeights:
 
     Values follow make_tiny's initialisation rules (model/tiny.py), drawn in float32 on
     ``device`` from a seed derived from (``seed``, tensor name), rounded to bf16 (FP32
-    kinds stay float32), routed experts quantised to FP4 under ``expert_format="fp4"``.
+    kinds stay float32), routed experts quantised to FP4 under ``expert_format="fp4"``,
+    the FP8_WEIGHT kinds quantised to FP8 (32x32 tiles) under ``dense_format="fp8"``.
     Routed experts are drawn per granule of EXPERT_GRANULE intermediate channels, so a
     rank's experts or TP slice equal the same part of the whole model, made without
     the rest. The same seed gives the same tensors on every device of one type (CPU and
@@ -243,10 +248,14 @@ class SliceWeights:
         seed: int,
         expert_format: str,
         device: torch.device | str,
+        dense_format: str = "bf16",
         progress: Callable[[GenerationProgress], None] | None = None,
     ) -> None:
         if expert_format not in EXPERT_FORMATS:
             raise ValueError(f"expert_format: {expert_format!r} (allowed: {', '.join(EXPERT_FORMATS)})")
+        if dense_format not in DENSE_FORMATS:
+            raise ValueError(f"dense_format: {dense_format!r} (allowed: {', '.join(DENSE_FORMATS)})")
+        self.dense_format = dense_format
         self.seed = seed
         self.expert_format = expert_format
         self.device = torch.device(device)
@@ -261,7 +270,10 @@ class SliceWeights:
         scale = None
         if spec.kind is not TensorKind.FP32:
             values = values.to(torch.bfloat16)
-            if spec.kind is TensorKind.FP4_EXPERT and self.expert_format == "fp4":
+            quantised = (spec.kind is TensorKind.FP4_EXPERT and self.expert_format == "fp4") or (
+                spec.kind is TensorKind.FP8_WEIGHT and self.dense_format == "fp8"
+            )
+            if quantised:
                 held = spec if part is None else dataclasses.replace(spec, shape=part.shape_of(spec.shape))
                 values, scale = quantize(held, values.float())
         if spec.kind is TensorKind.ENGRAM_TABLE:
@@ -322,11 +334,20 @@ def load_slice(
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    weight_storage: str = "decoded",
+    dense_format: str = "bf16",
     shard: ExpertShard | None = None,
     progress: Callable[[GenerationProgress], None] | None = None,
 ) -> LoadedCheckpoint:
     """One rank's part of the slice (``shard``: its experts; None: all), its weights
     made on ``device`` (Engram tables on the host) and post-load processed there."""
-    maker = SliceWeights(seed=seed, expert_format=model.expert_format, device=device, progress=progress)
-    source = f"{model.spec.name} ({model.expert_format} experts, seed {seed}, generated on {torch.device(device)})"
-    return load_generated(model.config, model.tokenizer, maker, source=source, dtype=dtype, shard=shard)
+    maker = SliceWeights(
+        seed=seed, expert_format=model.expert_format, dense_format=dense_format, device=device, progress=progress
+    )
+    source = (
+        f"{model.spec.name} ({model.expert_format} experts, {dense_format} dense weights, seed {seed}, "
+        f"generated on {torch.device(device)})"
+    )
+    return load_generated(
+        model.config, model.tokenizer, maker, source=source, dtype=dtype, weight_storage=weight_storage, shard=shard
+    )

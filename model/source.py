@@ -3,7 +3,7 @@
 Owns :class:`ModelSource`, the one value every loader of a model takes (the in-process
 engine, each DP rank, the scheduler that only needs the config and tokenizer): a
 checkpoint directory in the official format, or ``generated:<slice>[,experts=bf16|fp4]
-[,seed=N]``, one of model/reference_slice.py's slices with random weights made on the
+[,dense=bf16|fp8][,seed=N]``, one of model/reference_slice.py's slices with random weights made on the
 rank's device (so a rank holding a Flash-width expert shard never reads or writes a
 checkpoint). Both resolve to the same ``ModelParams``/tokenizer/config, and a source
 round-trips through its string, which is how it crosses to Ray actors.
@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.loader import ExpertShard, LoadProgress, read_tokenizer
 from dsv41.model.params import ModelParams, load_model_params
-from dsv41.model.reference_slice import EXPERT_FORMATS, REFERENCE_SLICE, SMALL_SLICE, SliceModel, SliceSpec, load_slice
+from dsv41.model.reference_slice import DENSE_FORMATS, EXPERT_FORMATS, REFERENCE_SLICE, SMALL_SLICE, SliceModel, SliceSpec, load_slice
 
 GENERATED_PREFIX = "generated:"
 SLICES: dict[str, SliceSpec] = {spec.name: spec for spec in (REFERENCE_SLICE, SMALL_SLICE)}
@@ -46,12 +46,14 @@ class ModelSourceError(ValueError):
 @dataclass(frozen=True)
 class ModelSource:
     """A checkpoint directory (``checkpoint_dir``) or a generated slice
-    (``slice_name``, its routed experts' ``expert_format`` and weight ``seed``)."""
+    (``slice_name``, its routed experts' ``expert_format``, its FP8_WEIGHT kinds'
+    ``dense_format`` and weight ``seed``)."""
 
     checkpoint_dir: Path | None = None
     slice_name: str | None = None
     expert_format: str = "bf16"
     seed: int = 0
+    dense_format: str = "bf16"
 
     def __post_init__(self) -> None:
         if (self.checkpoint_dir is None) == (self.slice_name is None):
@@ -62,12 +64,16 @@ class ModelSource:
             raise ModelSourceError(
                 f"ModelSource.expert_format: {self.expert_format!r} (allowed: {', '.join(EXPERT_FORMATS)})"
             )
+        if self.dense_format not in DENSE_FORMATS:
+            raise ModelSourceError(
+                f"ModelSource.dense_format: {self.dense_format!r} (allowed: {', '.join(DENSE_FORMATS)})"
+            )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ModelSourceError(f"ModelSource.seed: {self.seed!r} (allowed: an int >= 0)")
 
     @classmethod
     def parse(cls, source: "str | Path | ModelSource") -> "ModelSource":
-        """A directory path, or ``generated:<slice>[,experts=bf16|fp4][,seed=N]``."""
+        """A directory path, or ``generated:<slice>[,experts=bf16|fp4][,dense=bf16|fp8][,seed=N]``."""
         if isinstance(source, ModelSource):
             return source
         text = str(source)
@@ -77,18 +83,26 @@ class ModelSource:
         values: dict[str, str] = {}
         for setting in settings:
             key, sep, value = setting.partition("=")
-            if not sep or key not in ("experts", "seed") or key in values:
-                raise ModelSourceError(f"model source {text!r}: {setting!r} (allowed: experts=bf16|fp4, seed=N, each once)")
+            if not sep or key not in ("experts", "dense", "seed") or key in values:
+                raise ModelSourceError(
+                    f"model source {text!r}: {setting!r} (allowed: experts=bf16|fp4, dense=bf16|fp8, seed=N, each once)"
+                )
             values[key] = value
         seed = values.get("seed", "0")
         if not seed.isdigit():
             raise ModelSourceError(f"model source {text!r}: seed={seed!r} (allowed: an int >= 0)")
-        return cls(slice_name=name, expert_format=values.get("experts", "bf16"), seed=int(seed))
+        return cls(
+            slice_name=name,
+            expert_format=values.get("experts", "bf16"),
+            dense_format=values.get("dense", "bf16"),
+            seed=int(seed),
+        )
 
     def __str__(self) -> str:
         if self.checkpoint_dir is not None:
             return str(self.checkpoint_dir)
-        return f"{GENERATED_PREFIX}{self.slice_name},experts={self.expert_format},seed={self.seed}"
+        dense = "" if self.dense_format == "bf16" else f",dense={self.dense_format}"
+        return f"{GENERATED_PREFIX}{self.slice_name},experts={self.expert_format}{dense},seed={self.seed}"
 
     def _slice(self) -> SliceModel:
         assert self.slice_name is not None
@@ -110,6 +124,7 @@ class ModelSource:
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        weight_storage: str = "decoded",
         shard: ExpertShard | None = None,
         progress: Callable[[LoadProgress], None] | None = None,
     ) -> tuple[ModelParams, Tokenizer]:
@@ -118,9 +133,22 @@ class ModelSource:
         and moved; a slice is made on ``device`` directly (its Engram tables on the
         host either way)."""
         if self.checkpoint_dir is None:
-            checkpoint = load_slice(self._slice(), seed=self.seed, dtype=dtype, device=device, shard=shard)
+            checkpoint = load_slice(
+                self._slice(),
+                seed=self.seed,
+                dtype=dtype,
+                device=device,
+                weight_storage=weight_storage,
+                dense_format=self.dense_format,
+                shard=shard,
+            )
             return ModelParams.from_checkpoint(checkpoint), checkpoint.tokenizer
         params, checkpoint = load_model_params(
-            self.checkpoint_dir, dtype=dtype, shard=shard, text_only=True, progress=progress
+            self.checkpoint_dir,
+            dtype=dtype,
+            weight_storage=weight_storage,
+            shard=shard,
+            text_only=True,
+            progress=progress,
         )
         return params.to(device), checkpoint.tokenizer

@@ -164,11 +164,15 @@ def test_logprobs_and_prompt_logprobs_match_the_reference(engine: Engine) -> Non
 
 
 def test_abort_frees_everything_and_reports_unknown_ids(engine: Engine) -> None:
-    """Aborting a running request frees its PAGEs and slot; unknown ids answer False."""
+    """Aborting a running request frees its PAGEs and slot; unknown ids answer False.
+    The engine has work left until one more step tells the rank the request left
+    (``has_unfinished_requests``), and after that step the rank holds nothing."""
     engine.add_request("victim", _prompt(engine, 100, 5), GREEDY)
     engine.step()
     assert engine.request("victim") is not None
     assert engine.abort("victim")
     assert not engine.abort("victim") and not engine.abort("never-seen")
     stats = engine.block_manager.stats()
-    assert not engine.has_unfinished_requests() and stats.requests == 0 and stats.slots_used == 0
+    assert stats.requests == 0 and stats.slots_used == 0
+    assert engine.has_unfinished_requests() and engine.step() == []
+    assert not engine.has_unfinished_requests() and len(engine.executor.runner.requests) == 0

@@ -10,7 +10,7 @@ import pytest
 
 from dsv41.cluster.options import engine_options
 from dsv41.deploy.app_args import AppArgs
-from dsv41.deploy.cli import _decode_options, build_parser, main
+from dsv41.deploy.cli import _runtime_options, build_parser, main
 
 
 def test_yaml_engine_options_and_cli_flags_select_dspark() -> None:
@@ -20,8 +20,9 @@ def test_yaml_engine_options_and_cli_flags_select_dspark() -> None:
     options = engine_options(args.engine_options())
     assert (options.speculative_method, options.num_speculative_tokens) == ("dspark", 5)
     parsed = build_parser().parse_args(["generate", "--prompt", "x", "--max-tokens", "3", "--method", "dspark", "--num-speculative-tokens", "5"])
-    assert _decode_options(parsed) == {"speculative_method": "dspark", "num_speculative_tokens": 5}
-    assert _decode_options(argparse.Namespace(method=None, num_speculative_tokens=None, cudagraph_mode=None)) == {}
+    assert _runtime_options(parsed) == {"speculative_method": "dspark", "num_speculative_tokens": 5}
+    unset = argparse.Namespace(method=None, num_speculative_tokens=None, cudagraph_mode=None, weight_storage=None)
+    assert _runtime_options(unset) == {}
 
 
 def test_the_cli_flag_selects_the_graph_mode_and_its_refusal_names_why() -> None:
@@ -29,7 +30,9 @@ def test_the_cli_flag_selects_the_graph_mode_and_its_refusal_names_why() -> None
     exits with the engine's reason (Triton kernels on a CUDA device) before any weight
     is read."""
     parsed = build_parser().parse_args(["validate", "--output", "x.json", "--cudagraph-mode", "full"])
-    assert _decode_options(parsed) == {"cudagraph_mode": "full"}
+    assert _runtime_options(parsed) == {"cudagraph_mode": "full"}
+    parsed = build_parser().parse_args(["serve", "--weight-storage", "decoded"])
+    assert _runtime_options(parsed) == {"weight_storage": "decoded"}
     with pytest.raises(SystemExit, match="dsv41 generate: cudagraph_mode: 'full' with kernel_backend 'torch' on 'cpu'"):
         main(["generate", "--prompt", "x", "--max-tokens", "4", "--cudagraph-mode", "full"])
 

@@ -17,18 +17,19 @@ from hypothesis import strategies as st
 
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.params import load_model_params
-from dsv41.model.reference_slice import EXPERT_FORMATS, SMALL_SLICE, SliceModel
+from dsv41.model.reference_slice import DENSE_FORMATS, EXPERT_FORMATS, SMALL_SLICE, SliceModel
 from dsv41.model.source import SLICES, ModelSource, ModelSourceError
 
 
 @given(
     name=st.sampled_from(sorted(SLICES)),
     experts=st.sampled_from(EXPERT_FORMATS),
+    dense=st.sampled_from(DENSE_FORMATS),
     seed=st.integers(min_value=0, max_value=2**31),
 )
-def test_generated_sources_round_trip_through_their_string(name: str, experts: str, seed: int) -> None:
+def test_generated_sources_round_trip_through_their_string(name: str, experts: str, dense: str, seed: int) -> None:
     """parse(str(source)) == source, and the short form takes the defaults."""
-    source = ModelSource(slice_name=name, expert_format=experts, seed=seed)
+    source = ModelSource(slice_name=name, expert_format=experts, dense_format=dense, seed=seed)
     assert ModelSource.parse(str(source)) == source
     assert ModelSource.parse(f"generated:{name}") == ModelSource(slice_name=name)
     assert ModelSource.parse(source) is source
@@ -45,6 +46,7 @@ def test_a_directory_is_a_checkpoint_source(tmp_path: Path) -> None:
     [
         ("generated:no-such-slice", "slice_name"),
         ("generated:small-slice,experts=fp8", "expert_format"),
+        ("generated:small-slice,dense=fp4", "dense_format"),
         ("generated:small-slice,seed=-1", "seed"),
         ("generated:small-slice,seed=x", "seed"),
         ("generated:small-slice,dtype=bf16", "allowed: experts"),

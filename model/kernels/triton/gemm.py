@@ -13,6 +13,13 @@ how many share the call. cuBLAS instead picks its algorithm, and possibly a spli
 from M (a batched GEMM's from the batch count too), which is why model/linalg.py routes
 the projections and the per-row products here in that mode. fp32 operands use IEEE
 products (no TF32), as torch's fp32 matmul.
+
+The weight may be an FP8 weight as the checkpoint stores it (model/stored_weights.py
+``Fp8Weight``: E4M3 values, one E8M0 scale per 32x32 tile): each weight tile is read
+as its bytes and its scales, decoded in registers (E4M3 to fp32 times the tile's power
+of two, then the compute dtype: all exact) and multiplied as the decoded weight would
+be, with the same tiles and splits, so the product equals the decoded weight's bit for
+bit while the weight's bytes read are halved (bf16) or quartered (fp32).
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -25,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dsv41.model.kernels.triton.moe import TL_DTYPES
+from dsv41.model.stored_weights import FP8_TILE, Fp8Weight
 
 # Triton's CPU interpreter computes bf16 dots wrongly (model/kernels/triton/__init__.py),
 # so under it bf16 operands are lifted to fp32, which holds them exactly.
@@ -58,8 +66,13 @@ def fixed_tile_matmul_kernel(
     stride_cb,
     stride_cs,
     stride_cm,
+    scale_ptr,
+    stride_sn,
+    stride_sk,
     OUT: tl.constexpr,
     IEEE: tl.constexpr,
+    B_SCALED: tl.constexpr,
+    TILE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -68,7 +81,8 @@ def fixed_tile_matmul_kernel(
     tile, on the grid axis without CUDA's 65,535 limit) summed over one split of K
     (split ``program_id(2)``: K_PER_SPLIT values from split * K_PER_SPLIT), in BLOCK_K
     steps, into ``c`` (the output when there is one split, else that split's fp32
-    partial)."""
+    partial). ``B_SCALED``: b is E4M3 with one E8M0 byte per TILE x TILE block at
+    ``scale_ptr`` (BLOCK_K a multiple of TILE, and every split starts on a block)."""
     item = (tl.program_id(0) // M_TILES).to(tl.int64)
     a_ptr += item * stride_ab
     b_ptr += item * stride_bb
@@ -93,6 +107,20 @@ def fixed_tile_matmul_kernel(
             mask=col_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
+        if B_SCALED:
+            # Each column's scale for each of the step's TILE-wide K blocks, spread over
+            # the block's columns; an E8M0 byte is a float32 exponent field (0: 2^-127).
+            scale_rows = (cols // TILE).to(tl.int64) * stride_sn
+            scale = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for g in tl.static_range(BLOCK_K // TILE):
+                code = tl.load(
+                    scale_ptr + scale_rows + (k0 // TILE + g) * stride_sk,
+                    mask=col_mask & (cols * 0 + k0 + g * TILE < k_end),
+                    other=127,
+                ).to(tl.int32)
+                block = tl.where(code == 0, 0x00400000, code << 23).to(tl.float32, bitcast=True)
+                scale = tl.where((tl.arange(0, BLOCK_K) // TILE == g)[None, :], block[:, None], scale)
+            b = (b.to(tl.float32) * scale).to(a.dtype)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
@@ -137,14 +165,26 @@ def _default_programs(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def fixed_tile_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: int | None = None) -> torch.Tensor:
+def fixed_tile_matmul(a: torch.Tensor, b: torch.Tensor | Fp8Weight, *, programs: int | None = None) -> torch.Tensor:
     """``a @ b.T`` for a [M, K] and b [N, K] of one dtype (bf16 or fp32) -> [M, N] in
     that dtype, accumulated in fp32 over K in ``BLOCK_K`` steps, cut into the splits
     ``plan_k_splits`` gives for ``programs`` (None: the device's) and summed in split
     order; or each item's ``a[i] @ b[i].T`` for a [B, M, K] and b [B, N, K] -> [B, M,
-    N], K in one walk. Any strides (a transposed view of the values is a ``b``)."""
-    if a.dtype != b.dtype or a.dtype not in TILES:
+    N], K in one walk. Any strides (a transposed view of the values is a ``b``). An
+    ``Fp8Weight`` b (decoding to a's dtype) gives its decoded weight's product exactly."""
+    scale_args: tuple[object, ...] = (a, 0, 0)
+    scaled = isinstance(b, Fp8Weight)
+    if scaled:
+        if b.dtype != a.dtype:
+            raise ValueError(f"a, b: {a.dtype}, an Fp8Weight decoding to {b.dtype} (allowed: one compute dtype)")
+        scale_args = (b.scale, *b.scale.stride())
+        b = b.values
+    elif a.dtype != b.dtype:
         raise ValueError(f"a, b: {a.dtype}, {b.dtype} (allowed: both {' or both '.join(map(str, TILES))})")
+    if a.dtype not in TILES:
+        raise ValueError(f"a: {a.dtype} (allowed: {', '.join(map(str, TILES))})")
+    if scaled and a.dim() != 2:
+        raise ValueError(f"a: shape {tuple(a.shape)} with an Fp8Weight (allowed: [M, K], a projection's rows)")
     batched = a.dim() == 3
     if a.dim() not in (2, 3) or b.dim() != a.dim() or a.shape[-1] != b.shape[-1] or (batched and a.shape[0] != b.shape[0]):
         raise ValueError(
@@ -160,7 +200,7 @@ def fixed_tile_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: int | None 
             m_tiles = triton.cdiv(m, tiles["BLOCK_M"])
             fixed_tile_matmul_kernel[(items * m_tiles, triton.cdiv(n, tiles["BLOCK_N"]), 1)](
                 a, b, out, m, n, k, k, m_tiles, *a.stride(), *b.stride(), out.stride(0), 0, out.stride(1),
-                OUT=TL_DTYPES[a.dtype], IEEE=ieee, **tiles,
+                *scale_args, OUT=TL_DTYPES[a.dtype], IEEE=ieee, B_SCALED=False, TILE=FP8_TILE, **tiles,
             )
         return out
     m, k = a.shape
@@ -176,7 +216,7 @@ def fixed_tile_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: int | None 
         m_tiles = triton.cdiv(m, tiles["BLOCK_M"])
         fixed_tile_matmul_kernel[(m_tiles, triton.cdiv(n, tiles["BLOCK_N"]), 1)](
             a, b, out, m, n, k, k_per_split, m_tiles, *strides, 0, out.stride(0),
-            OUT=TL_DTYPES[a.dtype], IEEE=ieee, **tiles,
+            *scale_args, OUT=TL_DTYPES[a.dtype], IEEE=ieee, B_SCALED=scaled, TILE=FP8_TILE, **tiles,
         )
         return out
     # The partials of at most SPLIT_ROWS rows at a time: a row's sum does not depend on
@@ -188,7 +228,7 @@ def fixed_tile_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: int | None 
         m_tiles = triton.cdiv(rows, tiles["BLOCK_M"])
         fixed_tile_matmul_kernel[(m_tiles, triton.cdiv(n, tiles["BLOCK_N"]), splits)](
             a[start:], b, partials, rows, n, k, k_per_split, m_tiles, *strides, rows * n, n,
-            OUT=tl.float32, IEEE=ieee, **tiles,
+            *scale_args, OUT=tl.float32, IEEE=ieee, B_SCALED=scaled, TILE=FP8_TILE, **tiles,
         )
         count = rows * n
         sum_splits_kernel[(triton.cdiv(count, SUM_BLOCK),)](
