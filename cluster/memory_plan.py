@@ -393,10 +393,7 @@ def plan_memory(source: ModelSource, dp: DPLayout, options: EngineOptions) -> Me
         budget = options.gpu_memory_bytes - weights.device - reserve
     geometry = RankLayout.geometry_of(config, options)
     num_slots = RankLayout.slots_of(options)
-    try:
-        pool_size: PoolSize | None = RankLayout.build(config, _with_budget(options, budget)).pool_size
-    except PoolError:
-        pool_size = None
+    pool_size = _pools(config, options, budget)
     return MemoryPlan(
         model=str(source),
         dp=dp.world,
@@ -411,6 +408,17 @@ def plan_memory(source: ModelSource, dp: DPLayout, options: EngineOptions) -> Me
         num_slots=num_slots,
         pool_size=pool_size,
     )
+
+
+def _pools(config: V41Config, options: EngineOptions, budget: int) -> PoolSize | None:
+    """The pools ``RankLayout`` builds from ``budget`` bytes; None where the budget
+    holds the STATE slots and no PAGE (the plan does not fit)."""
+    if budget <= 0:
+        return None
+    try:
+        return RankLayout.build(config, _with_budget(options, budget)).pool_size
+    except PoolError:
+        return None
 
 
 def _with_budget(options: EngineOptions, budget: int) -> EngineOptions:
