@@ -12,7 +12,8 @@ cannot disagree.
 
 Weights are counted as the checkpoint stores them (FP8 E4M3: 1 byte a value plus one
 E8M0 byte per 32x32 tile; FP4 E2M1: 2 values a byte plus one E8M0 byte per 32 values;
-BF16: 2 bytes; FP32: 4), the form the runtime keeps resident. A checkpoint directory
+BF16: 2 bytes; FP32: 4), the form the runtime is being changed to keep resident
+(today's loader decodes FP8/FP4 to the compute dtype, which needs more). A checkpoint directory
 is read from its safetensors headers; a directory with a config and no weights (e.g.
 ``model/configs/v41_flash``) and a generated slice are counted from the declarations
 (``model/weights.py``) in the form they are stored in.
