@@ -32,7 +32,8 @@ from dsv41.actors.group import GroupOptions, GroupPlacement, RankGroupDead
 from dsv41.actors.output_wire import OutputReceiver
 from dsv41.actors.scheduler import SchedulerActor
 from dsv41.cluster.interface import EngineClient, EngineStats
-from dsv41.cluster.options import EngineError, check_replica_options
+from dsv41.cluster.memory_plan import sized_options
+from dsv41.cluster.options import EngineError
 from dsv41.cluster.options import engine_options as parse_engine_options
 from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import Request, RequestOutput
@@ -69,13 +70,15 @@ class EngineGroup(EngineClient):
         self.name = name if name is not None else f"dsv41-{uuid.uuid4().hex[:8]}"
         self.model = ModelSource.parse(model)
         self.dp = DPLayout(dp, expert_mode, backend)
-        self.options = parse_engine_options(dict(engine_options))
-        if self.options.speculative_method is not None:
+        options = parse_engine_options(dict(engine_options))
+        if options.speculative_method is not None:
             raise EngineError(
-                f"speculative_method: {self.options.speculative_method!r} on the Ray engine group (allowed: None; "
+                f"speculative_method: {options.speculative_method!r} on the Ray engine group (allowed: None; "
                 "DSpark runs on the in-process engine for now: the step and result wires carry no drafts)"
             )
-        check_replica_options(self.model.config(), self.options, self.dp.world)
+        # Checks the replica's options and sizes its pools once, here, so every actor
+        # builds the same layout from the options it is sent.
+        self.options = sized_options(self.model, self.dp, options)
         self.group_options = group_options
         self._given_placement = placement
         self._own_placement: PlacementGroup | None = None

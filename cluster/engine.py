@@ -30,6 +30,7 @@ from dsv41.cache.geometry import V41PoolGeometry
 from dsv41.cache.pools import PoolSize
 from dsv41.cluster.batch import DPMetadata, NewRequestData, ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.interface import EngineClient, EngineStats
+from dsv41.cluster.memory_plan import sized_options
 from dsv41.cluster.offload_connector import LocalOffload, OffloadConnector
 from dsv41.cluster.options import (
     EngineError,
@@ -122,9 +123,8 @@ class Engine(EngineClient):
         """Loads ``model`` (a checkpoint directory in the official format, or a
         generated slice: model/source.py) into a replica of one rank in this thread.
         Options are EngineOptions' fields; unknown ones are refused."""
-        parsed = engine_options(options)
         source = ModelSource.parse(model)
-        check_replica_options(source.config(), parsed, 1)
+        parsed = sized_options(source, DPLayout(1), engine_options(options))
         params, tokenizer = source.load_params(
             dtype=parsed.dtype, device=parsed.device, weight_storage=parsed.weight_storage
         )
@@ -170,9 +170,8 @@ class Engine(EngineClient):
     def in_process(cls, model: str | Path | ModelSource, dp: DPLayout, **options: object) -> "Engine":
         """A replica whose ranks are threads of this process (tests, one-box runs),
         sharing one in-process offload store when ``offload_host_bytes`` asks."""
-        parsed = engine_options(options)
         source = ModelSource.parse(model)
-        check_replica_options(source.config(), parsed, dp.world)
+        parsed = sized_options(source, dp, engine_options(options))
         store = RankLayout.build(source.config(), parsed).offload_store(parsed)
         offload = LocalOffload(store) if store is not None else None
         return cls.over(source, dp, ThreadedRanks(source, parsed, dp, offload), parsed, offload)

@@ -59,7 +59,13 @@ class EngineOptions:
     block_size: int = 128
     num_pages: int | None = None  # cap on PAGEs (tests force preemption with it)
     num_state_slots: int | None = None  # default: max_num_seqs
-    cache_memory_bytes: int = DEFAULT_CACHE_BYTES
+    # The pools' bytes per rank. None: DEFAULT_CACHE_BYTES, unless gpu_memory_bytes is
+    # given: then the memory plan (cluster/memory_plan.py) sets it to what the rank's
+    # stored weights and the reserve leave of gpu_memory_bytes when the replica is
+    # built (gpu_memory_reserve_bytes None: DEFAULT_RESERVE_FRACTION of it).
+    cache_memory_bytes: int | None = None
+    gpu_memory_bytes: int | None = None
+    gpu_memory_reserve_bytes: int | None = None
     kv_cache_dtype: str = "bf16"
     index_cache_dtype: str = "fp8"
     state_transfer: str = "replay"
@@ -140,6 +146,7 @@ class EngineOptions:
             raise EngineError("offload_host_bytes: needs enable_prefix_caching (offloaded units are prefix-cache PAGEs)")
         if self.batch_invariant is None:
             object.__setattr__(self, "batch_invariant", default_batch_invariant(self.device))
+        self._check_memory()
         for name in ("num_pages", "num_state_slots", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -162,6 +169,25 @@ class EngineOptions:
         elif not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise EngineError(f"long_prefill_token_threshold: {threshold!r} (allowed: None, 0 = off, or a positive integer)")
 
+    def _check_memory(self) -> None:
+        """Resolves ``cache_memory_bytes`` (DEFAULT_CACHE_BYTES when neither it nor
+        ``gpu_memory_bytes`` is given) and refuses both at once."""
+        for name in ("cache_memory_bytes", "gpu_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise EngineError(f"{name}: {value!r} (allowed: None or a positive integer of bytes)")
+        reserve = self.gpu_memory_reserve_bytes
+        if reserve is not None and (not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0):
+            raise EngineError(f"gpu_memory_reserve_bytes: {reserve!r} (allowed: None or an integer of bytes >= 0)")
+        if reserve is not None and self.gpu_memory_bytes is None:
+            raise EngineError("gpu_memory_reserve_bytes: set without gpu_memory_bytes (allowed: with gpu_memory_bytes)")
+        if self.gpu_memory_bytes is not None and self.cache_memory_bytes is not None:
+            raise EngineError(
+                f"cache_memory_bytes / gpu_memory_bytes: {self.cache_memory_bytes} / {self.gpu_memory_bytes} (allowed: "
+                "one of them: gpu_memory_bytes sizes the pools as what the weights and the reserve leave)"
+            )
+        if self.gpu_memory_bytes is None and self.cache_memory_bytes is None:
+            object.__setattr__(self, "cache_memory_bytes", DEFAULT_CACHE_BYTES)
 
     def _check_graphs(self) -> None:
         """Refuses a graph mode this replica cannot capture, before any weight."""
@@ -308,8 +334,24 @@ class RankLayout:
 
     @classmethod
     def build(cls, config: V41Config, options: EngineOptions) -> "RankLayout":
+        if options.cache_memory_bytes is None:
+            raise EngineError(
+                f"gpu_memory_bytes: {options.gpu_memory_bytes:,} not yet turned into a pool budget (allowed: build the "
+                "replica through Engine.from_pretrained, Engine.in_process or EngineGroup, which size the pools by "
+                "cluster.memory_plan.sized_options, or give cache_memory_bytes)"
+            )
+        geometry = cls.geometry_of(config, options)
+        slots = cls.slots_of(options)
+        pool_size = PoolSize.from_budget(
+            geometry, options.cache_memory_bytes, num_slots=slots, max_num_pages=options.num_pages
+        )
+        return cls(geometry=geometry, pool_size=pool_size, num_slots=slots)
+
+    @staticmethod
+    def geometry_of(config: V41Config, options: EngineOptions) -> V41PoolGeometry:
+        """The PAGE/STATE geometry every rank lays its pools out in."""
         check_speculation_config(config, options)
-        geometry = pool_geometry(
+        return pool_geometry(
             config,
             block_size=options.block_size,
             kv_cache_dtype=options.kv_cache_dtype,
@@ -317,11 +359,11 @@ class RankLayout:
             num_speculative_tokens=options.num_speculative_tokens,
             encoder_replay=options.state_transfer == "replay",
         )
-        slots = options.num_state_slots or options.max_num_seqs
-        pool_size = PoolSize.from_budget(
-            geometry, options.cache_memory_bytes, num_slots=slots, max_num_pages=options.num_pages
-        )
-        return cls(geometry=geometry, pool_size=pool_size, num_slots=slots)
+
+    @staticmethod
+    def slots_of(options: EngineOptions) -> int:
+        """STATE slots per rank: num_state_slots, else one per request max_num_seqs runs."""
+        return options.num_state_slots or options.max_num_seqs
 
     def decode_buckets(self, config: V41Config, options: EngineOptions) -> DecodeBuckets | None:
         """The decode graphs' buckets under ``options`` (None: graphs off): batch sizes

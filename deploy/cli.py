@@ -1,7 +1,8 @@
-"""The ``dsv41`` command line: make-tiny, train-tiny, logits, generate, geometry, validate, bench, serve.
+"""The ``dsv41`` command line: make-tiny, train-tiny, logits, generate, geometry, plan, validate, bench, serve.
 
 Owns argument parsing and printing only; every command calls the package's public
-Python interfaces (model.tiny, model.training, model.loader, cluster.engine, cluster.pool_layout).
+Python interfaces (model.tiny, model.training, model.loader, cluster.engine, cluster.pool_layout,
+cluster.memory_plan).
 Heavy imports happen inside the command that needs them, so ``dsv41 --help`` is fast.
 """
 
@@ -81,6 +82,36 @@ def _positive_number(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} (allowed: a finite number > 0)")
     return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} (allowed: an integer >= 1)")
+    return value
+
+
+# Byte units a size may carry: decimal (GB = 10**9, as device sheets print them) and binary.
+_BYTE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _byte_count(text: str) -> int:
+    """A positive byte count: an integer, or a number with a unit (141GB, 139.5GiB)."""
+    stripped = text.strip()
+    digits = stripped.rstrip("KMGTiB")
+    units = {unit.upper(): factor for unit, factor in _BYTE_UNITS.items()}
+    try:
+        value = float(digits) * units[stripped[len(digits) :].upper()]
+    except (KeyError, ValueError):
+        value = math.nan
+    if not 1 <= value < math.inf:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} (allowed: a positive number of bytes, optionally with a unit: {', '.join(u for u in _BYTE_UNITS if u)})"
+        )
+    return int(value)
 
 
 def _chunk_sizes(text: str | None) -> tuple[int, ...] | None:
@@ -251,6 +282,43 @@ def cmd_geometry(args: argparse.Namespace) -> None:
         num_speculative_tokens=args.num_speculative_tokens,
     )
     print(geometry.describe())
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from dsv41.cluster.memory_plan import PlanError, plan_memory
+    from dsv41.cluster.options import engine_options
+    from dsv41.cluster.ranks import DPLayout
+    from dsv41.model.config import ConfigError
+    from dsv41.model.loader import CheckpointError
+    from dsv41.model.source import ModelSource, ModelSourceError
+
+    model = args.model or str(default_model_dir())
+    try:
+        source = ModelSource.parse(model)
+    except ModelSourceError as exc:
+        raise SystemExit(f"dsv41 plan: --model: {exc}") from exc
+    if source.checkpoint_dir is not None and not source.checkpoint_dir.is_dir():
+        raise SystemExit(
+            f"dsv41 plan: --model: {model} is not a directory (allowed: a checkpoint directory, a directory holding "
+            "a config.json, or generated:<slice>)"
+        )
+    given = {
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "index_cache_dtype": args.index_cache_dtype,
+        "gpu_memory_bytes": args.gpu_memory,
+        "gpu_memory_reserve_bytes": args.gpu_memory_reserve,
+        "dtype": _dtype(args.dtype),
+        "weight_storage": args.weight_storage,
+    }
+    # The engine's own defaults for what is not given.
+    options = {name: value for name, value in given.items() if value is not None}
+    try:
+        plan = plan_memory(source, DPLayout(args.dp, args.expert_mode), engine_options(options))
+    except (PlanError, ConfigError, CheckpointError) as exc:
+        raise SystemExit(f"dsv41 plan: --model {model}: {exc}") from exc
+    print(plan.render())
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
@@ -546,6 +614,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-cache-dtype", choices=("fp8", "fp4"), default="fp8")
     p.add_argument("--num-speculative-tokens", type=int, default=0)
     p.set_defaults(func=cmd_geometry)
+
+    p = sub.add_parser(
+        "plan", help="per-rank memory plan: device weights by kind, the PAGE/STATE pools the GPU memory left holds"
+    )
+    p.add_argument(
+        "--model",
+        help="checkpoint directory, a directory with only a config.json (counted from the declarations), or "
+        "generated:<slice> (default: the embedded tiny model)",
+    )
+    p.add_argument("--dp", type=_positive_int, default=1, help="DP attention ranks the routed experts are split over")
+    p.add_argument("--expert-mode", choices=("ep", "tp"), default="ep", help="routed experts: whole per rank, or each split")
+    p.add_argument(
+        "--gpu-memory",
+        type=_byte_count,
+        default=None,
+        help="device memory of one rank (bytes, or with a unit: 141GB, 288GB, 139GiB); default: size the pools by "
+        "the engine's cache_memory_bytes instead",
+    )
+    p.add_argument(
+        "--gpu-memory-reserve",
+        type=_byte_count,
+        default=None,
+        help="bytes kept back for activations, graphs and contexts (default: 10%% of --gpu-memory)",
+    )
+    p.add_argument("--block-size", type=_positive_int, default=None, help="PAGE tokens (default: the engine's)")
+    p.add_argument(
+        "--max-num-seqs", type=_positive_int, default=None, help="requests at once, one STATE slot each (default: the engine's)"
+    )
+    p.add_argument("--kv-cache-dtype", choices=("bf16", "fp4"), default=None, help="default: the engine's")
+    p.add_argument("--index-cache-dtype", choices=("fp8", "fp4"), default=None, help="default: the engine's")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="compute dtype the plain weights take on the device (default bfloat16, a GPU's)",
+    )
+    p.add_argument(
+        "--weight-storage",
+        choices=WEIGHT_STORAGE,
+        default=None,
+        help="stored (the engine's default: FP8 / FP4 weights in the checkpoint's bytes) or decoded (the compute dtype)",
+    )
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("validate", help="runtime validation: scheduled runs equal uninterrupted ones")
     p.add_argument(

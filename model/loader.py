@@ -162,7 +162,7 @@ class LoadProgress:
 
 
 @dataclass(frozen=True)
-class _HeaderEntry:
+class HeaderEntry:
     """One tensor of a safetensors file, from its header; offsets are absolute."""
 
     file: Path
@@ -296,10 +296,10 @@ def load_checkpoint(
     config = V41Config.from_pretrained(root, text_only=text_only)
     _check_load_dtype(dtype, weight_storage)
     _check_config_for_loading(config)
-    expert_ids, dspark_expert_ids = _shard_experts(config, shard)
+    expert_ids, dspark_expert_ids = shard_experts(config, shard)
     tokenizer = read_tokenizer(root, config)
     specs = checkpoint_tensors(config)
-    entries = _read_headers(root)
+    entries = read_headers(root)
     plan = _plan(specs, entries, shard, expert_ids, dspark_expert_ids, text_only)
     stored, engram_tables = _read(plan, specs, progress)
     checkpoint = LoadedCheckpoint(
@@ -362,13 +362,13 @@ def load_generated(
     _check_load_dtype(dtype, weight_storage)
     _check_config_for_loading(config)
     _check_tokenizer(tokenizer, config, source)
-    expert_ids, dspark_expert_ids = _shard_experts(config, shard)
+    expert_ids, dspark_expert_ids = shard_experts(config, shard)
     specs = checkpoint_tensors(config)
     stored: dict[str, _StoredTensor] = {}
     engram_tables: dict[int, EngramTable] = {}
     problems: list[str] = []
     for name, spec in specs.items():
-        held, axis = _rank_part(name, shard, expert_ids, dspark_expert_ids)
+        held, axis = rank_part(name, shard, expert_ids, dspark_expert_ids)
         if not held:
             continue
         part = None
@@ -405,11 +405,11 @@ def load_generated(
     return checkpoint
 
 
-def _made_entry(source: str, name: str, tensor: torch.Tensor) -> _HeaderEntry:
+def _made_entry(source: str, name: str, tensor: torch.Tensor) -> HeaderEntry:
     """A made tensor described as a stored one, so that it is checked exactly as a shard
     file's header entry is (a dtype no checkpoint holds keeps torch's name and fails)."""
     dtype = _SAFETENSORS_DTYPES.get(tensor.dtype, str(tensor.dtype))
-    return _HeaderEntry(Path(source), name, dtype, tuple(tensor.shape), 0, tensor.numel() * tensor.element_size())
+    return HeaderEntry(Path(source), name, dtype, tuple(tensor.shape), 0, tensor.numel() * tensor.element_size())
 
 
 # -- before any shard is opened -------------------------------------------------------
@@ -433,7 +433,9 @@ def _check_config_for_loading(config: V41Config) -> None:
             )
 
 
-def _shard_experts(config: V41Config, shard: ExpertShard | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def shard_experts(config: V41Config, shard: ExpertShard | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The routed experts (the target's, the DSpark stages') a rank of ``shard`` holds
+    (``ExpertShard.expert_ids``; every one without a shard)."""
     if shard is None:
         return tuple(range(config.n_routed_experts)), tuple(range(config.dspark_n_routed_experts))
     shard.check_intermediate(config.moe_intermediate_size)
@@ -497,7 +499,7 @@ def _shard_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     return files, weight_map
 
 
-def read_safetensors_header(path: Path) -> dict[str, _HeaderEntry]:
+def read_safetensors_header(path: Path) -> dict[str, HeaderEntry]:
     """The tensors of one safetensors file from its header (8-byte little-endian
     length, then JSON with dtype, shape and data_offsets), validated against the file."""
     file_size = path.stat().st_size
@@ -515,7 +517,7 @@ def read_safetensors_header(path: Path) -> dict[str, _HeaderEntry]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name}: header is not a JSON object")
     data_start = 8 + header_size
-    entries: dict[str, _HeaderEntry] = {}
+    entries: dict[str, HeaderEntry] = {}
     for name, raw in header.items():
         if name == "__metadata__":
             continue
@@ -531,14 +533,14 @@ def read_safetensors_header(path: Path) -> dict[str, _HeaderEntry]:
                 f"{path.name}: {name}: data_offsets [{begin}, {end}] do not hold {dtype} {list(shape)} "
                 f"({nbytes} bytes) inside the file"
             )
-        entries[name] = _HeaderEntry(path, name, dtype, shape, data_start + begin, data_start + end)
+        entries[name] = HeaderEntry(path, name, dtype, shape, data_start + begin, data_start + end)
     return entries
 
 
-def _read_headers(root: Path) -> dict[str, _HeaderEntry]:
+def read_headers(root: Path) -> dict[str, HeaderEntry]:
     """Every stored tensor by stored name, checked against the index's weight_map."""
     files, weight_map = _shard_files(root)
-    entries: dict[str, _HeaderEntry] = {}
+    entries: dict[str, HeaderEntry] = {}
     holders: dict[str, list[str]] = {}
     for path in files:
         for name, entry in read_safetensors_header(path).items():
@@ -576,7 +578,7 @@ def _raise_problems(problems: list[str]) -> None:
 
 @dataclass(frozen=True)
 class _ReadItem:
-    entry: _HeaderEntry
+    entry: HeaderEntry
     name: str  # canonical name of the declared tensor it belongs to
     is_scale: bool
     # TP slice along this axis of the stored tensor (None: whole tensor).
@@ -587,7 +589,7 @@ class _ReadItem:
 class _LoadPlan:
     files: tuple[Path, ...]
     items: dict[Path, tuple[_ReadItem, ...]]  # per file, in file order
-    skipped: dict[Path, tuple[_HeaderEntry, ...]]  # per file: vision, other ranks' experts
+    skipped: dict[Path, tuple[HeaderEntry, ...]]  # per file: vision, other ranks' experts
     has_dspark: bool
     shard: ExpertShard | None
 
@@ -602,7 +604,7 @@ def tp_split_axis(name: str) -> int | None:
     return 1 if expert[1] == "w2" else 0
 
 
-def _rank_part(
+def rank_part(
     name: str, shard: ExpertShard | None, expert_ids: tuple[int, ...], dspark_expert_ids: tuple[int, ...]
 ) -> tuple[bool, int | None]:
     """Whether a rank holds a declared tensor, and the axis of the TP slice it holds
@@ -617,7 +619,7 @@ def _rank_part(
 
 def _plan(
     specs: dict[str, TensorSpec],
-    entries: dict[str, _HeaderEntry],
+    entries: dict[str, HeaderEntry],
     shard: ExpertShard | None,
     expert_ids: tuple[int, ...],
     dspark_expert_ids: tuple[int, ...],
@@ -627,12 +629,12 @@ def _plan(
     declarations (raising all problems at once), then lists what this rank reads."""
     matched = _match_declarations(specs, entries, text_only)
     items: dict[Path, list[_ReadItem]] = {}
-    skipped: dict[Path, list[_HeaderEntry]] = {}
+    skipped: dict[Path, list[HeaderEntry]] = {}
     for entry in matched.ignored:
         skipped.setdefault(entry.file, []).append(entry)
     for is_scale, by_name in ((False, matched.values), (True, matched.scales)):
         for name, entry in by_name.items():
-            held, slice_axis = _rank_part(name, shard, expert_ids, dspark_expert_ids)
+            held, slice_axis = rank_part(name, shard, expert_ids, dspark_expert_ids)
             if not held:
                 skipped.setdefault(entry.file, []).append(entry)
                 continue
@@ -649,17 +651,17 @@ def _plan(
 
 @dataclass(frozen=True)
 class _Matched:
-    values: dict[str, _HeaderEntry]  # canonical name -> stored values (or plain tensor)
-    scales: dict[str, _HeaderEntry]  # canonical name of the owner -> its .scale
-    ignored: tuple[_HeaderEntry, ...]  # vision tensors of a text-only load
+    values: dict[str, HeaderEntry]  # canonical name -> stored values (or plain tensor)
+    scales: dict[str, HeaderEntry]  # canonical name of the owner -> its .scale
+    ignored: tuple[HeaderEntry, ...]  # vision tensors of a text-only load
     has_dspark: bool
 
 
-def _match_declarations(specs: dict[str, TensorSpec], entries: dict[str, _HeaderEntry], text_only: bool) -> _Matched:
+def _match_declarations(specs: dict[str, TensorSpec], entries: dict[str, HeaderEntry], text_only: bool) -> _Matched:
     problems: list[str] = []
-    values: dict[str, _HeaderEntry] = {}
-    scales: dict[str, _HeaderEntry] = {}
-    ignored: list[_HeaderEntry] = []
+    values: dict[str, HeaderEntry] = {}
+    scales: dict[str, HeaderEntry] = {}
+    ignored: list[HeaderEntry] = []
     for stored_name, entry in entries.items():
         name = canonical_name(stored_name)
         if is_vision_tensor(name):
@@ -697,7 +699,7 @@ def _match_declarations(specs: dict[str, TensorSpec], entries: dict[str, _Header
     return _Matched(values=values, scales=scales, ignored=tuple(ignored), has_dspark=has_dspark)
 
 
-def _check_stored(spec: TensorSpec, values: _HeaderEntry, scale: _HeaderEntry | None) -> list[str]:
+def _check_stored(spec: TensorSpec, values: HeaderEntry, scale: HeaderEntry | None) -> list[str]:
     """Problems of one declared tensor's stored form (plain, or values + .scale)."""
     name = values.stored_name
     if scale is None:
@@ -818,7 +820,7 @@ def _read_tensor(handle: safe_open, item: _ReadItem, shard: ExpertShard | None) 
     return view[part] if item.slice_axis == 0 else view[:, part]
 
 
-def _memory_map(entry: _HeaderEntry) -> torch.Tensor:
+def _memory_map(entry: HeaderEntry) -> torch.Tensor:
     """A tensor over a read-only memory map of the entry's bytes: nothing is copied."""
     raw = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.begin, shape=(entry.nbytes,))
     with warnings.catch_warnings():

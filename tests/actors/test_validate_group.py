@@ -37,7 +37,7 @@ def test_dp2_engine_group_passes_the_scheduler_scenarios(ray_cluster: None, tiny
     assert report["replica"] == {
         "kind": "ray", "dp": 2, "expert_mode": "ep", "backend": "gloo", "device": "cpu", "kernel_backend": "torch",
         "batch_invariant": True, "dtype": "float32", "speculative_method": None, "num_speculative_tokens": None,
-        "cudagraph_mode": "none",
+        "cudagraph_mode": "none", "weight_storage": "stored",
     }
     preemption = next(s for s in report["scenarios"] if s["name"] == "preemption")
     assert len(preemption["preemptions"]) == 2

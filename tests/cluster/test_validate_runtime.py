@@ -87,7 +87,7 @@ def test_dp2_threaded_replica_passes_the_scenarios_it_runs(
     assert report["replica"] == {
         "kind": "threads", "dp": 2, "expert_mode": "ep", "backend": "gloo", "device": "cpu", "kernel_backend": "torch",
         "batch_invariant": True, "dtype": "float32", "speculative_method": None, "num_speculative_tokens": None,
-        "cudagraph_mode": "none",
+        "cudagraph_mode": "none", "weight_storage": "stored",
     }
     reasons = {s["name"]: s["reason"] for s in report["skipped"]}
     assert all("prompt_logits" in reasons[name] for name in PARITY)
