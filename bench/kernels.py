@@ -652,7 +652,10 @@ def main() -> None:
     print("| held | tokens | MXFP4 tiling | ms | % copy bw | TFLOP/s |")
     print("|---:|---:|---|---:|---:|---:|")
     for r in moe_sweep_rows:
-        timing = f"{r['ms']:.3f} | {100 * r['bw_frac']:.0f}% | {r['flop_per_s'] / 1e12:.1f}" if r["ms"] else "out of resources | - | -"
+        if r["ms"] is None:
+            timing = "out of resources | - | -"
+        else:
+            timing = f"{r['ms']:.3f} | {100 * r['bw_frac']:.0f}% | {r['flop_per_s'] / 1e12:.1f}"
         print(f"| {r['experts']} | {r['tokens']} | {r['tiling']} | {timing} |")
     print("| experts format | held | tokens | experts hit | ms | torch loop ms | TFLOP/s | % bf16 matmul | TB/s | % copy bw |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

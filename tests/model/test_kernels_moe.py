@@ -186,7 +186,8 @@ def test_the_packed_bank_refuses_mismatched_packs_and_scale_bytes_it_cannot_deco
     w1 = stored[3].w1
     short = PackedProjection(values=w1.values[:32].contiguous(), scale=w1.scale[:32].contiguous())
     with pytest.raises(ValueError, match="expert 3 w1 values"):
-        build_packed_expert_bank({**stored, 3: PackedExpertWeights(w1=short, w2=stored[3].w2, w3=stored[3].w3)}, torch.float32)
+        mismatched = PackedExpertWeights(w1=short, w2=stored[3].w2, w3=stored[3].w3)
+        build_packed_expert_bank({**stored, 3: mismatched}, torch.float32)
     with pytest.raises(ValueError, match="PackedProjection.scale"):
         PackedProjection(values=w1.values, scale=w1.scale[:, :1])
     zero = w1.scale.view(torch.uint8).clone()
