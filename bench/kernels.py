@@ -15,6 +15,8 @@ The attention/scorer table compares each kernel with the rows of a baseline JSON
 default bench/results/kernels.json as it was before this run: the first Triton
 baseline), and a tiling sweep at 32k context times other AttentionTiling / ScorerTiling
 choices than the defaults (GPU only; --no-sweep skips it).
+The MoE section alone, with its tiling sweep of the MXFP4 kernels (--no-sweep skips it):
+    python3 -m bench.kernels --moe-only --out moe.json
 A smoke run on a CPU (small batches and contexts, the Triton kernels in their
 interpreter, no MoE section: its Flash-size expert weights are GBs):
     TRITON_INTERPRET=1 python3 -m bench.kernels --small --out /tmp/kernels-small.json
@@ -48,6 +50,7 @@ from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.kernels.triton import TritonKernels
 from dsv41.model.kernels.triton.attention import AttentionTiling
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling
+from dsv41.model.kernels.triton.moe import ExpertTiling, PairBlocks, expert_down, expert_tiling, grouped_expert_slots
 from dsv41.model.moe import ExpertWeights, route, routed_expert_slots
 
 FLASH = FLASH_CONFIG_DIR
@@ -57,6 +60,18 @@ MAX_POOL_BYTES = 48 << 30
 MOE_EXPERTS = (64, 256)
 MOE_TOKENS = (1, 8, 32, 128, 256, 4096)
 MOE_CHECK_TOKENS = 32
+# The MXFP4 tiling sweep: (held experts, tokens) and the tilings it times; the decode
+# shapes run 16-row blocks, the prefill 64-row blocks.
+MOE_SWEEP_SHAPES = ((64, 32), (256, 128), (64, 4096))
+MOE_SWEEP = (
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4),
+    ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3),
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ExpertTiling(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    ExpertTiling(block_n=32, block_k=256, num_warps=4, num_stages=4),
+    ExpertTiling(block_n=128, block_k=64, num_warps=8, num_stages=4),
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4, mxfp4_dot="decoded"),
+)
 COMPRESSION_PREFILL_ROWS = 4096
 # --small: what a CPU runs in minutes with the kernels interpreted.
 SMALL_BATCHES = (1, 2)
@@ -227,11 +242,85 @@ def moe_experts(config: V41Config, num_experts: int, fmt: str) -> dict[int, Expe
     }
 
 
+def moe_bytes(config: V41Config, fmt: str, tokens: int, experts_hit: int) -> float:
+    """Bytes a grouped-GEMM step must move: the weights of the distinct experts it routes
+    to (bf16 values, or E2M1 nibbles plus one E8M0 byte per 32), x, the intermediate h
+    (written and read), the per-pair outputs (written and read) and the fp32 sums."""
+    hidden, inter, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
+    expert_bytes = 3 * hidden * inter * (2 if fmt == "plain" else 0.5 + 1 / 32)
+    pairs = tokens * top_k
+    return experts_hit * expert_bytes + tokens * hidden * 2 + pairs * (inter + hidden) * 2 * 2 + pairs * hidden * 4
+
+
+def mxfp4_decode_check(bank, w2: torch.Tensor) -> dict:
+    """Whether the w2 launch reads the first held expert's packs as exactly its decoded
+    bf16 weight ``w2`` [hidden, inter] (the bank's build checked that the packs hold
+    it: dequantize_fp4_weight of them is ``w2``): h is the identity (one pair row per
+    intermediate index, all in that expert's blocks of 16), so each output row is one
+    decoded column of w2 (a sum of one product by 1.0 and zeros)."""
+    inter, hidden = bank.intermediate, bank.hidden
+    h = torch.eye(inter, device="cuda", dtype=torch.bfloat16)
+    blocks = PairBlocks(
+        block_m=16,
+        slot_pairs=torch.arange(inter, device="cuda", dtype=torch.int32),
+        block_experts=torch.zeros(inter // 16, device="cuda", dtype=torch.int32),
+    )
+    out = torch.zeros(inter, hidden, device="cuda", dtype=torch.bfloat16)
+    expert_down(h, out, blocks, bank, expert_tiling("mxfp4", blocks.block_m), bf16_dot=True)
+    want = w2.T
+    return {"check": "w2 decode exact", "equal": bool(torch.equal(out, want)), "mismatches": int((out != want).sum())}
+
+
+def moe_sweep(config: V41Config, ceil: dict) -> list[dict]:
+    """Kernel ms and fraction of the copy bandwidth of each MOE_SWEEP tiling of the MXFP4
+    kernels on the MOE_SWEEP_SHAPES (the data to choose the default from)."""
+    hidden, top_k = config.hidden_size, config.num_experts_per_tok
+    rows = []
+    for num_experts in sorted({e for e, _ in MOE_SWEEP_SHAPES}):
+        experts = moe_experts(config, num_experts, "mxfp4")
+        bank = TritonKernels().expert_bank(experts, "mxfp4")
+        del experts
+        gate = torch.randn(num_experts, hidden, device="cuda") * hidden**-0.5
+        bias = torch.zeros(num_experts, device="cuda")
+        for held, tokens in MOE_SWEEP_SHAPES:
+            if held != num_experts:
+                continue
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            routing = route(x, gate, bias, top_k, config.routed_scaling_factor)
+            hit = routing.expert_ids.unique().numel()
+            moved = moe_bytes(config, "mxfp4", tokens, hit)
+            flops = 2 * tokens * top_k * 3 * hidden * config.moe_intermediate_size
+            for tiling in MOE_SWEEP:
+                row = {"experts": num_experts, "tokens": tokens, "tiling": str(tiling)}
+                try:
+                    ms = median_ms(
+                        lambda: grouped_expert_slots(
+                            x, routing, bank, config.swiglu_limit, bf16_dot=True, tiling=tiling
+                        )
+                    )
+                except OutOfResources as error:
+                    rows.append({**row, "ms": None, "bw_frac": None, "error": str(error)})
+                    print(f"moe sweep E={num_experts} T={tokens} {tiling} {error}", flush=True)
+                    continue
+                rows.append(
+                    {**row, "ms": ms, "bw_frac": moved / (ms * 1e-3) / ceil["copy_bytes_per_s"],
+                     "flop_per_s": flops / (ms * 1e-3)}
+                )
+                print(
+                    f"moe sweep E={num_experts:<3d} T={tokens:<5d} {tiling} {ms:8.3f} ms "
+                    f"({rows[-1]['bw_frac']:.0%} bw, {rows[-1]['flop_per_s'] / 1e12:.1f} TFLOP/s)",
+                    flush=True,
+                )
+        del bank
+        torch.cuda.empty_cache()
+    return rows
+
+
 def moe_benchmark(config: V41Config, ceil: dict) -> tuple[list[dict], list[dict]]:
-    """Rows (time, TFLOP/s and bytes/s against the ceilings) and correctness checks of
-    the grouped expert GEMMs, one rank holding every expert. Bytes: the weights of the
-    distinct experts the step routes to, x, the intermediate h (written and read), the
-    per-pair outputs (written and read) and the fp32 sums."""
+    """Rows (time, TFLOP/s and bytes/s against the ceilings, bytes as moe_bytes counts
+    them) and correctness checks of the grouped expert GEMMs, one rank holding every
+    expert: the kernels against the torch backend (relative error) and, for MXFP4, the
+    decode's exactness (mxfp4_decode_check)."""
     triton_k, torch_k = TritonKernels(), TorchKernels()
     hidden, inter, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
     rows, checks = [], []
@@ -240,8 +329,10 @@ def moe_benchmark(config: V41Config, ceil: dict) -> tuple[list[dict], list[dict]
             experts = moe_experts(config, num_experts, fmt)
             bank = triton_k.expert_bank(experts, fmt)
             torch_bank = torch_k.expert_bank(experts, fmt)
-            # bf16 values, or E2M1 nibbles plus one E8M0 byte per 32.
-            expert_bytes = 3 * hidden * inter * (2 if fmt == "plain" else 0.5 + 1 / 32)
+            if fmt == "mxfp4":
+                decode = mxfp4_decode_check(bank, experts[bank.expert_ids[0]].w2)
+                checks.append({"format": fmt, "experts": num_experts, **decode})
+                print(f"check moe {checks[-1]}", flush=True)
             gate = torch.randn(num_experts, hidden, device="cuda") * hidden**-0.5
             bias = torch.zeros(num_experts, device="cuda")
             for tokens in MOE_TOKENS:
@@ -258,8 +349,7 @@ def moe_benchmark(config: V41Config, ceil: dict) -> tuple[list[dict], list[dict]
                 torch_ms = median_ms(lambda: routed_expert_slots(x, routing, experts, config.swiglu_limit))
                 pairs = tokens * top_k
                 hit = routing.expert_ids.unique().numel()
-                activation_bytes = tokens * hidden * 2 + pairs * (inter + hidden) * 2 * 2 + pairs * hidden * 4
-                moe_bytes = hit * expert_bytes + activation_bytes
+                moved = moe_bytes(config, fmt, tokens, hit)
                 flops = 2 * pairs * 3 * hidden * inter
                 row = {
                     "format": fmt,
@@ -270,8 +360,8 @@ def moe_benchmark(config: V41Config, ceil: dict) -> tuple[list[dict], list[dict]
                     "torch_loop_ms": torch_ms,
                     "flop_per_s": flops / (ms * 1e-3),
                     "flop_frac": flops / (ms * 1e-3) / ceil["bf16_flop_per_s"],
-                    "bytes_per_s": moe_bytes / (ms * 1e-3),
-                    "bw_frac": moe_bytes / (ms * 1e-3) / ceil["copy_bytes_per_s"],
+                    "bytes_per_s": moved / (ms * 1e-3),
+                    "bw_frac": moved / (ms * 1e-3) / ceil["copy_bytes_per_s"],
                 }
                 rows.append(row)
                 print(
@@ -416,7 +506,10 @@ def main() -> None:
         default="bench/results/kernels.json",
         help="an earlier run's JSON whose attention/scorer rows the table compares with (read before --out is written)",
     )
-    parser.add_argument("--no-sweep", action="store_true", help="skip the attention/scorer tiling sweep")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the attention/scorer and MoE tiling sweeps")
+    parser.add_argument(
+        "--moe-only", action="store_true", help="the MoE section alone (its sweep too, unless --no-sweep)"
+    )
     parser.add_argument(
         "--small",
         action="store_true",
@@ -437,7 +530,7 @@ def main() -> None:
     rows = []
     checks = []
     sweep_rows: list[dict] = []
-    for kv, index in (("bf16", "fp8"), ("fp4", "fp4")):
+    for kv, index in () if args.moe_only else (("bf16", "fp8"), ("fp4", "fp4")):
         geometry = pool_geometry(config, block_size=128, kv_cache_dtype=kv, index_cache_dtype=index)
         for context in contexts:
             for batch in batches:
@@ -508,8 +601,11 @@ def main() -> None:
                 del pools, store, att, sc
                 if device == "cuda":
                     torch.cuda.empty_cache()
+    moe_sweep_rows = [] if args.small or args.no_sweep else moe_sweep(config, ceil)
     moe_rows, moe_checks = ([], []) if args.small else moe_benchmark(config, ceil)
-    compression_rows, compression_checks = compression_benchmark(config, ceil, device, args.small)
+    compression_rows, compression_checks = (
+        ([], []) if args.moe_only else compression_benchmark(config, ceil, device, args.small)
+    )
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor()})",
@@ -523,6 +619,7 @@ def main() -> None:
         "rows": rows,
         "sweep_rows": sweep_rows,
         "moe_checks": moe_checks,
+        "moe_sweep_rows": moe_sweep_rows,
         "moe_rows": moe_rows,
         "compression_checks": compression_checks,
         "compression_rows": compression_rows,
@@ -552,6 +649,14 @@ def main() -> None:
     for r in sweep_rows:
         timing = f"{r['kernel_ms']:.4f} | {100 * r['bw_frac']:.0f}%" if r["kernel_ms"] is not None else "out of resources | -"
         print(f"| {r['formats']} | {r['batch']} | {r['kernel']} | {r['variant']} | {r['programs']} | {timing} |")
+    print("| held | tokens | MXFP4 tiling | ms | % copy bw | TFLOP/s |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for r in moe_sweep_rows:
+        if r["ms"] is None:
+            timing = "out of resources | - | -"
+        else:
+            timing = f"{r['ms']:.3f} | {100 * r['bw_frac']:.0f}% | {r['flop_per_s'] / 1e12:.1f}"
+        print(f"| {r['experts']} | {r['tokens']} | {r['tiling']} | {timing} |")
     print("| experts format | held | tokens | experts hit | ms | torch loop ms | TFLOP/s | % bf16 matmul | TB/s | % copy bw |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in moe_rows:

@@ -3,19 +3,24 @@
 Owns the Triton side of ``PagedKernels.routed_expert_slots``: the expert bank (per projection
 a table of pointers to each held expert's weight, read in place: the params' own
 tensors for plain weights, or MXFP4 packs, E2M1 pairs along the input dim with an E8M0
-scale per 32, decoded in registers), the alignment of a step's (token, slot) pairs into
-per-expert blocks of rows (on the device, no host sync: the grid is sized by an upper
-bound and unused blocks return at once), and two kernels, each one launch for all
-experts: w1/w3 with the clamped SwiGLU and the routing weight, then w2. The function is
-model/moe.py's ``routed_expert_slots``: fp32 accumulation, the matmul outputs and the
-SwiGLU rounded to the activations' dtype where that function rounds them, each (token,
-slot) pair's contribution in its own row (the caller adds a row's slots in slot order).
-In the batch-invariant mode the blocks have a fixed row count, whatever the step's
-number of pairs.
+scale per 32), the alignment of a step's (token, slot) pairs into per-expert blocks of
+rows (on the device, no host sync: the grid is sized by an upper bound and unused
+blocks return at once), and two kernels, each one launch for all experts: w1/w3 with
+the clamped SwiGLU and the routing weight, then w2. The function is model/moe.py's
+``routed_expert_slots``: fp32 accumulation, the matmul outputs and the SwiGLU rounded to
+the activations' dtype where that function rounds them, each (token, slot) pair's
+contribution in its own row (the caller adds a row's slots in slot order). In the
+batch-invariant mode the blocks have a fixed row count and the tiles a fixed shape,
+whatever the step's number of pairs.
 
-The loader decodes an FP4 checkpoint's experts at load time (model/loader.py post_load:
-the params hold them in the compute dtype, exactly); the "mxfp4" bank packs them back
-once, checking the packs are exact, so the kernels read 4.25 bits a weight.
+MXFP4 banks come two ways: packed here once from experts the loader decoded from an
+FP4 checkpoint (model/loader.py post_load holds them in the compute dtype, exactly;
+``build_expert_bank`` checks the packs are exact), or straight from the checkpoint's
+own bytes (``build_packed_expert_bank``, read in place). Either way the kernels read
+4.25 bits a weight: each weight tile's packed bytes and its scales are loaded once,
+and bf16 activations meet them in ``tl.dot_scaled`` (E2M1 decoded to bf16 in registers,
+times the power-of-two scale: exact, bit for bit formats.dequantize_fp4_weight's
+values); fp32 activations meet the same tile decoded to fp32 in an IEEE fp32 dot.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -40,8 +45,6 @@ PROJECTIONS = ("w1", "w3", "w2")
 # tl.dot's 16 rows, and at most 64 so that a prefill's experts still span many blocks.
 MIN_BLOCK_M = 16
 MAX_BLOCK_M = 64
-BLOCK_N = 64
-BLOCK_K = 64
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,45 @@ class TritonExpertBank:
             )
 
 
+@dataclass(frozen=True)
+class PackedProjection:
+    """One projection of one expert as an FP4 checkpoint stores it (formats.py
+    quantize_fp4_weight): ``values`` [out, in / 2] E2M1 pairs along the input dim, the
+    even element in the low nibble (uint8, or the checkpoint's int8), and ``scale``
+    [out, in / 32] E8M0 bytes (uint8, or torch.float8_e8m0fnu)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.values.dtype not in (torch.uint8, torch.int8) or self.values.dim() != 2:
+            raise ValueError(
+                f"PackedProjection.values: {self.values.dtype} {list(self.values.shape)} (allowed: uint8 or int8 "
+                "[out, in / 2])"
+            )
+        out_dim, half = self.values.shape
+        if (half * 2) % MXFP4_BLOCK:
+            raise ValueError(
+                f"PackedProjection.values: {half * 2} input values a row (allowed: a multiple of {MXFP4_BLOCK})"
+            )
+        allowed_scales = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+        if self.scale.dtype not in allowed_scales or tuple(self.scale.shape) != (out_dim, half * 2 // MXFP4_BLOCK):
+            raise ValueError(
+                f"PackedProjection.scale: {self.scale.dtype} {list(self.scale.shape)} (allowed: uint8 or "
+                f"float8_e8m0fnu [{out_dim}, {half * 2 // MXFP4_BLOCK}], one byte per {MXFP4_BLOCK} input values)"
+            )
+
+
+@dataclass(frozen=True)
+class PackedExpertWeights:
+    """One routed expert's three projections in the checkpoint's FP4 form (model/moe.py
+    ExpertWeights' shapes: w1 and w3 [inter, hidden], w2 [hidden, inter], unpacked)."""
+
+    w1: PackedProjection
+    w2: PackedProjection
+    w3: PackedProjection
+
+
 def _check_experts(experts: Mapping[int, ExpertWeights]) -> tuple[torch.dtype, int, int]:
     """The shared dtype, hidden and intermediate sizes of the held experts; raises
     naming the first expert and projection that differs or is not contiguous (the
@@ -122,6 +164,33 @@ def _check_experts(experts: Mapping[int, ExpertWeights]) -> tuple[torch.dtype, i
                     f"{next(iter(experts))})"
                 )
     return dtype, hidden, inter
+
+
+def _check_packed_experts(experts: Mapping[int, PackedExpertWeights]) -> tuple[int, int]:
+    """The shared hidden and intermediate sizes of packed experts; raises naming the
+    first expert and projection whose values or scales differ in shape or device from
+    the first expert's, or are not contiguous."""
+    if not experts:
+        raise ValueError("experts: none held (allowed: at least one expert)")
+    first_id = next(iter(experts))
+    first = experts[first_id]
+    device = first.w1.values.device
+    inter, hidden = first.w1.values.shape[0], first.w1.values.shape[1] * 2
+    expected = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+    for expert_id, w in experts.items():
+        for name in PROJECTIONS:
+            p = getattr(w, name)
+            out_dim, in_dim = expected[name]
+            for part, t, shape in (
+                ("values", p.values, (out_dim, in_dim // 2)),
+                ("scale", p.scale, (out_dim, in_dim // MXFP4_BLOCK)),
+            ):
+                if tuple(t.shape) != shape or t.device != device or not t.is_contiguous():
+                    raise ValueError(
+                        f"expert {expert_id} {name} {part}: {list(t.shape)} on {t.device}, strides {t.stride()} "
+                        f"(allowed: {list(shape)} on {device}, contiguous, like expert {first_id})"
+                    )
+    return hidden, inter
 
 
 def _address_table(name: str, expert_ids: tuple[int, ...], tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -163,33 +232,32 @@ def _pack_mxfp4(expert_id: int, name: str, weight: torch.Tensor) -> tuple[torch.
     return packed, scales
 
 
-def build_expert_bank(experts: Mapping[int, ExpertWeights], weight_format: str) -> TritonExpertBank:
-    """The bank of ``experts`` (by global id). ``plain`` points at the weights as held;
-    ``mxfp4`` points at packs made here once (E2M1 + E8M0 per 32 input values, a
-    quarter of the bf16 bytes plus 1/64), after checking they are exact."""
-    if weight_format not in EXPERT_WEIGHT_FORMATS:
-        raise ValueError(f"weight_format: {weight_format!r} (allowed: {', '.join(EXPERT_WEIGHT_FORMATS)})")
-    dtype, hidden, inter = _check_experts(experts)
-    expert_ids = tuple(sorted(experts))
-    device = experts[expert_ids[0]].w1.device
-    tables: dict[str, ExpertPointers] = {}
-    storage: list[torch.Tensor] = []
-    for name in PROJECTIONS:
-        weights = [getattr(experts[e], name) for e in expert_ids]
-        if weight_format == "plain":
-            tables[name] = _pointers(name, expert_ids, weights, None)
-            storage.extend(weights)
-            continue
-        out_dim, in_dim = weights[0].shape
-        packed = torch.empty(len(weights), out_dim, in_dim // 2, dtype=torch.uint8, device=device)
-        scales = torch.empty(len(weights), out_dim, in_dim // MXFP4_BLOCK, dtype=torch.uint8, device=device)
-        for i, (expert_id, weight) in enumerate(zip(expert_ids, weights)):
-            packed[i], scales[i] = _pack_mxfp4(expert_id, name, weight)
-        tables[name] = _pointers(name, expert_ids, list(packed.unbind(0)), list(scales.unbind(0)))
-        storage.extend((packed, scales))
+def _check_scale_bytes(name: str, expert_ids: tuple[int, ...], scales: list[torch.Tensor]) -> None:
+    """Refuses E8M0 bytes 0 (2^-127) and 255 (NaN): the scaled dot builds its bf16
+    scale as byte << 7, which is e8m0_decode's value for bytes 1..254 alone (0 would
+    become a zero scale). formats.pow2_scale never writes either byte. One host sync
+    per projection."""
+    outside = torch.stack([((s == 0) | (s == 255)).any() for s in scales]).tolist()
+    for expert_id, bad in zip(expert_ids, outside):
+        if bad:
+            raise ValueError(
+                f"expert {expert_id} {name} scale: holds E8M0 byte 0 or 255 (allowed: 1..254, the scales "
+                "formats.quantize_fp4_weight writes)"
+            )
+
+
+def _bank(
+    expert_ids: tuple[int, ...],
+    weight_format: str,
+    dtype: torch.dtype,
+    hidden: int,
+    inter: int,
+    tables: dict[str, ExpertPointers],
+    storage: list[torch.Tensor],
+) -> TritonExpertBank:
     return TritonExpertBank(
         expert_ids=expert_ids,
-        held_ids=torch.tensor(expert_ids, dtype=torch.int64, device=device),
+        held_ids=torch.tensor(expert_ids, dtype=torch.int64, device=tables["w1"].values.device),
         weight_format=weight_format,
         dtype=dtype,
         hidden=hidden,
@@ -199,6 +267,51 @@ def build_expert_bank(experts: Mapping[int, ExpertWeights], weight_format: str) 
         w2=tables["w2"],
         storage=tuple(storage),
     )
+
+
+def build_packed_expert_bank(experts: Mapping[int, PackedExpertWeights], dtype: torch.dtype) -> TritonExpertBank:
+    """The "mxfp4" bank of ``experts`` (by global id) in the checkpoint's own bytes, read
+    in place (no decoding, no copy: each tensor must be contiguous and 16-byte
+    aligned); ``dtype`` is the compute dtype of the activations the bank will meet."""
+    if dtype not in TL_DTYPES:
+        raise ValueError(f"dtype: {dtype} (allowed: {', '.join(map(str, TL_DTYPES))})")
+    hidden, inter = _check_packed_experts(experts)
+    expert_ids = tuple(sorted(experts))
+    tables: dict[str, ExpertPointers] = {}
+    storage: list[torch.Tensor] = []
+    for name in PROJECTIONS:
+        projections = [getattr(experts[e], name) for e in expert_ids]
+        values = [p.values for p in projections]
+        scales = [p.scale.view(torch.uint8) for p in projections]
+        _check_scale_bytes(name, expert_ids, scales)
+        tables[name] = _pointers(name, expert_ids, values, scales)
+        storage.extend(values + scales)
+    return _bank(expert_ids, "mxfp4", dtype, hidden, inter, tables, storage)
+
+
+def build_expert_bank(experts: Mapping[int, ExpertWeights], weight_format: str) -> TritonExpertBank:
+    """The bank of ``experts`` (by global id). ``plain`` points at the weights as held;
+    ``mxfp4`` points at packs made here once (E2M1 + E8M0 per 32 input values, a
+    quarter of the bf16 bytes plus 1/64), after checking they are exact."""
+    if weight_format not in EXPERT_WEIGHT_FORMATS:
+        raise ValueError(f"weight_format: {weight_format!r} (allowed: {', '.join(EXPERT_WEIGHT_FORMATS)})")
+    dtype, hidden, inter = _check_experts(experts)
+    expert_ids = tuple(sorted(experts))
+    if weight_format == "mxfp4":
+        packed = {
+            e: PackedExpertWeights(
+                **{name: PackedProjection(*_pack_mxfp4(e, name, getattr(experts[e], name))) for name in PROJECTIONS}
+            )
+            for e in expert_ids
+        }
+        return build_packed_expert_bank(packed, dtype)
+    tables: dict[str, ExpertPointers] = {}
+    storage: list[torch.Tensor] = []
+    for name in PROJECTIONS:
+        weights = [getattr(experts[e], name) for e in expert_ids]
+        tables[name] = _pointers(name, expert_ids, weights, None)
+        storage.extend(weights)
+    return _bank(expert_ids, weight_format, dtype, hidden, inter, tables, storage)
 
 
 @dataclass(frozen=True)
@@ -257,19 +370,112 @@ def align_pairs(expert_ids: torch.Tensor, held_ids: torch.Tensor, block_m: int) 
     return PairBlocks(block_m=block_m, slot_pairs=slot_pairs[:dump], block_experts=block_experts)
 
 
+@dataclass(frozen=True)
+class ExpertTiling:
+    """How the grouped GEMMs cut one block of rows' work: ``block_n`` output columns per
+    program, ``block_k`` input values per step of its loop (for MXFP4 a whole number of
+    32-value scale groups), and the launch's warps and pipeline stages. The sum over
+    the input dim runs in ``block_k`` steps in index order, so a row's value depends on
+    the tiling and its own inputs alone. ``mxfp4_dot``: how MXFP4 tiles meet bf16
+    activations, "scaled" (tl.dot_scaled, which decodes them itself) or "decoded" (the
+    fp32 decode below, rounded to bf16 exactly, then a bf16 tl.dot); fp32 activations
+    always meet the fp32 decode."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    mxfp4_dot: str = "scaled"
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 32 or value & (value - 1):
+                raise ValueError(
+                    f"ExpertTiling.{name}: {value} (allowed: a power of two >= 32, whole MXFP4 groups and a dot's "
+                    "minimum)"
+                )
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ExpertTiling.num_warps: {self.num_warps} (allowed: 1, 2, 4, 8, 16)")
+        if self.num_stages < 1:
+            raise ValueError(f"ExpertTiling.num_stages: {self.num_stages} (allowed: >= 1)")
+        if self.mxfp4_dot not in ("scaled", "decoded"):
+            raise ValueError(f"ExpertTiling.mxfp4_dot: {self.mxfp4_dot!r} (allowed: 'scaled', 'decoded')")
+
+
+PLAIN_TILING = ExpertTiling()
+# Chosen from sm_90 builds (triton 3.6.0, the H200's, compiled on the CPU dev box,
+# 2026-12-02; not yet timed on the card): decode blocks (16 or 32 rows) read 64 bytes
+# of each of a program's 64 weight rows a step, 4 stages deep, in 161 (16 rows) or
+# 188 (32 rows) registers without spills, so three or two programs share an SM; 64-row
+# prefill blocks take 128 weight rows on two warpgroups (218 registers, no spills).
+MXFP4_DECODE_TILING = ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4)
+MXFP4_PREFILL_TILING = ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+
+def expert_tiling(weight_format: str, block_m: int) -> ExpertTiling:
+    """The default tiling of a bank's format for blocks of ``block_m`` rows. The
+    batch-invariant mode always runs MIN_BLOCK_M rows, so its tiles, and the order of
+    its sums, never change with the step's pairs."""
+    if weight_format != "mxfp4":
+        return PLAIN_TILING
+    return MXFP4_PREFILL_TILING if block_m >= MAX_BLOCK_M else MXFP4_DECODE_TILING
+
+
 @triton.jit
-def load_weight_tile(values, scales, rows, cols, row_stride, scale_row_stride, mask, MXFP4: tl.constexpr):
-    """rows x cols of one expert's [out, in] weight: as stored (plain), or decoded to
-    float32 (E2M1 code pairs along ``in``, the even element in the low nibble, times
-    the E8M0 scale of its 32 input values)."""
+def weight_dot(
+    acc,
+    act,
+    values,
+    scales,
+    rows,
+    row_mask,
+    k0,
+    in_dim,
+    row_stride,
+    scale_row_stride,
+    MXFP4: tl.constexpr,
+    SCALED_DOT: tl.constexpr,
+    DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """acc + act [M, BLOCK_K] @ w[rows, k0 : k0 + BLOCK_K]^T in fp32, w one expert's [out,
+    in] weight: as stored (plain), or MXFP4, whose tile's packed bytes [rows, BLOCK_K / 2]
+    and scale bytes [rows, BLOCK_K / 32] are each loaded once. SCALED_DOT (bf16
+    activations): tl.dot_scaled decodes them to bf16; else they are decoded to float32
+    here (E2M1 code pairs, the even element in the low nibble, times the E8M0 scale of
+    their 32 input values)."""
     if MXFP4:
-        packed = tl.load(values + rows[:, None] * row_stride + (cols // 2)[None, :], mask=mask, other=0)
-        code = (packed.to(tl.int32) >> ((cols % 2) * 4)[None, :]) & 0xF
-        scale = tl.load(scales + rows[:, None] * scale_row_stride + (cols // 32)[None, :], mask=mask, other=127)
-        tile = e2m1_to_f32(code) * e8m0_to_f32(scale)
+        pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        packed = tl.load(
+            values + rows[:, None] * row_stride + pairs[None, :],
+            mask=row_mask[:, None] & (pairs < in_dim // 2)[None, :],
+            other=0,
+        )
+        scale = tl.load(
+            scales + rows[:, None] * scale_row_stride + groups[None, :],
+            mask=row_mask[:, None] & (groups < in_dim // 32)[None, :],
+            other=127,
+        )
+        if SCALED_DOT:
+            # fast_math skips the NaN select for scale byte 255; banks hold bytes 1..254.
+            acc = tl.dot_scaled(act, None, "bf16", tl.trans(packed), scale, "e2m1", acc=acc, fast_math=True)
+        else:
+            codes = tl.interleave(packed & 0xF, packed >> 4)
+            grouped = tl.reshape(e2m1_to_f32(codes), (rows.shape[0], BLOCK_K // 32, 32))
+            tile = tl.reshape(grouped * e8m0_to_f32(scale)[:, :, None], (rows.shape[0], BLOCK_K))
+            acc += tl.dot(act.to(DOT), tl.trans(tile.to(DOT)), input_precision=DOT_PRECISION)
     else:
-        tile = tl.load(values + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
-    return tile
+        ks = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(
+            values + rows[:, None] * row_stride + ks[None, :],
+            mask=row_mask[:, None] & (ks < in_dim)[None, :],
+            other=0.0,
+        )
+        acc += tl.dot(act.to(DOT), tl.trans(tile.to(DOT)), input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit
@@ -308,6 +514,7 @@ def expert_gate_up_kernel(
     ACT: tl.constexpr,
     W_ELEM: tl.constexpr,
     MXFP4: tl.constexpr,
+    SCALED_DOT: tl.constexpr,
     DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -335,14 +542,17 @@ def expert_gate_up_kernel(
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < hidden
-        x = tl.load(x_ptr + token[:, None] * stride_x + ks[None, :], mask=present[:, None] & k_mask[None, :], other=0.0)
-        x = x.to(DOT)
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w1_tile = load_weight_tile(w1, s1, cols, ks, w_row_stride, w_scale_row_stride, w_mask, MXFP4)
-        w3_tile = load_weight_tile(w3, s3, cols, ks, w_row_stride, w_scale_row_stride, w_mask, MXFP4)
-        gate += tl.dot(x, tl.trans(w1_tile.to(DOT)), input_precision=DOT_PRECISION)
-        up += tl.dot(x, tl.trans(w3_tile.to(DOT)), input_precision=DOT_PRECISION)
+        x = tl.load(
+            x_ptr + token[:, None] * stride_x + ks[None, :], mask=present[:, None] & (ks < hidden)[None, :], other=0.0
+        )
+        gate = weight_dot(
+            gate, x, w1, s1, cols, col_mask, k0, hidden, w_row_stride, w_scale_row_stride,
+            MXFP4, SCALED_DOT, DOT, DOT_PRECISION, BLOCK_K,
+        )  # fmt: skip
+        up = weight_dot(
+            up, x, w3, s3, cols, col_mask, k0, hidden, w_row_stride, w_scale_row_stride,
+            MXFP4, SCALED_DOT, DOT, DOT_PRECISION, BLOCK_K,
+        )  # fmt: skip
     # The reference's projections come out in the activations' dtype.
     gate = tl.minimum(round_to_activation(gate, ACT), limit)
     up = tl.minimum(tl.maximum(round_to_activation(up, ACT), -limit), limit)
@@ -372,6 +582,7 @@ def expert_down_kernel(
     ACT: tl.constexpr,
     W_ELEM: tl.constexpr,
     MXFP4: tl.constexpr,
+    SCALED_DOT: tl.constexpr,
     DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -394,15 +605,15 @@ def expert_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < inter
         h = tl.load(
             h_ptr + slots.to(tl.int64)[:, None] * stride_h + ks[None, :],
-            mask=present[:, None] & k_mask[None, :],
+            mask=present[:, None] & (ks < inter)[None, :],
             other=0.0,
         )
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w2_tile = load_weight_tile(w2, s2, cols, ks, w_row_stride, w_scale_row_stride, w_mask, MXFP4)
-        acc += tl.dot(h.to(DOT), tl.trans(w2_tile.to(DOT)), input_precision=DOT_PRECISION)
+        acc = weight_dot(
+            acc, h, w2, s2, cols, col_mask, k0, inter, w_row_stride, w_scale_row_stride,
+            MXFP4, SCALED_DOT, DOT, DOT_PRECISION, BLOCK_K,
+        )  # fmt: skip
     tl.store(
         out_ptr + tl.where(present, pair, 0).to(tl.int64)[:, None] * stride_out + cols[None, :],
         round_to_activation(acc, ACT).to(ACT),
@@ -410,14 +621,69 @@ def expert_down_kernel(
     )
 
 
+def _launch_constants(bank: TritonExpertBank, act: torch.dtype, block_m: int, tiling: ExpertTiling, bf16_dot: bool):
+    mxfp4 = bank.weight_format == "mxfp4"
+    return dict(
+        ACT=TL_DTYPES[act],
+        W_ELEM=tl.uint8 if mxfp4 else TL_DTYPES[bank.dtype],
+        MXFP4=mxfp4,
+        # bf16 activations meet MXFP4 tiles in the scaled dot (interpreted too: it
+        # decodes the same bytes to the same values).
+        SCALED_DOT=mxfp4 and act == torch.bfloat16 and tiling.mxfp4_dot == "scaled",
+        # TF32 is Triton's default precision of every dot; it changes nothing for bf16.
+        DOT=tl.bfloat16 if bf16_dot else tl.float32,
+        DOT_PRECISION="tf32" if bf16_dot else "ieee",
+        BLOCK_M=block_m,
+        BLOCK_N=tiling.block_n,
+        BLOCK_K=tiling.block_k,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+    )
+
+
+def expert_down(
+    h: torch.Tensor,
+    out: torch.Tensor,
+    blocks: PairBlocks,
+    bank: TritonExpertBank,
+    tiling: ExpertTiling,
+    *,
+    bf16_dot: bool,
+) -> None:
+    """The w2 launch: ``out`` [P, hidden] (pair rows, the activations' dtype) gets w2
+    times each block row of ``h`` [num_blocks * block_m, inter] whose pair is present."""
+    expert_down_kernel[(blocks.num_blocks, triton.cdiv(bank.hidden, tiling.block_n))](
+        h,
+        out,
+        blocks.slot_pairs,
+        blocks.block_experts,
+        bank.w2.values,
+        bank.w2.scales,
+        bank.hidden,
+        bank.intermediate,
+        bank.w2.row_stride,
+        bank.w2.scale_row_stride,
+        h.stride(0),
+        out.stride(0),
+        **_launch_constants(bank, h.dtype, blocks.block_m, tiling, bf16_dot),
+    )
+
+
 def grouped_expert_slots(
-    x: torch.Tensor, routing: Routing, bank: TritonExpertBank, limit: float, *, bf16_dot: bool
+    x: torch.Tensor,
+    routing: Routing,
+    bank: TritonExpertBank,
+    limit: float,
+    *,
+    bf16_dot: bool,
+    tiling: ExpertTiling | None = None,
 ) -> torch.Tensor:
     """model/moe.routed_expert_slots over ``bank``'s experts: [T, k, hidden] fp32. Two launches
     for every held expert at once. ``bf16_dot``: bf16 tensor-core dots (bf16
     activations on a GPU; bf16 holds every operand exactly: bf16 activations, bf16 or
     E2M1 x power-of-two weights), else fp32 operands with IEEE products (no TF32), as
-    torch's fp32 matmul computes."""
+    torch's fp32 matmul computes. ``tiling``: the format's default unless given (the
+    benchmark's sweep)."""
     if x.dtype != bank.dtype:
         raise ValueError(f"x: {x.dtype} (allowed: the experts' compute dtype {bank.dtype})")
     if x.shape[1] != bank.hidden:
@@ -430,24 +696,12 @@ def grouped_expert_slots(
     x = x.contiguous()
     num_pairs = rows * top_k
     block_m = MIN_BLOCK_M if batch_invariant_enabled() else block_rows(num_pairs, len(bank.expert_ids))
+    tiling = expert_tiling(bank.weight_format, block_m) if tiling is None else tiling
     blocks = align_pairs(routing.expert_ids, bank.held_ids, block_m)
     h = torch.empty(blocks.num_blocks * blocks.block_m, bank.intermediate, dtype=x.dtype, device=x.device)
     pair_out = torch.zeros(num_pairs, bank.hidden, dtype=x.dtype, device=x.device)
     weights = routing.weights.reshape(-1).float().contiguous()
-    mxfp4 = bank.weight_format == "mxfp4"
-    constants = dict(
-        ACT=TL_DTYPES[x.dtype],
-        W_ELEM=tl.uint8 if mxfp4 else TL_DTYPES[bank.dtype],
-        MXFP4=mxfp4,
-        # TF32 is Triton's default precision of every dot; it changes nothing for bf16.
-        DOT=tl.bfloat16 if bf16_dot else tl.float32,
-        DOT_PRECISION="tf32" if bf16_dot else "ieee",
-        BLOCK_M=blocks.block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        num_warps=4,
-    )
-    expert_gate_up_kernel[(blocks.num_blocks, triton.cdiv(bank.intermediate, BLOCK_N))](
+    expert_gate_up_kernel[(blocks.num_blocks, triton.cdiv(bank.intermediate, tiling.block_n))](
         x,
         h,
         weights,
@@ -465,21 +719,7 @@ def grouped_expert_slots(
         bank.w1.scale_row_stride,
         x.stride(0),
         h.stride(0),
-        **constants,
+        **_launch_constants(bank, x.dtype, blocks.block_m, tiling, bf16_dot),
     )
-    expert_down_kernel[(blocks.num_blocks, triton.cdiv(bank.hidden, BLOCK_N))](
-        h,
-        pair_out,
-        blocks.slot_pairs,
-        blocks.block_experts,
-        bank.w2.values,
-        bank.w2.scales,
-        bank.hidden,
-        bank.intermediate,
-        bank.w2.row_stride,
-        bank.w2.scale_row_stride,
-        h.stride(0),
-        pair_out.stride(0),
-        **constants,
-    )
+    expert_down(h, pair_out, blocks, bank, tiling, bf16_dot=bf16_dot)
     return pair_out.view(rows, top_k, bank.hidden).float()
