@@ -83,6 +83,8 @@ _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # checkpoint's bytes (model/stored_weights.py), "decoded" decodes them to the compute
 # dtype (the dense reference's form, and training's).
 WEIGHT_STORAGE = ("stored", "decoded")
+# Byte alignment of a stored weight's values and scales (the kernels' vector loads).
+_ALIGNMENT = 16
 _SUPPORTED_EXPERT_DTYPES = ("fp4", "bf16")
 # A header this large is not a safetensors header (Flash's largest is a few MiB).
 _MAX_HEADER_BYTES = 1 << 28
@@ -258,13 +260,19 @@ class LoadedCheckpoint:
         self.post_load_runs += 1
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where a shard file left it at an address a kernel's
+    vector loads cannot take (safetensors packs tensors at any byte offset)."""
+    return t if t.data_ptr() % _ALIGNMENT == 0 else t.clone()
+
+
 def _resident(stored: _StoredTensor, dtype: torch.dtype) -> Weight:
     """A quantised weight in the checkpoint's own bytes (scales as raw E8M0 bytes)."""
-    scale = stored.scale.view(torch.uint8)
+    scale = _aligned(stored.scale.view(torch.uint8))
     if stored.spec.kind is TensorKind.FP8_WEIGHT:
-        return Fp8Weight(stored.values.view(torch.float8_e4m3fn), scale, dtype)
+        return Fp8Weight(_aligned(stored.values.view(torch.float8_e4m3fn)), scale, dtype)
     if stored.spec.kind is TensorKind.FP4_EXPERT:
-        return Fp4Weight(stored.values.view(torch.uint8), scale, dtype)
+        return Fp4Weight(_aligned(stored.values.view(torch.uint8)), scale, dtype)
     raise CheckpointError(f"{stored.spec.name}: kind {stored.spec.kind.name} has no resident stored form")
 
 

@@ -30,6 +30,7 @@ from dsv41.model.formats import dequantize_fp4_weight, quantize_fp4_weight, roun
 from dsv41.model.kernels.interface import ExpertBank
 from dsv41.model.loader import ExpertShard
 from dsv41.model.moe import ExpertWeights, Routing, combine_slots, moe_forward, routed_expert_slots
+from dsv41.model.stored_weights import Fp4Weight
 from dsv41.model.params import load_model_params
 
 pytest.importorskip("triton")
@@ -37,8 +38,6 @@ pytest.importorskip("triton")
 from dsv41.model.kernels.triton import TritonKernels  # noqa: E402
 from dsv41.model.kernels.triton.moe import (  # noqa: E402
     ExpertTiling,
-    PackedExpertWeights,
-    PackedProjection,
     PairBlocks,
     TritonExpertBank,
     align_pairs,
@@ -105,15 +104,15 @@ def test_grouped_gemm_equals_routed_expert_slots(dtype: torch.dtype, fmt: str) -
     )
 
 
-def _checkpoint_form(experts: dict[int, ExpertWeights]) -> dict[int, PackedExpertWeights]:
-    """The experts as an FP4 checkpoint stores them: quantize_fp4_weight's int8 pairs and
-    its E8M0 bytes, the scales viewed as torch.float8_e8m0fnu (a checkpoint's dtype)."""
+def _checkpoint_form(experts: dict[int, ExpertWeights]) -> dict[int, ExpertWeights]:
+    """The experts as a stored load holds an FP4 checkpoint's: quantize_fp4_weight's
+    pairs and E8M0 bytes as ``Fp4Weight`` (model/stored_weights.py)."""
 
-    def packed(w: torch.Tensor) -> PackedProjection:
+    def packed(w: torch.Tensor) -> Fp4Weight:
         values, scale = quantize_fp4_weight(w.float())
-        return PackedProjection(values=values, scale=scale.view(torch.float8_e8m0fnu))
+        return Fp4Weight(values.view(torch.uint8), scale, w.dtype)
 
-    return {e: PackedExpertWeights(w1=packed(w.w1), w2=packed(w.w2), w3=packed(w.w3)) for e, w in experts.items()}
+    return {e: ExpertWeights(w1=packed(w.w1), w2=packed(w.w2), w3=packed(w.w3)) for e, w in experts.items()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -178,21 +177,21 @@ def test_the_scaled_and_the_decoded_mxfp4_dots_agree_bit_for_bit() -> None:
 
 
 def test_the_packed_bank_refuses_mismatched_packs_and_scale_bytes_it_cannot_decode() -> None:
-    """Packs whose shapes disagree across experts, a scale whose shape does not match its
-    values, and E8M0 bytes 0 or 255 (which the scaled dot cannot decode as
+    """Packs whose shapes disagree across experts, a projection that is not held packed,
+    and E8M0 bytes 0 or 255 (which the scaled dot cannot decode as
     formats.e8m0_decode does) are named, never read."""
     experts = _experts([0, 3], 64, 64, torch.float32, "mxfp4", seed=28)
     stored = _checkpoint_form(experts)
     w1 = stored[3].w1
-    short = PackedProjection(values=w1.values[:32].contiguous(), scale=w1.scale[:32].contiguous())
+    short = Fp4Weight(w1.values[:32].contiguous(), w1.scale[:32].contiguous(), w1.dtype)
     with pytest.raises(ValueError, match="expert 3 w1 values"):
-        mismatched = PackedExpertWeights(w1=short, w2=stored[3].w2, w3=stored[3].w3)
+        mismatched = ExpertWeights(w1=short, w2=stored[3].w2, w3=stored[3].w3)
         build_packed_expert_bank({**stored, 3: mismatched}, torch.float32)
-    with pytest.raises(ValueError, match="PackedProjection.scale"):
-        PackedProjection(values=w1.values, scale=w1.scale[:, :1])
-    zero = w1.scale.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match="expert 0 w2: Tensor"):
+        build_packed_expert_bank({**stored, 0: ExpertWeights(stored[0].w1, experts[0].w2, stored[0].w3)}, torch.float32)
+    zero = w1.scale.clone()
     zero[5, 1] = 0
-    bad = PackedExpertWeights(w1=PackedProjection(values=w1.values, scale=zero), w2=stored[3].w2, w3=stored[3].w3)
+    bad = ExpertWeights(w1=Fp4Weight(w1.values, zero, w1.dtype), w2=stored[3].w2, w3=stored[3].w3)
     with pytest.raises(ValueError, match="expert 3 w1 scale: holds E8M0 byte 0 or 255"):
         build_packed_expert_bank({**stored, 3: bad}, torch.float32)
     with pytest.raises(ValueError, match="dtype"):

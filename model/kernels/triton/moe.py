@@ -38,6 +38,7 @@ from dsv41.model.kernels.interface import EXPERT_WEIGHT_FORMATS
 from dsv41.model.kernels.triton.decode import e2m1_to_f32, e8m0_to_f32
 from dsv41.model.linalg import batch_invariant_enabled
 from dsv41.model.moe import ExpertWeights, Routing
+from dsv41.model.stored_weights import Fp4Weight
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 PROJECTIONS = ("w1", "w3", "w2")
@@ -103,45 +104,6 @@ class TritonExpertBank:
             )
 
 
-@dataclass(frozen=True)
-class PackedProjection:
-    """One projection of one expert as an FP4 checkpoint stores it (formats.py
-    quantize_fp4_weight): ``values`` [out, in / 2] E2M1 pairs along the input dim, the
-    even element in the low nibble (uint8, or the checkpoint's int8), and ``scale``
-    [out, in / 32] E8M0 bytes (uint8, or torch.float8_e8m0fnu)."""
-
-    values: torch.Tensor
-    scale: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.values.dtype not in (torch.uint8, torch.int8) or self.values.dim() != 2:
-            raise ValueError(
-                f"PackedProjection.values: {self.values.dtype} {list(self.values.shape)} (allowed: uint8 or int8 "
-                "[out, in / 2])"
-            )
-        out_dim, half = self.values.shape
-        if (half * 2) % MXFP4_BLOCK:
-            raise ValueError(
-                f"PackedProjection.values: {half * 2} input values a row (allowed: a multiple of {MXFP4_BLOCK})"
-            )
-        allowed_scales = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
-        if self.scale.dtype not in allowed_scales or tuple(self.scale.shape) != (out_dim, half * 2 // MXFP4_BLOCK):
-            raise ValueError(
-                f"PackedProjection.scale: {self.scale.dtype} {list(self.scale.shape)} (allowed: uint8 or "
-                f"float8_e8m0fnu [{out_dim}, {half * 2 // MXFP4_BLOCK}], one byte per {MXFP4_BLOCK} input values)"
-            )
-
-
-@dataclass(frozen=True)
-class PackedExpertWeights:
-    """One routed expert's three projections in the checkpoint's FP4 form (model/moe.py
-    ExpertWeights' shapes: w1 and w3 [inter, hidden], w2 [hidden, inter], unpacked)."""
-
-    w1: PackedProjection
-    w2: PackedProjection
-    w3: PackedProjection
-
-
 def _check_experts(experts: Mapping[int, ExpertWeights]) -> tuple[torch.dtype, int, int]:
     """The shared dtype, hidden and intermediate sizes of the held experts; raises
     naming the first expert and projection that differs or is not contiguous (the
@@ -166,14 +128,22 @@ def _check_experts(experts: Mapping[int, ExpertWeights]) -> tuple[torch.dtype, i
     return dtype, hidden, inter
 
 
-def _check_packed_experts(experts: Mapping[int, PackedExpertWeights]) -> tuple[int, int]:
-    """The shared hidden and intermediate sizes of packed experts; raises naming the
-    first expert and projection whose values or scales differ in shape or device from
-    the first expert's, or are not contiguous."""
+def _check_packed_experts(experts: Mapping[int, ExpertWeights]) -> tuple[int, int]:
+    """The shared hidden and intermediate sizes of experts held as FP4 weights
+    (``Fp4Weight``, the checkpoint's form); raises naming the first expert and
+    projection that is not one, or whose values or scales differ in shape or device
+    from the first expert's, or are not contiguous."""
     if not experts:
         raise ValueError("experts: none held (allowed: at least one expert)")
     first_id = next(iter(experts))
     first = experts[first_id]
+    for expert_id, w in experts.items():
+        for name in PROJECTIONS:
+            if not isinstance(getattr(w, name), Fp4Weight):
+                raise ValueError(
+                    f"expert {expert_id} {name}: {type(getattr(w, name)).__name__} (allowed: an Fp4Weight, the "
+                    "checkpoint's packed form)"
+                )
     device = first.w1.values.device
     inter, hidden = first.w1.values.shape[0], first.w1.values.shape[1] * 2
     expected = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
@@ -269,10 +239,11 @@ def _bank(
     )
 
 
-def build_packed_expert_bank(experts: Mapping[int, PackedExpertWeights], dtype: torch.dtype) -> TritonExpertBank:
-    """The "mxfp4" bank of ``experts`` (by global id) in the checkpoint's own bytes, read
-    in place (no decoding, no copy: each tensor must be contiguous and 16-byte
-    aligned); ``dtype`` is the compute dtype of the activations the bank will meet."""
+def build_packed_expert_bank(experts: Mapping[int, ExpertWeights], dtype: torch.dtype) -> TritonExpertBank:
+    """The "mxfp4" bank of ``experts`` (by global id, each projection an ``Fp4Weight``)
+    in the checkpoint's own bytes, read in place (no decoding, no copy: each tensor must
+    be contiguous and 16-byte aligned); ``dtype`` is the compute dtype of the
+    activations the bank will meet."""
     if dtype not in TL_DTYPES:
         raise ValueError(f"dtype: {dtype} (allowed: {', '.join(map(str, TL_DTYPES))})")
     hidden, inter = _check_packed_experts(experts)
@@ -290,17 +261,27 @@ def build_packed_expert_bank(experts: Mapping[int, PackedExpertWeights], dtype: 
 
 
 def build_expert_bank(experts: Mapping[int, ExpertWeights], weight_format: str) -> TritonExpertBank:
-    """The bank of ``experts`` (by global id). ``plain`` points at the weights as held;
-    ``mxfp4`` points at packs made here once (E2M1 + E8M0 per 32 input values, a
-    quarter of the bf16 bytes plus 1/64), after checking they are exact."""
+    """The bank of ``experts`` (by global id). Experts held as the checkpoint stores them
+    (``Fp4Weight``: weight_storage "stored") are read in place under ``mxfp4``; under
+    ``plain`` they are decoded once, into the compute dtype. Decoded experts: ``plain``
+    points at the weights as held; ``mxfp4`` at packs made here once (E2M1 + E8M0 per
+    32 input values, a quarter of the bf16 bytes plus 1/64), after checking they are
+    exact."""
     if weight_format not in EXPERT_WEIGHT_FORMATS:
         raise ValueError(f"weight_format: {weight_format!r} (allowed: {', '.join(EXPERT_WEIGHT_FORMATS)})")
+    first = next(iter(experts.values()), None)
+    if first is not None and isinstance(first.w1, Fp4Weight):
+        if weight_format == "mxfp4":
+            return build_packed_expert_bank(experts, first.w1.dtype)
+        experts = {
+            e: ExpertWeights(**{name: getattr(w, name).decoded() for name in PROJECTIONS}) for e, w in experts.items()
+        }
     dtype, hidden, inter = _check_experts(experts)
     expert_ids = tuple(sorted(experts))
     if weight_format == "mxfp4":
         packed = {
-            e: PackedExpertWeights(
-                **{name: PackedProjection(*_pack_mxfp4(e, name, getattr(experts[e], name))) for name in PROJECTIONS}
+            e: ExpertWeights(
+                **{name: Fp4Weight(*_pack_mxfp4(e, name, getattr(experts[e], name)), dtype) for name in PROJECTIONS}
             )
             for e in expert_ids
         }
