@@ -29,13 +29,45 @@ FP4_GROUP = formats.MXFP4_BLOCK
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _check_compute_dtype(owner: str, dtype: torch.dtype) -> None:
+def _check_values(owner: str, values: torch.Tensor, dtype: torch.dtype, stored: torch.dtype) -> tuple[int, int]:
+    """Refuses a compute dtype that cannot hold the decode, or values that are not a 2-D
+    tensor of the stored dtype; their shape."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"{owner}.dtype: {dtype} (allowed: {', '.join(map(str, COMPUTE_DTYPES))})")
+    if values.dim() != 2 or values.dtype != stored:
+        raise ValueError(f"{owner}.values: {values.dtype} {tuple(values.shape)} (allowed: 2-D {stored})")
+    return values.shape[0], values.shape[1]
+
+
+def _check_scale(owner: str, weight: "Fp8Weight | Fp4Weight", expected: tuple[int, int], layout: str) -> None:
+    """Refuses scales that are not uint8 of ``expected`` shape, or not on the values' device."""
+    scale, values = weight.scale, weight.values
+    if scale.dtype != torch.uint8 or tuple(scale.shape) != expected:
+        raise ValueError(
+            f"{owner}.scale: {scale.dtype} {tuple(scale.shape)} (allowed: uint8 {expected}, {layout} of values "
+            f"{tuple(values.shape)})"
+        )
+    if scale.device != values.device:
+        raise ValueError(f"{owner}.scale: on {scale.device}, values on {values.device} (allowed: one device)")
+
+
+class _StoredBytes:
+    """What both stored forms share: their values' device, and the bytes they hold."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
 
 
 @dataclass(frozen=True, eq=False)
-class Fp8Weight:
+class Fp8Weight(_StoredBytes):
     """An FP8 weight [out, in] as stored: ``values`` E4M3 [out, in] (float8_e4m3fn),
     ``scale`` one E8M0 byte per 32x32 tile [ceil(out / 32), ceil(in / 32)] (uint8;
     the edge tiles may be partial); ``dtype`` the compute dtype it decodes to."""
@@ -45,32 +77,13 @@ class Fp8Weight:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        _check_compute_dtype("Fp8Weight", self.dtype)
-        if self.values.dim() != 2 or self.values.dtype != torch.float8_e4m3fn:
-            raise ValueError(
-                f"Fp8Weight.values: {self.values.dtype} {tuple(self.values.shape)} (allowed: 2-D torch.float8_e4m3fn)"
-            )
-        rows, cols = self.values.shape
+        rows, cols = _check_values("Fp8Weight", self.values, self.dtype, torch.float8_e4m3fn)
         expected = (-(-rows // FP8_TILE), -(-cols // FP8_TILE))
-        if self.scale.dtype != torch.uint8 or tuple(self.scale.shape) != expected:
-            raise ValueError(
-                f"Fp8Weight.scale: {self.scale.dtype} {tuple(self.scale.shape)} (allowed: uint8 {expected}, one E8M0 "
-                f"byte per {FP8_TILE}x{FP8_TILE} tile of values {tuple(self.values.shape)})"
-            )
-        if self.scale.device != self.values.device:
-            raise ValueError(f"Fp8Weight.scale: on {self.scale.device}, values on {self.values.device} (allowed: one device)")
+        _check_scale("Fp8Weight", self, expected, f"one E8M0 byte per {FP8_TILE}x{FP8_TILE} tile")
 
     @property
     def shape(self) -> torch.Size:
         return self.values.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.values.nbytes + self.scale.nbytes
 
     def decoded(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The exact decode in ``dtype`` (default: the compute dtype)."""
@@ -94,7 +107,7 @@ class Fp8Weight:
 
 
 @dataclass(frozen=True, eq=False)
-class Fp4Weight:
+class Fp4Weight(_StoredBytes):
     """An FP4 expert weight [out, in] as stored: ``values`` E2M1 nibble pairs [out,
     in / 2] (uint8, the even column in the low nibble), ``scale`` one E8M0 byte per 32
     input values [out, in / 32] (uint8); ``dtype`` the compute dtype it decodes to."""
@@ -104,33 +117,15 @@ class Fp4Weight:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        _check_compute_dtype("Fp4Weight", self.dtype)
-        if self.values.dim() != 2 or self.values.dtype != torch.uint8:
-            raise ValueError(
-                f"Fp4Weight.values: {self.values.dtype} {tuple(self.values.shape)} (allowed: 2-D uint8 nibble pairs)"
-            )
-        rows, half = self.values.shape
-        expected = (rows, half * 2 // FP4_GROUP)
-        if (half * 2) % FP4_GROUP or self.scale.dtype != torch.uint8 or tuple(self.scale.shape) != expected:
-            raise ValueError(
-                f"Fp4Weight.scale: {self.scale.dtype} {tuple(self.scale.shape)} (allowed: uint8 {expected}, one E8M0 "
-                f"byte per {FP4_GROUP} values of the {half * 2}-wide rows)"
-            )
-        if self.scale.device != self.values.device:
-            raise ValueError(f"Fp4Weight.scale: on {self.scale.device}, values on {self.values.device} (allowed: one device)")
+        rows, half = _check_values("Fp4Weight", self.values, self.dtype, torch.uint8)
+        if (half * 2) % FP4_GROUP:
+            raise ValueError(f"Fp4Weight.values: rows of {half * 2} values (allowed: a multiple of {FP4_GROUP})")
+        _check_scale("Fp4Weight", self, (rows, half * 2 // FP4_GROUP), f"one E8M0 byte per {FP4_GROUP} values")
 
     @property
     def shape(self) -> torch.Size:
         rows, half = self.values.shape
         return torch.Size((rows, half * 2))
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.values.nbytes + self.scale.nbytes
 
     def decoded(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The exact decode in ``dtype`` (default: the compute dtype)."""
