@@ -175,6 +175,39 @@ def _long(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class _SegmentColumns:
+    """A step's segments as int64 columns [S] (one Python pass over them), and each
+    row's segment [R]: what the address builders compute from without a loop over
+    segments or rows."""
+
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+    write_from: torch.Tensor
+    window_starts: torch.Tensor
+    tentative: torch.Tensor
+    ends: torch.Tensor
+    bases: torch.Tensor  # each segment's first row
+    row_segments: torch.Tensor  # [R]
+
+    @classmethod
+    def of(cls, segments: Sequence[SegmentSpec]) -> "_SegmentColumns":
+        table = _long([(s.start, s.length, s.slot, s.write_from, s.window_start, s.tentative) for s in segments])
+        starts, lengths, slots, write_from, window_starts, tentative = table.view(-1, 6).unbind(1)
+        return cls(
+            starts=starts,
+            lengths=lengths,
+            slots=slots,
+            write_from=write_from,
+            window_starts=window_starts,
+            tentative=tentative,
+            ends=starts + lengths,
+            bases=torch.cumsum(lengths, 0) - lengths,
+            row_segments=torch.repeat_interleave(torch.arange(len(segments)), lengths),
+        )
+
+
 def build_decoder_addresses(
     segments: Sequence[SegmentSpec], views: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape
 ) -> DecoderAddresses:
@@ -210,25 +243,14 @@ def build_step_addresses(
     compresses nothing)."""
     W, ring_rows, B = shape.window, shape.ring_rows, shape.block_size
     _check_page_tables(segments, page_tables, B)
-    positions: list[int] = []
-    row_segments: list[int] = []
-    write_rows: list[int] = []
-    write_dst: list[int] = []
-    base = 0
-    for s, seg in enumerate(segments):
-        positions.extend(range(seg.start, seg.end))
-        row_segments.extend([s] * seg.length)
-        for pos in range(max(seg.start, seg.end - ring_rows), seg.end):
-            write_rows.append(base + pos - seg.start)
-            write_dst.append(seg.slot * ring_rows + pos % ring_rows)
-        base += seg.length
-
-    pos_t = _long(positions)
-    seg_t = _long(row_segments)
-    starts = _long([seg.start for seg in segments])
-    bases = torch.cumsum(_long([0] + [seg.length for seg in segments]), 0)[:-1]
-    window_starts = _long([seg.window_start for seg in segments])
-    slots = _long([seg.slot for seg in segments])
+    columns = _SegmentColumns.of(segments)
+    starts, slots, window_starts = columns.starts, columns.slots, columns.window_starts
+    seg_t, bases = columns.row_segments, columns.bases
+    pos_t = starts[seg_t] + torch.arange(seg_t.numel()) - bases[seg_t]
+    # A segment's ring takes its rows' KV from its last ring_rows positions on.
+    written = pos_t >= (columns.ends - ring_rows)[seg_t]
+    write_rows = torch.arange(seg_t.numel())[written]
+    write_dst = slots[seg_t[written]] * ring_rows + pos_t[written].remainder(ring_rows)
 
     key_pos = pos_t.unsqueeze(1) - W + 1 + torch.arange(W)  # [R, W]
     row_start = starts[seg_t].unsqueeze(1)
@@ -242,11 +264,11 @@ def build_step_addresses(
         chunk_rows=chunk_rows,
         ring_rows=ring_rows_t,
         valid=valid,
-        write_rows=_long(write_rows),
-        write_dst=_long(write_dst),
+        write_rows=write_rows,
+        write_dst=write_dst,
     )
-    plans = {r: _compression_plan(segments, page_tables, shape, r) for r in shape.ratios} if compression else {}
-    tiles = {r: _entry_tile(segments, page_tables, shape, r, pos_t) for r in shape.ratios}
+    plans = {r: _compression_plan(columns, page_tables, shape, r) for r in shape.ratios} if compression else {}
+    tiles = {r: _entry_tile(columns, page_tables, shape, r, pos_t) for r in shape.ratios}
     return StepAddresses(
         positions=pos_t,
         row_segments=seg_t,
@@ -395,75 +417,66 @@ def _entry_rows(page_tables: torch.Tensor, segments: torch.Tensor, entries: torc
     return page_tables[segments, entries // per_page] * per_page + entries % per_page
 
 
-def _compression_plan(
-    segments: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, ratio: int
-) -> CompressionPlan:
-    first_rows: list[int] = []
-    first_tails: list[int] = []
-    second_rows: list[int] = []
-    entry_pos: list[int] = []
-    entry_segments: list[int] = []
-    entries: list[int] = []
-    tail_rows: list[int] = []
-    tail_slots: list[int] = []
-    staged_rows: list[int] = []
-    staged_slots: list[int] = []
-    staged_tail_rows: list[int] = []
-    base = 0
-    for s, seg in enumerate(segments):
-        # Entry j is the group [j*r, (j+1)*r); it completes at its last token and is
-        # written only when that group ends past write_from (else the cache holds it).
-        first_entry = max(seg.start // ratio, seg.write_from // ratio)
-        for j in range(first_entry, seg.end // ratio):
-            last = (j + 1) * ratio - 1
-            if last < seg.start:
-                continue
-            first = j * ratio
-            if first >= seg.start:
-                first_rows.append(base + first - seg.start)
-                first_tails.append(NO_ROW)
-            else:
-                first_rows.append(NO_ROW)
-                first_tails.append(seg.slot)
-            second_rows.append(base + last - seg.start)
-            entry_pos.append(first)
-            entry_segments.append(s)
-            entries.append(j)
-        if ratio == 2 and seg.tentative:
-            for pos in range(seg.start + seg.start % 2, seg.end, 2):
-                staged_rows.append(base + pos - seg.start)
-                staged_slots.append(seg.slot)
-                staged_tail_rows.append(staged_tail_row(seg.start, pos))
-        elif ratio == 2 and seg.length and seg.end % 2 == 1:
-            tail_rows.append(base + seg.end - 1 - seg.start)
-            tail_slots.append(seg.slot)
-        base += seg.length
+def _repeat(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``counts[s]`` items of each segment s laid out segment after segment: each
+    item's segment and its index within its segment's items."""
+    owners = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    firsts = torch.cumsum(counts, 0) - counts
+    return owners, torch.arange(owners.numel()) - firsts[owners]
+
+
+def _compression_plan(columns: _SegmentColumns, page_tables: torch.Tensor, shape: PoolShape, ratio: int) -> CompressionPlan:
+    starts, ends, slots, bases = columns.starts, columns.ends, columns.slots, columns.bases
+    # Entry j is the group [j*r, (j+1)*r); it completes at its last token and is
+    # written only when that group ends past write_from (else the cache holds it).
+    # Every j from start // r on ends at or past start.
+    first_entry = torch.maximum(starts // ratio, columns.write_from // ratio)
+    owners, index = _repeat((ends // ratio - first_entry).clamp_min(0))
+    entries = first_entry[owners] + index
+    first = entries * ratio
+    start, base = starts[owners], bases[owners]
+    in_step = first >= start
+    empty = torch.zeros(0, dtype=torch.long)
+    staged_rows = staged_slots = staged_tail_rows = tail_rows = tail_slots = empty
+    if ratio == 2:
+        tentative = columns.tentative > 0
+        # A verify stages each even position of its rows; another segment leaves its
+        # last row pending when its end is odd.
+        even_start = starts + starts % 2
+        staged, step = _repeat(torch.where(tentative, (ends - even_start + 1).clamp_min(0) // 2, 0))
+        positions = even_start[staged] + 2 * step
+        staged_rows = bases[staged] + positions - starts[staged]
+        staged_slots = slots[staged]
+        staged_tail_rows = staged_tail_row(starts[staged], positions)
+        pending = ~tentative & (columns.lengths > 0) & (ends % 2 == 1)
+        tail_rows = (bases + columns.lengths - 1)[pending]
+        tail_slots = slots[pending]
     return CompressionPlan(
         ratio=ratio,
-        first_rows=_long(first_rows),
-        first_tail_slots=_long(first_tails),
-        second_rows=_long(second_rows),
-        entry_positions=_long(entry_pos),
-        dst=_entry_rows(page_tables, _long(entry_segments), _long(entries), shape.entries_per_page(ratio)),
-        tail_write_rows=_long(tail_rows),
-        tail_write_slots=_long(tail_slots),
-        staged_rows=_long(staged_rows),
-        staged_slots=_long(staged_slots),
-        staged_tail_rows=_long(staged_tail_rows),
+        first_rows=torch.where(in_step, base + first - start, NO_ROW),
+        first_tail_slots=torch.where(in_step, NO_ROW, slots[owners]),
+        second_rows=base + first + ratio - 1 - start,
+        entry_positions=first,
+        dst=_entry_rows(page_tables, owners, entries, shape.entries_per_page(ratio)),
+        tail_write_rows=tail_rows,
+        tail_write_slots=tail_slots,
+        staged_rows=staged_rows,
+        staged_slots=staged_slots,
+        staged_tail_rows=staged_tail_rows,
     )
 
 
 def _entry_tile(
-    segments: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, ratio: int, positions: torch.Tensor
+    columns: _SegmentColumns, page_tables: torch.Tensor, shape: PoolShape, ratio: int, positions: torch.Tensor
 ) -> EntryTile:
     per_page = shape.entries_per_page(ratio)
-    counts = [seg.end // ratio for seg in segments]
-    width = max(counts, default=0)
+    counts = columns.ends // ratio
+    width = int(counts.max()) if counts.numel() else 0
     return EntryTile(
         ratio=ratio,
         entries_per_page=per_page,
         width=width,
         page_tables=page_tables[:, : -(-width // per_page)],
-        counts=_long(counts),
+        counts=counts,
         visible=torch.div(positions + 1, ratio, rounding_mode="floor"),
     )
