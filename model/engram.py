@@ -338,7 +338,7 @@ class EngramHashing:
         shift read ``pad_compressed_id``.
         """
         self._check_history(history)
-        lengths = torch.tensor([compressed_ids.numel()], dtype=torch.int64)
+        lengths = torch.tensor([compressed_ids.numel()], dtype=torch.int64, device=compressed_ids.device)
         return self.step_ngram_ids(compressed_ids, history.unsqueeze(0), lengths)
 
     def step_ngram_ids(self, compressed_ids: torch.Tensor, histories: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -348,10 +348,10 @@ class EngramHashing:
         the row ``ngram_ids`` gives that id within its own chunk."""
         self._check_step(compressed_ids, histories)
         chunk_starts = self._chunk_starts(lengths, histories, compressed_ids)
-        history = self.history_size
-        chunks = torch.repeat_interleave(torch.arange(lengths.numel()), lengths).unsqueeze(1)
-        rows = torch.arange(compressed_ids.numel()).unsqueeze(1)
-        shifts = torch.arange(self.max_ngram_size).unsqueeze(0)
+        history, device = self.history_size, compressed_ids.device
+        chunks = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths).unsqueeze(1)
+        rows = torch.arange(compressed_ids.numel(), device=device).unsqueeze(1)
+        shifts = torch.arange(self.max_ngram_size, device=device).unsqueeze(0)
         # How far into its own chunk each shifted read lands; below 0 it reads the history.
         into_chunk = rows - chunk_starts[chunks] - shifts
         # One gather from the histories followed by the ids.
@@ -384,7 +384,7 @@ class EngramHashing:
     def next_history(self, compressed_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """The last ``max_ngram_size - 1`` compressed ids once the chunk is appended."""
         self._check_history(history)
-        count = torch.tensor([compressed_ids.numel()], dtype=torch.int64)
+        count = torch.tensor([compressed_ids.numel()], dtype=torch.int64, device=compressed_ids.device)
         return self.step_next_history(compressed_ids, history.unsqueeze(0), count, count)[0]
 
     def step_next_history(
@@ -398,10 +398,10 @@ class EngramHashing:
         chunk_starts = self._chunk_starts(lengths, histories, compressed_ids)
         if appended.shape != lengths.shape or bool(((appended < 0) | (appended > lengths)).any()):
             raise ValueError(f"appended: {appended.tolist()} (allowed: 0..lengths[s] each, lengths {lengths.tolist()})")
-        history = self.history_size
+        history, device = self.history_size, compressed_ids.device
         # Where each kept id sits in history ++ appended ids: the last ``history`` of them.
-        kept = appended.unsqueeze(1) + torch.arange(history).unsqueeze(0)
-        chunks = torch.arange(histories.shape[0]).unsqueeze(1)
+        kept = appended.unsqueeze(1) + torch.arange(history, device=device).unsqueeze(0)
+        chunks = torch.arange(histories.shape[0], device=device).unsqueeze(1)
         source = torch.cat((histories.reshape(-1), compressed_ids))
         at = torch.where(
             kept < history, chunks * history + kept, histories.numel() + chunk_starts.unsqueeze(1) + kept - history
