@@ -133,7 +133,8 @@ def build_engine(batches: tuple[int, ...], tokens_per_request: int, block_size: 
     budget = PoolSize(num_pages=num_pages, num_slots=biggest).nbytes(geometry)
     options = dataclasses.replace(options, num_pages=num_pages, cache_memory_bytes=budget)
     layout = RankLayout.build(params.config, options)
-    buckets = DecodeBuckets(batch_sizes=tuple(sorted(batches)), page_counts=page_buckets(-(-tokens_per_request // block_size)))
+    max_pages = -(-tokens_per_request // block_size)
+    buckets = DecodeBuckets(batch_sizes=tuple(sorted(batches)), page_counts=page_buckets(max_pages))
     rank = DPRank(
         params,
         layout,

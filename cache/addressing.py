@@ -436,7 +436,9 @@ def _repeat(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owners, np.arange(owners.size, dtype=np.int64) - firsts[owners]
 
 
-def _compression_plan(columns: _SegmentColumns, page_tables: torch.Tensor, shape: PoolShape, ratio: int) -> CompressionPlan:
+def _compression_plan(
+    columns: _SegmentColumns, page_tables: torch.Tensor, shape: PoolShape, ratio: int
+) -> CompressionPlan:
     starts, ends, slots, bases = columns.starts, columns.ends, columns.slots, columns.bases
     # Entry j is the group [j*r, (j+1)*r); it completes at its last token and is
     # written only when that group ends past write_from (else the cache holds it).

@@ -341,7 +341,9 @@ class EngramHashing:
         lengths = torch.tensor([compressed_ids.numel()], dtype=torch.int64, device=compressed_ids.device)
         return self.step_ngram_ids(compressed_ids, history.unsqueeze(0), lengths)
 
-    def step_ngram_ids(self, compressed_ids: torch.Tensor, histories: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def step_ngram_ids(
+        self, compressed_ids: torch.Tensor, histories: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
         """``ngram_ids`` of a step's chunks at once, without a loop over them:
         ``compressed_ids`` [R] holds chunk after chunk, chunk s of ``lengths[s]`` ids
         (summing to R) following ``histories[s]`` ([S, max_ngram_size - 1]); row r is

@@ -31,9 +31,13 @@ def _entry_rows(page_tables: torch.Tensor, segments: list[int], entries: list[in
     return [int(page_tables[s, j // per_page]) * per_page + j % per_page for s, j in zip(segments, entries)]
 
 
-def _reference_plan(segments: list[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, ratio: int) -> CompressionPlan:
+def _reference_plan(
+    segments: list[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, ratio: int
+) -> CompressionPlan:
     """The compression plan, group by group and row by row."""
-    names = ("first", "tails", "second", "pos", "seg", "entry", "tail_rows", "tail_slots", "st_rows", "st_slots", "st_tail")
+    names = (
+        "first", "tails", "second", "pos", "seg", "entry", "tail_rows", "tail_slots", "st_rows", "st_slots", "st_tail"
+    )
     out: dict[str, list[int]] = {name: [] for name in names}
     base = 0
     for s, seg in enumerate(segments):
@@ -71,7 +75,9 @@ def _reference_plan(segments: list[SegmentSpec], page_tables: torch.Tensor, shap
     )
 
 
-def _reference(segments: list[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, compression: bool) -> StepAddresses:
+def _reference(
+    segments: list[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, compression: bool
+) -> StepAddresses:
     """Every address of the step, one row and one window key at a time."""
     W, ring = shape.window, shape.ring_rows
     positions, row_segments, chunk_rows, ring_rows, valid, write_rows, write_dst = [], [], [], [], [], [], []
@@ -141,7 +147,9 @@ def _steps(draw: st.DrawFn) -> tuple[list[SegmentSpec], torch.Tensor, PoolShape,
 
 @settings(max_examples=300, deadline=None)
 @given(step=_steps())
-def test_step_addresses_equal_the_per_row_transcription(step: tuple[list[SegmentSpec], torch.Tensor, PoolShape, bool]) -> None:
+def test_step_addresses_equal_the_per_row_transcription(
+    step: tuple[list[SegmentSpec], torch.Tensor, PoolShape, bool],
+) -> None:
     """Every tensor of build_step_addresses (same dtype, shape and values) and every
     tile's width equal the per-row transcription's, with and without compression plans."""
     segments, page_tables, shape, compression = step

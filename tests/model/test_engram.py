@@ -242,7 +242,9 @@ def _step_chunks(draw: st.DrawFn) -> tuple[int, list[list[int]], list[list[int]]
 
 @settings(max_examples=200, deadline=None)
 @given(step=_step_chunks())
-def test_step_ngram_ids_and_histories_equal_each_chunks(step: tuple[int, list[list[int]], list[list[int]], list[int]]) -> None:
+def test_step_ngram_ids_and_histories_equal_each_chunks(
+    step: tuple[int, list[list[int]], list[list[int]], list[int]],
+) -> None:
     """step_ngram_ids of a step's chunks laid out one after another equal the per-token
     oracle of each chunk after its own history, row for row; step_next_history equals
     each history with the chunk's kept ids appended, cut to its last max_ngram_size - 1."""
