@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from dsv41.cache.geometry import V41PoolGeometry
@@ -175,6 +176,46 @@ def _long(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values))
+
+
+@dataclass(frozen=True)
+class _SegmentColumns:
+    """A step's segments as int64 columns [S] (one Python pass over them), and each
+    row's segment [R]: what the address builders compute from without a loop over
+    segments or rows. numpy, not torch: on the host a numpy op on a few hundred
+    integers costs a fraction of a torch op's dispatch."""
+
+    starts: np.ndarray
+    lengths: np.ndarray
+    slots: np.ndarray
+    write_from: np.ndarray
+    window_starts: np.ndarray
+    tentative: np.ndarray
+    ends: np.ndarray
+    bases: np.ndarray  # each segment's first row
+    row_segments: np.ndarray  # [R]
+
+    @classmethod
+    def of(cls, segments: Sequence[SegmentSpec]) -> "_SegmentColumns":
+        table = np.array(
+            [(s.start, s.length, s.slot, s.write_from, s.window_start, s.tentative) for s in segments], dtype=np.int64
+        ).reshape(-1, 6)
+        starts, lengths, slots, write_from, window_starts, tentative = table.T
+        return cls(
+            starts=starts,
+            lengths=lengths,
+            slots=slots,
+            write_from=write_from,
+            window_starts=window_starts,
+            tentative=tentative,
+            ends=starts + lengths,
+            bases=np.cumsum(lengths) - lengths,
+            row_segments=np.repeat(np.arange(len(segments), dtype=np.int64), lengths),
+        )
+
+
 def build_decoder_addresses(
     segments: Sequence[SegmentSpec], views: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape
 ) -> DecoderAddresses:
@@ -210,46 +251,35 @@ def build_step_addresses(
     compresses nothing)."""
     W, ring_rows, B = shape.window, shape.ring_rows, shape.block_size
     _check_page_tables(segments, page_tables, B)
-    positions: list[int] = []
-    row_segments: list[int] = []
-    write_rows: list[int] = []
-    write_dst: list[int] = []
-    base = 0
-    for s, seg in enumerate(segments):
-        positions.extend(range(seg.start, seg.end))
-        row_segments.extend([s] * seg.length)
-        for pos in range(max(seg.start, seg.end - ring_rows), seg.end):
-            write_rows.append(base + pos - seg.start)
-            write_dst.append(seg.slot * ring_rows + pos % ring_rows)
-        base += seg.length
+    columns = _SegmentColumns.of(segments)
+    starts, slots, window_starts = columns.starts, columns.slots, columns.window_starts
+    seg_t, bases = columns.row_segments, columns.bases
+    rows = np.arange(seg_t.size, dtype=np.int64)
+    pos_t = starts[seg_t] + rows - bases[seg_t]
+    # A segment's ring takes its rows' KV from its last ring_rows positions on.
+    written = pos_t >= (columns.ends - ring_rows)[seg_t]
+    write_dst = slots[seg_t[written]] * ring_rows + pos_t[written] % ring_rows
 
-    pos_t = _long(positions)
-    seg_t = _long(row_segments)
-    starts = _long([seg.start for seg in segments])
-    bases = torch.cumsum(_long([0] + [seg.length for seg in segments]), 0)[:-1]
-    window_starts = _long([seg.window_start for seg in segments])
-    slots = _long([seg.slot for seg in segments])
-
-    key_pos = pos_t.unsqueeze(1) - W + 1 + torch.arange(W)  # [R, W]
-    row_start = starts[seg_t].unsqueeze(1)
-    valid = (key_pos >= window_starts[seg_t].unsqueeze(1)) & (key_pos >= 0)
+    key_pos = pos_t[:, None] - W + 1 + np.arange(W, dtype=np.int64)  # [R, W]
+    row_start = starts[seg_t][:, None]
+    valid = (key_pos >= window_starts[seg_t][:, None]) & (key_pos >= 0)
     in_chunk = key_pos >= row_start
-    chunk_rows = torch.where(valid & in_chunk, bases[seg_t].unsqueeze(1) + key_pos - row_start, NO_ROW)
-    ring_flat = slots[seg_t].unsqueeze(1) * ring_rows + key_pos.remainder(ring_rows)
-    ring_rows_t = torch.where(valid & ~in_chunk, ring_flat, NO_ROW)
+    chunk_rows = np.where(valid & in_chunk, bases[seg_t][:, None] + key_pos - row_start, NO_ROW)
+    ring_flat = slots[seg_t][:, None] * ring_rows + key_pos % ring_rows
+    ring_rows_t = np.where(valid & ~in_chunk, ring_flat, NO_ROW)
 
     window = WindowPlan(
-        chunk_rows=chunk_rows,
-        ring_rows=ring_rows_t,
-        valid=valid,
-        write_rows=_long(write_rows),
-        write_dst=_long(write_dst),
+        chunk_rows=_tensor(chunk_rows),
+        ring_rows=_tensor(ring_rows_t),
+        valid=_tensor(valid),
+        write_rows=_tensor(rows[written]),
+        write_dst=_tensor(write_dst),
     )
-    plans = {r: _compression_plan(segments, page_tables, shape, r) for r in shape.ratios} if compression else {}
-    tiles = {r: _entry_tile(segments, page_tables, shape, r, pos_t) for r in shape.ratios}
+    plans = {r: _compression_plan(columns, page_tables, shape, r) for r in shape.ratios} if compression else {}
+    tiles = {r: _entry_tile(columns, page_tables, shape, r, pos_t) for r in shape.ratios}
     return StepAddresses(
-        positions=pos_t,
-        row_segments=seg_t,
+        positions=_tensor(pos_t),
+        row_segments=_tensor(seg_t),
         window=window,
         compression=plans,
         tiles=tiles,
@@ -299,7 +329,7 @@ def build_decode_addresses(
     if decode_pages(segments, shape) > width.pages:
         raise ValueError(f"segments: cover {decode_pages(segments, shape)} PAGEs (allowed: at most width.pages = {width.pages})")
     own = build_step_addresses(segments, page_tables, shape)
-    rows, pad = width.requests, width.requests - len(segments)
+    rows = width.requests
     window = own.window
     padded_window = WindowPlan(
         chunk_rows=_padded(window.chunk_rows, rows, NO_ROW),
@@ -338,7 +368,7 @@ def build_decode_addresses(
         )
     return StepAddresses(
         positions=_padded(own.positions, rows, 0),
-        row_segments=torch.cat((own.row_segments, torch.arange(len(segments), len(segments) + pad))),
+        row_segments=torch.arange(rows),
         window=padded_window,
         compression=compression,
         tiles=tiles,
@@ -346,9 +376,12 @@ def build_decode_addresses(
 
 
 def _padded(values: torch.Tensor, rows: int, fill: int | bool) -> torch.Tensor:
-    """``values`` [N, ...] followed by ``fill`` up to ``rows`` along the first dimension."""
-    extra = torch.full((rows - values.shape[0], *values.shape[1:]), fill, dtype=values.dtype)
-    return torch.cat((values, extra))
+    """``values`` [N, ...] (host) followed by ``fill`` up to ``rows`` along the first
+    dimension."""
+    own = values.numpy()
+    padded = np.full((rows, *own.shape[1:]), fill, dtype=own.dtype)
+    padded[: own.shape[0]] = own
+    return torch.from_numpy(padded)
 
 
 def _check_page_tables(segments: Sequence[SegmentSpec], page_tables: torch.Tensor, block_size: int) -> None:
@@ -395,75 +428,68 @@ def _entry_rows(page_tables: torch.Tensor, segments: torch.Tensor, entries: torc
     return page_tables[segments, entries // per_page] * per_page + entries % per_page
 
 
+def _repeat(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ``counts[s]`` items of each segment s laid out segment after segment: each
+    item's segment and its index within its segment's items."""
+    owners = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    firsts = np.cumsum(counts) - counts
+    return owners, np.arange(owners.size, dtype=np.int64) - firsts[owners]
+
+
 def _compression_plan(
-    segments: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, ratio: int
+    columns: _SegmentColumns, page_tables: torch.Tensor, shape: PoolShape, ratio: int
 ) -> CompressionPlan:
-    first_rows: list[int] = []
-    first_tails: list[int] = []
-    second_rows: list[int] = []
-    entry_pos: list[int] = []
-    entry_segments: list[int] = []
-    entries: list[int] = []
-    tail_rows: list[int] = []
-    tail_slots: list[int] = []
-    staged_rows: list[int] = []
-    staged_slots: list[int] = []
-    staged_tail_rows: list[int] = []
-    base = 0
-    for s, seg in enumerate(segments):
-        # Entry j is the group [j*r, (j+1)*r); it completes at its last token and is
-        # written only when that group ends past write_from (else the cache holds it).
-        first_entry = max(seg.start // ratio, seg.write_from // ratio)
-        for j in range(first_entry, seg.end // ratio):
-            last = (j + 1) * ratio - 1
-            if last < seg.start:
-                continue
-            first = j * ratio
-            if first >= seg.start:
-                first_rows.append(base + first - seg.start)
-                first_tails.append(NO_ROW)
-            else:
-                first_rows.append(NO_ROW)
-                first_tails.append(seg.slot)
-            second_rows.append(base + last - seg.start)
-            entry_pos.append(first)
-            entry_segments.append(s)
-            entries.append(j)
-        if ratio == 2 and seg.tentative:
-            for pos in range(seg.start + seg.start % 2, seg.end, 2):
-                staged_rows.append(base + pos - seg.start)
-                staged_slots.append(seg.slot)
-                staged_tail_rows.append(staged_tail_row(seg.start, pos))
-        elif ratio == 2 and seg.length and seg.end % 2 == 1:
-            tail_rows.append(base + seg.end - 1 - seg.start)
-            tail_slots.append(seg.slot)
-        base += seg.length
+    starts, ends, slots, bases = columns.starts, columns.ends, columns.slots, columns.bases
+    # Entry j is the group [j*r, (j+1)*r); it completes at its last token and is
+    # written only when that group ends past write_from (else the cache holds it).
+    # Every j from start // r on ends at or past start.
+    first_entry = np.maximum(starts // ratio, columns.write_from // ratio)
+    owners, index = _repeat(np.maximum(ends // ratio - first_entry, 0))
+    entries = first_entry[owners] + index
+    first = entries * ratio
+    start, base = starts[owners], bases[owners]
+    in_step = first >= start
+    empty = np.zeros(0, dtype=np.int64)
+    staged_rows = staged_slots = staged_tail_rows = tail_rows = tail_slots = empty
+    if ratio == 2:
+        tentative = columns.tentative > 0
+        # A verify stages each even position of its rows; another segment leaves its
+        # last row pending when its end is odd.
+        even_start = starts + starts % 2
+        staged, step = _repeat(np.where(tentative, np.maximum(ends - even_start + 1, 0) // 2, 0))
+        positions = even_start[staged] + 2 * step
+        staged_rows = bases[staged] + positions - starts[staged]
+        staged_slots = slots[staged]
+        staged_tail_rows = staged_tail_row(starts[staged], positions)
+        pending = ~tentative & (columns.lengths > 0) & (ends % 2 == 1)
+        tail_rows = (bases + columns.lengths - 1)[pending]
+        tail_slots = slots[pending]
     return CompressionPlan(
         ratio=ratio,
-        first_rows=_long(first_rows),
-        first_tail_slots=_long(first_tails),
-        second_rows=_long(second_rows),
-        entry_positions=_long(entry_pos),
-        dst=_entry_rows(page_tables, _long(entry_segments), _long(entries), shape.entries_per_page(ratio)),
-        tail_write_rows=_long(tail_rows),
-        tail_write_slots=_long(tail_slots),
-        staged_rows=_long(staged_rows),
-        staged_slots=_long(staged_slots),
-        staged_tail_rows=_long(staged_tail_rows),
+        first_rows=_tensor(np.where(in_step, base + first - start, NO_ROW)),
+        first_tail_slots=_tensor(np.where(in_step, NO_ROW, slots[owners])),
+        second_rows=_tensor(base + first + ratio - 1 - start),
+        entry_positions=_tensor(first),
+        dst=_entry_rows(page_tables, _tensor(owners), _tensor(entries), shape.entries_per_page(ratio)),
+        tail_write_rows=_tensor(tail_rows),
+        tail_write_slots=_tensor(tail_slots),
+        staged_rows=_tensor(staged_rows),
+        staged_slots=_tensor(staged_slots),
+        staged_tail_rows=_tensor(staged_tail_rows),
     )
 
 
 def _entry_tile(
-    segments: Sequence[SegmentSpec], page_tables: torch.Tensor, shape: PoolShape, ratio: int, positions: torch.Tensor
+    columns: _SegmentColumns, page_tables: torch.Tensor, shape: PoolShape, ratio: int, positions: np.ndarray
 ) -> EntryTile:
     per_page = shape.entries_per_page(ratio)
-    counts = [seg.end // ratio for seg in segments]
-    width = max(counts, default=0)
+    counts = columns.ends // ratio
+    width = int(counts.max()) if counts.size else 0
     return EntryTile(
         ratio=ratio,
         entries_per_page=per_page,
         width=width,
         page_tables=page_tables[:, : -(-width // per_page)],
-        counts=_long(counts),
-        visible=torch.div(positions + 1, ratio, rounding_mode="floor"),
+        counts=_tensor(counts),
+        visible=_tensor((positions + 1) // ratio),
     )

@@ -181,12 +181,13 @@ class StaticDecodeStep:
         tokens = torch.zeros(rows, dtype=torch.long)
         tokens[: token_ids.numel()] = token_ids
         leaves = [tokens, *tensor_leaves(build_decode_addresses(segments, page_tables, self.shape, self.width))]
-        at = 0
+        if len(leaves) != len(self.int_leaves):
+            raise RuntimeError(f"{len(leaves)} decode inputs for the width's {len(self.int_leaves)}")
         for leaf, staged in zip(leaves, self.int_leaves):
             if leaf.shape != staged.shape:
                 raise RuntimeError(f"a decode address of shape {tuple(leaf.shape)} for the width's {tuple(staged.shape)}")
-            self.host_ints[at : at + leaf.numel()].copy_(leaf.reshape(-1))
-            at += leaf.numel()
+        # One concatenation into the staging buffer (the valid mask's bools as 0/1).
+        torch.cat([leaf.reshape(-1).long() for leaf in leaves], out=self.host_ints)
         at = 0
         for layer_id, dim in self.engram_dims.items():
             staged = self.host_floats[at : at + rows * dim].view(rows, dim)

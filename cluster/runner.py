@@ -395,23 +395,25 @@ class ModelRunner:
         host, read in one copy; an error unless each slot is committed at its
         segment's start."""
         cursors = self.pools.cursor[[seg.slot for seg in segments]].cpu()
-        for seg, position in zip(segments, cursors[:, CURSOR_POSITION].tolist()):
-            if position != seg.start:
-                raise RuntimeError(
-                    f"request {seg.request_id}: slot {seg.slot} is committed at {position}, "
-                    f"but the step computes from {seg.start}"
-                )
+        starts = torch.tensor([seg.start for seg in segments], dtype=cursors.dtype)
+        wrong = (cursors[:, CURSOR_POSITION] != starts).nonzero()
+        if wrong.numel():
+            first = int(wrong[0, 0])
+            seg = segments[first]
+            raise RuntimeError(
+                f"request {seg.request_id}: slot {seg.slot} is committed at {int(cursors[first, CURSOR_POSITION])}, "
+                f"but the step computes from {seg.start}"
+            )
         return cursors
+
+    @staticmethod
+    def _lengths(segments: tuple[ScheduledSegment, ...]) -> torch.Tensor:
+        return torch.tensor([seg.length for seg in segments], dtype=torch.long)
 
     def _ngrams(self, segments: tuple[ScheduledSegment, ...], compressed: torch.Tensor, histories: torch.Tensor) -> torch.Tensor:
         if self.hashing is None:
             return compressed.unsqueeze(1)
-        parts = []
-        base = 0
-        for i, seg in enumerate(segments):
-            parts.append(self.hashing.ngram_ids(compressed[base : base + seg.length], histories[i]))
-            base += seg.length
-        return torch.cat(parts)
+        return self.hashing.step_ngram_ids(compressed, histories, self._lengths(segments))
 
     def _advance_cursors(
         self,
@@ -424,15 +426,14 @@ class ModelRunner:
         accepted prefix), and its Engram history over those rows' tokens: built on
         the host from ``cursors`` (the step's, ``_committed_cursors``) and written in
         one copy."""
+        kept = torch.tensor([committed[seg.request_id] for seg in segments], dtype=cursors.dtype)
         rows = cursors.clone()
-        base = 0
-        for i, seg in enumerate(segments):
-            kept = committed[seg.request_id]
-            rows[i, CURSOR_POSITION] = seg.start + kept
-            if self.hashing is not None:
-                chunk = compressed[base : base + kept]
-                rows[i, CURSOR_POSITION + 1 :] = self.hashing.next_history(chunk, cursors[i, CURSOR_POSITION + 1 :])
-            base += seg.length
+        rows[:, CURSOR_POSITION] = cursors[:, CURSOR_POSITION] + kept
+        if self.hashing is not None:
+            histories = cursors[:, CURSOR_POSITION + 1 :]
+            rows[:, CURSOR_POSITION + 1 :] = self.hashing.step_next_history(
+                compressed, histories, self._lengths(segments), kept
+            )
         slots = torch.tensor([seg.slot for seg in segments], dtype=rows.dtype).unsqueeze(1)
         written = torch.cat((slots, rows), dim=1).to(self.pools.device)
         self.pools.cursor[written[:, 0]] = written[:, 1:]

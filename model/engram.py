@@ -293,19 +293,42 @@ class EngramHashing:
     def history_size(self) -> int:
         return self.max_ngram_size - 1
 
-    def _check_chunk(self, compressed_ids: torch.Tensor, history: torch.Tensor) -> None:
-        if compressed_ids.dim() != 1 or compressed_ids.dtype != torch.int64:
-            raise ValueError(
-                f"compressed_ids: {compressed_ids.dtype} {tuple(compressed_ids.shape)} (allowed: torch.int64 [T])"
-            )
+    def _check_history(self, history: torch.Tensor) -> None:
         if history.dtype != torch.int64 or tuple(history.shape) != (self.history_size,):
             raise ValueError(
                 f"history: {history.dtype} {tuple(history.shape)} (allowed: torch.int64 ({self.history_size},))"
             )
+
+    def _check_step(self, compressed_ids: torch.Tensor, histories: torch.Tensor) -> None:
+        if compressed_ids.dim() != 1 or compressed_ids.dtype != torch.int64:
+            raise ValueError(
+                f"compressed_ids: {compressed_ids.dtype} {tuple(compressed_ids.shape)} (allowed: torch.int64 [T])"
+            )
+        if histories.dtype != torch.int64 or histories.dim() != 2 or histories.shape[1] != self.history_size:
+            raise ValueError(
+                f"history: {histories.dtype} {tuple(histories.shape)} "
+                f"(allowed: torch.int64 [S, {self.history_size}])"
+            )
         if compressed_ids.numel() and int(compressed_ids.min()) < 0:
             raise ValueError("compressed_ids: negative id (allowed: >= 0; DEAD marks history slots only)")
-        if int(history.min()) < DEAD:
+        if histories.numel() and int(histories.min()) < DEAD:
             raise ValueError(f"history: id below DEAD ({DEAD}) (allowed: compressed ids or DEAD)")
+
+    @staticmethod
+    def _chunk_starts(lengths: torch.Tensor, histories: torch.Tensor, compressed_ids: torch.Tensor) -> torch.Tensor:
+        """Each chunk's first row in ``compressed_ids``, the chunks laid out one after
+        another, one per history."""
+        if (
+            lengths.dtype != torch.int64
+            or tuple(lengths.shape) != (histories.shape[0],)
+            or (lengths.numel() and int(lengths.min()) < 0)
+            or int(lengths.sum()) != compressed_ids.numel()
+        ):
+            raise ValueError(
+                f"lengths: {lengths.dtype} {tuple(lengths.shape)} summing to {int(lengths.sum())} (allowed: "
+                f"torch.int64 ({histories.shape[0]},), >= 0, summing to the {compressed_ids.numel()} compressed ids)"
+            )
+        return torch.cumsum(lengths, 0) - lengths
 
     def ngram_ids(self, compressed_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """``[T, max_ngram_size]``: column k of row t is the compressed id at t - k.
@@ -314,12 +337,29 @@ class EngramHashing:
         DEAD before the sequence start. Once a shift reaches DEAD, it and every larger
         shift read ``pad_compressed_id``.
         """
-        self._check_chunk(compressed_ids, history)
-        extended = torch.cat((history, compressed_ids))
-        device = compressed_ids.device
-        rows = torch.arange(compressed_ids.numel(), device=device).unsqueeze(1) + self.history_size
+        self._check_history(history)
+        lengths = torch.tensor([compressed_ids.numel()], dtype=torch.int64, device=compressed_ids.device)
+        return self.step_ngram_ids(compressed_ids, history.unsqueeze(0), lengths)
+
+    def step_ngram_ids(
+        self, compressed_ids: torch.Tensor, histories: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """``ngram_ids`` of a step's chunks at once, without a loop over them:
+        ``compressed_ids`` [R] holds chunk after chunk, chunk s of ``lengths[s]`` ids
+        (summing to R) following ``histories[s]`` ([S, max_ngram_size - 1]); row r is
+        the row ``ngram_ids`` gives that id within its own chunk."""
+        self._check_step(compressed_ids, histories)
+        chunk_starts = self._chunk_starts(lengths, histories, compressed_ids)
+        history, device = self.history_size, compressed_ids.device
+        chunks = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths).unsqueeze(1)
+        rows = torch.arange(compressed_ids.numel(), device=device).unsqueeze(1)
         shifts = torch.arange(self.max_ngram_size, device=device).unsqueeze(0)
-        ngrams = extended[rows - shifts]
+        # How far into its own chunk each shifted read lands; below 0 it reads the history.
+        into_chunk = rows - chunk_starts[chunks] - shifts
+        # One gather from the histories followed by the ids.
+        source = torch.cat((histories.reshape(-1), compressed_ids))
+        at = torch.where(into_chunk >= 0, histories.numel() + rows - shifts, chunks * history + history + into_chunk)
+        ngrams = source[at]
         dead = (ngrams == DEAD).cummax(dim=1).values
         return torch.where(dead, torch.full_like(ngrams, self.pad_compressed_id), ngrams)
 
@@ -345,8 +385,30 @@ class EngramHashing:
 
     def next_history(self, compressed_ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """The last ``max_ngram_size - 1`` compressed ids once the chunk is appended."""
-        self._check_chunk(compressed_ids, history)
-        return torch.cat((history, compressed_ids))[-self.history_size :].clone()
+        self._check_history(history)
+        count = torch.tensor([compressed_ids.numel()], dtype=torch.int64, device=compressed_ids.device)
+        return self.step_next_history(compressed_ids, history.unsqueeze(0), count, count)[0]
+
+    def step_next_history(
+        self, compressed_ids: torch.Tensor, histories: torch.Tensor, lengths: torch.Tensor, appended: torch.Tensor
+    ) -> torch.Tensor:
+        """``next_history`` of a step's chunks at once ([S, max_ngram_size - 1]),
+        without a loop over them: ``compressed_ids`` holds chunk after chunk, chunk s
+        of ``lengths[s]`` ids, of which its first ``appended[s]`` follow
+        ``histories[s]`` (a verify: its accepted prefix)."""
+        self._check_step(compressed_ids, histories)
+        chunk_starts = self._chunk_starts(lengths, histories, compressed_ids)
+        if appended.shape != lengths.shape or bool(((appended < 0) | (appended > lengths)).any()):
+            raise ValueError(f"appended: {appended.tolist()} (allowed: 0..lengths[s] each, lengths {lengths.tolist()})")
+        history, device = self.history_size, compressed_ids.device
+        # Where each kept id sits in history ++ appended ids: the last ``history`` of them.
+        kept = appended.unsqueeze(1) + torch.arange(history, device=device).unsqueeze(0)
+        chunks = torch.arange(histories.shape[0], device=device).unsqueeze(1)
+        source = torch.cat((histories.reshape(-1), compressed_ids))
+        at = torch.where(
+            kept < history, chunks * history + kept, histories.numel() + chunk_starts.unsqueeze(1) + kept - history
+        )
+        return source[at]
 
 
 # -- host table --------------------------------------------------------------------------

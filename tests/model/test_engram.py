@@ -224,6 +224,45 @@ def test_chunked_equals_whole(max_ngram_size: int, tokens: list[int], chunk_size
     assert history.tolist() == [DEAD] * (max_ngram_size - 1 - len(live)) + live
 
 
+@st.composite
+def _step_chunks(draw: st.DrawFn) -> tuple[int, list[list[int]], list[list[int]], list[int]]:
+    """A step of chunks (some empty), each after a history that starts DEAD-padded or
+    full, and how many of each chunk's ids a verify keeps."""
+    max_ngram_size = draw(st.integers(2, 5))
+    history_size = max_ngram_size - 1
+    chunks, histories, kept = [], [], []
+    for _ in range(draw(st.integers(0, 9))):
+        chunk = draw(st.lists(st.integers(0, 1 << 40), min_size=0, max_size=7))
+        live = draw(st.lists(st.integers(0, 1 << 40), min_size=0, max_size=history_size))
+        chunks.append(chunk)
+        histories.append([DEAD] * (history_size - len(live)) + live)
+        kept.append(draw(st.integers(0, len(chunk))))
+    return max_ngram_size, chunks, histories, kept
+
+
+@settings(max_examples=200, deadline=None)
+@given(step=_step_chunks())
+def test_step_ngram_ids_and_histories_equal_each_chunks(
+    step: tuple[int, list[list[int]], list[list[int]], list[int]],
+) -> None:
+    """step_ngram_ids of a step's chunks laid out one after another equal the per-token
+    oracle of each chunk after its own history, row for row; step_next_history equals
+    each history with the chunk's kept ids appended, cut to its last max_ngram_size - 1."""
+    max_ngram_size, chunks, histories, kept = step
+    hashing = EngramHashing.from_sizes((1,), max_ngram_size, 2, 300, 60, 7)
+    flat = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.int64)
+    history_tensor = torch.tensor(histories, dtype=torch.int64).view(len(chunks), max_ngram_size - 1)
+    lengths = torch.tensor([len(chunk) for chunk in chunks], dtype=torch.int64)
+    got = hashing.step_ngram_ids(flat, history_tensor, lengths)
+    want = [row for chunk, history in zip(chunks, histories) for row in _ngram_oracle(hashing, chunk, history)]
+    assert got.dtype == torch.int64 and got.shape == (flat.numel(), max_ngram_size)
+    assert got.tolist() == want
+    advanced = hashing.step_next_history(flat, history_tensor, lengths, torch.tensor(kept, dtype=torch.int64))
+    assert advanced.tolist() == [
+        (history + chunk[:k])[-(max_ngram_size - 1) :] for chunk, history, k in zip(chunks, histories, kept)
+    ]
+
+
 def test_bad_chunks_are_refused() -> None:
     """A negative id inside a chunk, a history of the wrong length, or an unknown layer
     is refused with an error naming the argument."""
@@ -235,6 +274,11 @@ def test_bad_chunks_are_refused() -> None:
         hashing.ngram_ids(torch.tensor([1, 2]), history[:2])
     with pytest.raises(ValueError, match="layer_id"):
         hashing.row_ids(3, hashing.ngram_ids(torch.tensor([1, 2]), history))
+    histories = history.unsqueeze(0)
+    with pytest.raises(ValueError, match="lengths"):
+        hashing.step_ngram_ids(torch.tensor([1, 2]), histories, torch.tensor([1]))
+    with pytest.raises(ValueError, match="appended"):
+        hashing.step_next_history(torch.tensor([1, 2]), histories, torch.tensor([2]), torch.tensor([3]))
 
 
 # -- compressed token map -------------------------------------------------------------------
