@@ -148,44 +148,26 @@ def declared_quantized_kinds(source: ModelSource, config: V41Config) -> frozense
     return dense | ({TensorKind.FP4_EXPERT} if quantization.expert_dtype == "fp4" else frozenset())
 
 
-def _declared_bytes(
-    specs: dict[str, TensorSpec], quantized: frozenset[TensorKind], holding: "_Holding"
-) -> _Tally:
-    tally = dict.fromkeys(_FIELDS, 0)
-    # Thousands of experts share a few shapes: each (kind, shape, axis) is sized once.
-    sizes: dict[tuple[TensorKind, tuple[int, ...], int | None], tuple[str, int, int]] = {}
-    for name, spec in specs.items():
-        holds, axis = holding(name)
-        if not holds:
-            continue
-        key = (spec.kind, spec.shape, axis)
-        if key not in sizes:
-            held = dataclasses.replace(spec, shape=_held_shape(spec.shape, axis, holding.shard))
-            if spec.kind in quantized:
-                # Every quantised form stores one byte per element: E4M3 values, packed
-                # E2M1 pairs, E8M0 scales.
-                sizes[key] = (_quantized_field(spec), math.prod(held.quantized_shape), math.prod(held.scale_shape))
-            elif spec.kind is TensorKind.FP32:
-                sizes[key] = ("fp32", math.prod(held.shape) * _PLAIN_ITEMSIZE["F32"], 0)
-            else:
-                sizes[key] = ("bf16", math.prod(held.shape) * _PLAIN_ITEMSIZE["BF16"], 0)
-        _add(tally, spec, *sizes[key])
-    return tally
+def _declared_quantized(source: ModelSource, config: V41Config) -> Callable[[TensorSpec], bool]:
+    """Whether a model counted from its declarations stores a tensor quantised."""
+    kinds = declared_quantized_kinds(source, config)
+    return lambda spec: spec.kind in kinds
 
 
 def _device_bytes(
     specs: dict[str, TensorSpec],
     stored_quantized: Callable[[TensorSpec], bool],
     holding: "_Holding",
-    options: EngineOptions,
+    dtype: torch.dtype,
+    weight_storage: str,
 ) -> _Tally:
     """A rank's weights as its device holds them after the load (model/loader.py
     post_load): FP32 kinds in float32; a quantised FP8 / FP4 weight as its stored
     values and E8M0 scales under ``weight_storage="stored"``, else decoded; every other
-    tensor in the compute dtype; Engram tables as stored, on the host."""
+    tensor in the compute ``dtype``; Engram tables as stored, on the host. (With bf16 and
+    "stored" this is also the stored form of a model counted from its declarations.)"""
     tally = dict.fromkeys(_FIELDS, 0)
-    compute_field = "bf16" if options.dtype == torch.bfloat16 else "fp32"
-    compute_size = torch.empty((), dtype=options.dtype).element_size()
+    compute_field = "bf16" if dtype == torch.bfloat16 else "fp32"
     sizes: dict[tuple[TensorKind, tuple[int, ...], int | None, bool], tuple[str, int, int]] = {}
     for name, spec in specs.items():
         holds, axis = holding(name)
@@ -196,14 +178,14 @@ def _device_bytes(
         if key not in sizes:
             held = dataclasses.replace(spec, shape=_held_shape(spec.shape, axis, holding.shard))
             elements = math.prod(held.shape)
-            if quantized and (spec.kind is TensorKind.ENGRAM_TABLE or options.weight_storage == "stored"):
+            if quantized and (spec.kind is TensorKind.ENGRAM_TABLE or weight_storage == "stored"):
                 sizes[key] = (_quantized_field(spec), math.prod(held.quantized_shape), math.prod(held.scale_shape))
             elif spec.kind is TensorKind.FP32:
                 sizes[key] = ("fp32", elements * _PLAIN_ITEMSIZE["F32"], 0)
             elif spec.kind is TensorKind.ENGRAM_TABLE:
                 sizes[key] = ("engram_host", elements * _PLAIN_ITEMSIZE["BF16"], 0)
             else:
-                sizes[key] = (compute_field, elements * compute_size, 0)
+                sizes[key] = (compute_field, elements * dtype.itemsize, 0)
         _add(tally, spec, *sizes[key])
     return tally
 
@@ -222,12 +204,13 @@ def rank_device_bytes(
             return spec.scale_name in names
 
     else:
-        kinds = declared_quantized_kinds(source, config)
-
-        def stored_quantized(spec: TensorSpec) -> bool:
-            return spec.kind in kinds
-
-    return [WeightBytes(**_device_bytes(specs, stored_quantized, _Holding.of(config, shard), options)) for shard in shards]
+        stored_quantized = _declared_quantized(source, config)
+    return [
+        WeightBytes(
+            **_device_bytes(specs, stored_quantized, _Holding.of(config, shard), options.dtype, options.weight_storage)
+        )
+        for shard in shards
+    ]
 
 
 def _has_weights(root: Path) -> bool:
@@ -290,8 +273,12 @@ def rank_weight_bytes(
     if source.checkpoint_dir is not None and _has_weights(source.checkpoint_dir):
         entries = {canonical_name(name): entry for name, entry in read_headers(source.checkpoint_dir).items()}
         return [WeightBytes(**_header_bytes(entries, specs, _Holding.of(config, shard))) for shard in shards]
-    quantized = declared_quantized_kinds(source, config)
-    return [WeightBytes(**_declared_bytes(specs, quantized, _Holding.of(config, shard))) for shard in shards]
+    stored_quantized = _declared_quantized(source, config)
+    # Declared plain tensors are stored BF16, FP32 kinds FP32 (as make_tiny writes them).
+    return [
+        WeightBytes(**_device_bytes(specs, stored_quantized, _Holding.of(config, shard), torch.bfloat16, "stored"))
+        for shard in shards
+    ]
 
 
 def default_reserve(gpu_memory_bytes: int) -> int:
