@@ -17,6 +17,10 @@ baseline), and a tiling sweep at 32k context times other AttentionTiling / Score
 choices than the defaults (GPU only; --no-sweep skips it).
 The MoE section alone, with its tiling sweep of the MXFP4 kernels (--no-sweep skips it):
     python3 -m bench.kernels --moe-only --out moe.json
+The dense projections alone (each FP8-stored shape of a Flash layer at 1..4096 rows:
+the fixed-tile GEMM over the FP8 bytes, over their bf16 decode, and cuBLAS bf16,
+against copy bandwidth and the bf16 and FP8 matmul rates measured in the run):
+    python3 -m bench.kernels --gemm-only --out gemm.json
 A smoke run on a CPU (small batches and contexts, the Triton kernels in their
 interpreter, no MoE section: its Flash-size expert weights are GBs):
     TRITON_INTERPRET=1 python3 -m bench.kernels --small --out /tmp/kernels-small.json
@@ -45,13 +49,17 @@ from dsv41.cache.pools import PoolSize, V41Pools
 from dsv41.cluster.pool_layout import pool_geometry
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.device import move_tensors
+from dsv41.model import formats
 from dsv41.model.formats import round_fp8, round_mxfp4
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.kernels.triton import TritonKernels
 from dsv41.model.kernels.triton.attention import AttentionTiling
+from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling
 from dsv41.model.kernels.triton.moe import ExpertTiling, PairBlocks, expert_down, expert_tiling, grouped_expert_slots
 from dsv41.model.moe import ExpertWeights, route, routed_expert_slots
+from dsv41.model.stored_weights import Fp8Weight
+from dsv41.model.weights import TensorKind, checkpoint_tensors
 
 FLASH = FLASH_CONFIG_DIR
 BATCHES = (1, 8, 32, 128, 256)
@@ -73,6 +81,8 @@ MOE_SWEEP = (
     ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4, mxfp4_dot="decoded"),
 )
 COMPRESSION_PREFILL_ROWS = 4096
+# The dense projections' rows: decode batches and one 4096-token prefill.
+GEMM_ROWS = (1, 8, 32, 128, 4096)
 # --small: what a CPU runs in minutes with the kernels interpreted.
 SMALL_BATCHES = (1, 2)
 SMALL_CONTEXTS = (4096,)
@@ -375,6 +385,70 @@ def moe_benchmark(config: V41Config, ceil: dict) -> tuple[list[dict], list[dict]
     return rows, checks
 
 
+def fp8_matmul_rate() -> float:
+    """FLOP/s of one large FP8 E4M3 product with per-tensor scales through torch's
+    scaled matmul (cuBLAS), on random data: the ceiling an FP8-activation GEMM aims at."""
+    n = 8192
+    a = (torch.randn(n, n, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, n, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms = median_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def gemm_shapes(config: V41Config) -> list[tuple[str, int, int]]:
+    """The distinct [out, in] shapes of one layer's FP8-stored projections, each named
+    by its first tensor."""
+    seen: dict[tuple[int, int], str] = {}
+    for name, spec in checkpoint_tensors(config).items():
+        if spec.kind is TensorKind.FP8_WEIGHT and name.startswith("layers.0.") and len(spec.shape) == 2:
+            seen.setdefault(tuple(spec.shape), name.removeprefix("layers.0."))
+    return [(name, n, k) for (n, k), name in seen.items()]
+
+
+def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
+    """Each FP8 projection shape at each row count: the fixed-tile GEMM over the FP8
+    weight (its tiles decoded in registers) and over its bf16 decode, and cuBLAS over
+    the bf16 decode, as time, % copy bandwidth (at each weight's own bytes) and % of
+    the bf16 and FP8 matmul rates. The FP8 product is checked against the decoded one."""
+    fp8_rate = fp8_matmul_rate()
+    print(f"fp8 matmul (cuBLAS scaled): {fp8_rate / 1e12:.0f} TFLOP/s", flush=True)
+    rows = []
+    for name, n, k in gemm_shapes(config):
+        values, scale = formats.quantize_fp8_weight(torch.randn(n, k, device="cuda") / math.sqrt(k))
+        stored = Fp8Weight(values, scale, torch.bfloat16)
+        decoded = stored.decoded()
+        for m in GEMM_ROWS:
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            got = fixed_tile_matmul(a, stored)
+            want = fixed_tile_matmul(a, decoded)
+            if not torch.equal(got, want):
+                raise AssertionError(f"{name} [{n}, {k}] x {m} rows: the FP8 weight's product differs from its decode's")
+            times = {
+                "fp8_ms": median_ms(lambda: fixed_tile_matmul(a, stored)),
+                "bf16_ms": median_ms(lambda: fixed_tile_matmul(a, decoded)),
+                "cublas_bf16_ms": median_ms(lambda: a @ decoded.t()),
+            }
+            flops = 2 * m * n * k
+            io = 2 * m * (n + k)
+            row = {"tensor": name, "n": n, "k": k, "rows": m, **times}
+            row["fp8_bw_frac"] = (stored.nbytes + io) / (times["fp8_ms"] * 1e-3) / ceil["copy_bytes_per_s"]
+            row["bf16_bw_frac"] = (decoded.nbytes + io) / (times["bf16_ms"] * 1e-3) / ceil["copy_bytes_per_s"]
+            row["cublas_bw_frac"] = (decoded.nbytes + io) / (times["cublas_bf16_ms"] * 1e-3) / ceil["copy_bytes_per_s"]
+            row["fp8_bf16_rate_frac"] = flops / (times["fp8_ms"] * 1e-3) / ceil["bf16_flop_per_s"]
+            row["fp8_fp8_rate_frac"] = flops / (times["fp8_ms"] * 1e-3) / fp8_rate
+            rows.append(row)
+            print(
+                f"{name:24s} [{n:5d}, {k:5d}] x {m:4d}: fp8 {times['fp8_ms']:.4f} ms ({row['fp8_bw_frac']:.0%} bw, "
+                f"{row['fp8_fp8_rate_frac']:.0%} fp8 rate), bf16 {times['bf16_ms']:.4f} ms, "
+                f"cuBLAS {times['cublas_bf16_ms']:.4f} ms",
+                flush=True,
+            )
+    for row in rows:
+        row["fp8_matmul_flop_per_s"] = fp8_rate
+    return rows
+
+
 def compression_case(config: V41Config, kv: str, index: str, kind: str, rows: int, device: str) -> dict:
     """One step of the first ratio-2 owner's compression path on random pools (the Flash
     geometry at block 128): ``rows`` decode requests of one token each (alternately
@@ -510,6 +584,7 @@ def main() -> None:
     parser.add_argument(
         "--moe-only", action="store_true", help="the MoE section alone (its sweep too, unless --no-sweep)"
     )
+    parser.add_argument("--gemm-only", action="store_true", help="the dense FP8 projections' GEMM section alone")
     parser.add_argument(
         "--small",
         action="store_true",
@@ -530,7 +605,8 @@ def main() -> None:
     rows = []
     checks = []
     sweep_rows: list[dict] = []
-    for kv, index in () if args.moe_only else (("bf16", "fp8"), ("fp4", "fp4")):
+    only = args.moe_only or args.gemm_only
+    for kv, index in () if only else (("bf16", "fp8"), ("fp4", "fp4")):
         geometry = pool_geometry(config, block_size=128, kv_cache_dtype=kv, index_cache_dtype=index)
         for context in contexts:
             for batch in batches:
@@ -601,10 +677,11 @@ def main() -> None:
                 del pools, store, att, sc
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    moe_sweep_rows = [] if args.small or args.no_sweep else moe_sweep(config, ceil)
-    moe_rows, moe_checks = ([], []) if args.small else moe_benchmark(config, ceil)
+    moe_sweep_rows = [] if args.small or args.no_sweep or args.gemm_only else moe_sweep(config, ceil)
+    moe_rows, moe_checks = ([], []) if args.small or args.gemm_only else moe_benchmark(config, ceil)
+    gemm_rows = [] if args.small or args.moe_only else gemm_benchmark(config, ceil)
     compression_rows, compression_checks = (
-        ([], []) if args.moe_only else compression_benchmark(config, ceil, device, args.small)
+        ([], []) if only else compression_benchmark(config, ceil, device, args.small)
     )
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -621,6 +698,7 @@ def main() -> None:
         "moe_checks": moe_checks,
         "moe_sweep_rows": moe_sweep_rows,
         "moe_rows": moe_rows,
+        "gemm_rows": gemm_rows,
         "compression_checks": compression_checks,
         "compression_rows": compression_rows,
     }
@@ -665,7 +743,14 @@ def main() -> None:
             f"{r['torch_loop_ms']:.3f} | {r['flop_per_s'] / 1e12:.1f} | {100 * r['flop_frac']:.0f}% | "
             f"{r['bytes_per_s'] / 1e12:.2f} | {100 * r['bw_frac']:.0f}% |"
         )
-
+    print("| projection | [out, in] | rows | FP8 ms | % copy bw | % fp8 rate | bf16 fixed-tile ms | cuBLAS bf16 ms | cuBLAS % bw |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in gemm_rows:
+        print(
+            f"| {r['tensor']} | [{r['n']}, {r['k']}] | {r['rows']} | {r['fp8_ms']:.4f} | {100 * r['fp8_bw_frac']:.0f}% | "
+            f"{100 * r['fp8_fp8_rate_frac']:.0f}% | {r['bf16_ms']:.4f} | {r['cublas_bf16_ms']:.4f} | "
+            f"{100 * r['cublas_bw_frac']:.0f}% |"
+        )
     print(
         "| formats | step | rows | pairs | path ms | path TB/s | % copy bw | torch path ms "
         "| pool ms | main ms | index ms | window ms |"

@@ -24,8 +24,10 @@ from dsv41.cluster.engine import Engine
 from dsv41.cluster.cuda_graphs import CUDAGRAPH_MODES
 from dsv41.cluster.options import EngineOptions, RankLayout
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
+from dsv41.model.loader import WEIGHT_STORAGE
 from dsv41.model.params import ModelParams
 from dsv41.model.reference_slice import (
+    DENSE_FORMATS,
     EXPERT_FORMATS,
     REFERENCE_SLICE,
     SMALL_SLICE,
@@ -58,6 +60,14 @@ def add_slice_options(parser: argparse.ArgumentParser) -> None:
         "--kernel-backend", default=None, choices=("torch", "triton"), help="default: triton on CUDA, else torch"
     )
     parser.add_argument("--experts", default="bf16", choices=EXPERT_FORMATS, help="routed expert storage")
+    parser.add_argument(
+        "--dense", default="bf16", choices=DENSE_FORMATS,
+        help="storage of the FP8 kinds (attention projections, shared experts, indexer wq_b, Engram wkv)",
+    )
+    parser.add_argument(
+        "--weight-storage", default="decoded", choices=WEIGHT_STORAGE,
+        help="stored: FP8 / FP4 weights stay in their stored bytes on the device; decoded: bf16",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights seed")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument(
@@ -107,10 +117,20 @@ def build_slice_engine(
     spec = SMALL_SLICE if args.small else REFERENCE_SLICE
     model = SliceModel.build(spec, V41Config.from_pretrained(FLASH, text_only=True), expert_format=args.experts)
     total = len(checkpoint_tensors(model.config))
-    print(f"generating {spec.name} ({args.experts} experts, seed {args.seed}) on {device}: {total} tensors", flush=True)
+    print(
+        f"generating {spec.name} ({args.experts} experts, {args.dense} dense weights, {args.weight_storage}, "
+        f"seed {args.seed}) on {device}: {total} tensors",
+        flush=True,
+    )
     began = time.monotonic()
     checkpoint = load_slice(
-        model, seed=args.seed, dtype=torch.bfloat16, device=device, progress=_generation_reporter(total)
+        model,
+        seed=args.seed,
+        dtype=torch.bfloat16,
+        device=device,
+        weight_storage=args.weight_storage,
+        dense_format=args.dense,
+        progress=_generation_reporter(total),
     )
     print(f"weights generated and post-load processed in {time.monotonic() - began:.1f} s", flush=True)
     params = ModelParams.from_checkpoint(checkpoint)
@@ -123,6 +143,7 @@ def build_slice_engine(
         long_prefill_token_threshold=0,
         block_size=args.block_size,
         enable_prefix_caching=False,
+        weight_storage=args.weight_storage,
         kernel_backend=backend,
         device=device,
         batch_invariant=args.batch_invariant,
@@ -187,6 +208,8 @@ def environment(args: argparse.Namespace, engine: Engine, ceilings: dict[str, fl
         "torch_threads": torch.get_num_threads(),
         "slice": (SMALL_SLICE if args.small else REFERENCE_SLICE).name,
         "experts": args.experts,
+        "dense": args.dense,
+        "weight_storage": args.weight_storage,
         "seed": args.seed,
         "kernel_backend": backend,
         "batch_invariant": engine.options.batch_invariant,
