@@ -385,6 +385,11 @@ def moe_benchmark(config: V41Config, ceil: dict) -> tuple[list[dict], list[dict]
     return rows, checks
 
 
+def graph_ms(fn) -> float:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph (do_bench_cudagraph)."""
+    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
 def fp8_matmul_rate() -> float:
     """FLOP/s of one large FP8 E4M3 product with per-tensor scales through torch's
     scaled matmul (cuBLAS), on random data: the ceiling an FP8-activation GEMM aims at."""
@@ -407,10 +412,13 @@ def gemm_shapes(config: V41Config) -> list[tuple[str, int, int]]:
 
 
 def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
-    """Each FP8 projection shape at each row count: the fixed-tile GEMM over the FP8
-    weight (its tiles decoded in registers) and over its bf16 decode, and cuBLAS over
-    the bf16 decode, as time, % copy bandwidth (at each weight's own bytes) and % of
-    the bf16 and FP8 matmul rates. The FP8 product is checked against the decoded one."""
+    """Each FP8 projection shape at each row count, timed as CUDA-graph replays (how a
+    decode step runs them; launch overhead left out): the fixed-tile GEMM over the FP8
+    weight (its tiles decoded in registers) with the split plan outside the
+    batch-invariant mode (the GPU default) and with the row-invariant one, the
+    row-invariant GEMM over its bf16 decode, and cuBLAS over the bf16 decode; as time,
+    % copy bandwidth (at each weight's own bytes) and % of the bf16 and FP8 matmul rates.
+    The FP8 products are checked against the decoded weight's."""
     fp8_rate = fp8_matmul_rate()
     print(f"fp8 matmul (cuBLAS scaled): {fp8_rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
@@ -420,28 +428,31 @@ def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
         decoded = stored.decoded()
         for m in GEMM_ROWS:
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            got = fixed_tile_matmul(a, stored)
-            want = fixed_tile_matmul(a, decoded)
-            if not torch.equal(got, want):
-                raise AssertionError(f"{name} [{n}, {k}] x {m} rows: the FP8 weight's product differs from its decode's")
+            for invariant in (True, False):
+                got = fixed_tile_matmul(a, stored, row_invariant=invariant)
+                if not torch.equal(got, fixed_tile_matmul(a, decoded, row_invariant=invariant)):
+                    raise AssertionError(f"{name} [{n}, {k}] x {m} rows: the FP8 product differs from its decode's")
             times = {
-                "fp8_ms": median_ms(lambda: fixed_tile_matmul(a, stored)),
-                "bf16_ms": median_ms(lambda: fixed_tile_matmul(a, decoded)),
-                "cublas_bf16_ms": median_ms(lambda: a @ decoded.t()),
+                "fp8_ms": graph_ms(lambda: fixed_tile_matmul(a, stored, row_invariant=False)),
+                "fp8_invariant_ms": graph_ms(lambda: fixed_tile_matmul(a, stored)),
+                "bf16_invariant_ms": graph_ms(lambda: fixed_tile_matmul(a, decoded)),
+                "cublas_bf16_ms": graph_ms(lambda: a @ decoded.t()),
             }
             flops = 2 * m * n * k
             io = 2 * m * (n + k)
+            copy = ceil["copy_bytes_per_s"]
             row = {"tensor": name, "n": n, "k": k, "rows": m, **times}
-            row["fp8_bw_frac"] = (stored.nbytes + io) / (times["fp8_ms"] * 1e-3) / ceil["copy_bytes_per_s"]
-            row["bf16_bw_frac"] = (decoded.nbytes + io) / (times["bf16_ms"] * 1e-3) / ceil["copy_bytes_per_s"]
-            row["cublas_bw_frac"] = (decoded.nbytes + io) / (times["cublas_bf16_ms"] * 1e-3) / ceil["copy_bytes_per_s"]
+            row["fp8_bw_frac"] = (stored.nbytes + io) / (times["fp8_ms"] * 1e-3) / copy
+            row["fp8_invariant_bw_frac"] = (stored.nbytes + io) / (times["fp8_invariant_ms"] * 1e-3) / copy
+            row["cublas_bw_frac"] = (decoded.nbytes + io) / (times["cublas_bf16_ms"] * 1e-3) / copy
             row["fp8_bf16_rate_frac"] = flops / (times["fp8_ms"] * 1e-3) / ceil["bf16_flop_per_s"]
             row["fp8_fp8_rate_frac"] = flops / (times["fp8_ms"] * 1e-3) / fp8_rate
+            row["cublas_bf16_rate_frac"] = flops / (times["cublas_bf16_ms"] * 1e-3) / ceil["bf16_flop_per_s"]
             rows.append(row)
             print(
-                f"{name:24s} [{n:5d}, {k:5d}] x {m:4d}: fp8 {times['fp8_ms']:.4f} ms ({row['fp8_bw_frac']:.0%} bw, "
-                f"{row['fp8_fp8_rate_frac']:.0%} fp8 rate), bf16 {times['bf16_ms']:.4f} ms, "
-                f"cuBLAS {times['cublas_bf16_ms']:.4f} ms",
+                f"{name:30s} [{n:5d}, {k:5d}] x {m:4d}: fp8 {times['fp8_ms']:.4f} ms ({row['fp8_bw_frac']:.0%} bw, "
+                f"{row['fp8_fp8_rate_frac']:.0%} fp8 rate), invariant {times['fp8_invariant_ms']:.4f} ms, "
+                f"bf16 invariant {times['bf16_invariant_ms']:.4f} ms, cuBLAS {times['cublas_bf16_ms']:.4f} ms",
                 flush=True,
             )
     for row in rows:
@@ -743,13 +754,17 @@ def main() -> None:
             f"{r['torch_loop_ms']:.3f} | {r['flop_per_s'] / 1e12:.1f} | {100 * r['flop_frac']:.0f}% | "
             f"{r['bytes_per_s'] / 1e12:.2f} | {100 * r['bw_frac']:.0f}% |"
         )
-    print("| projection | [out, in] | rows | FP8 ms | % copy bw | % fp8 rate | bf16 fixed-tile ms | cuBLAS bf16 ms | cuBLAS % bw |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| projection | [out, in] | rows | FP8 ms | % copy bw | % fp8 rate | FP8 row-invariant ms | % copy bw "
+        "| bf16 row-invariant ms | cuBLAS bf16 ms | cuBLAS % bw | cuBLAS % bf16 rate |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in gemm_rows:
         print(
             f"| {r['tensor']} | [{r['n']}, {r['k']}] | {r['rows']} | {r['fp8_ms']:.4f} | {100 * r['fp8_bw_frac']:.0f}% | "
-            f"{100 * r['fp8_fp8_rate_frac']:.0f}% | {r['bf16_ms']:.4f} | {r['cublas_bf16_ms']:.4f} | "
-            f"{100 * r['cublas_bw_frac']:.0f}% |"
+            f"{100 * r['fp8_fp8_rate_frac']:.0f}% | {r['fp8_invariant_ms']:.4f} | {100 * r['fp8_invariant_bw_frac']:.0f}% | "
+            f"{r['bf16_invariant_ms']:.4f} | {r['cublas_bf16_ms']:.4f} | {100 * r['cublas_bw_frac']:.0f}% | "
+            f"{100 * r['cublas_bf16_rate_frac']:.0f}% |"
         )
     print(
         "| formats | step | rows | pairs | path ms | path TB/s | % copy bw | torch path ms "

@@ -233,6 +233,18 @@ class AppArgs:
         )
 
 
+def read_serve_config(path: str | Path) -> tuple[Any, Any]:
+    """The Serve YAML at ``path`` (a ``ray.serve.schema.ServeDeploySchema``) and its one
+    application; refused (ValueError) when it declares another number of them."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(Path(path).read_text()))
+    if len(config.applications) != 1:
+        raise ValueError(f"{path} declares {len(config.applications)} applications (allowed: 1)")
+    return config, config.applications[0]
+
+
 @dataclass(frozen=True)
 class IngressOptions:
     """What the ingress accepts, where it listens for gRPC, when it trims its heap and

@@ -377,6 +377,50 @@ class _ProgressTracker:
             self.progress(f"bench: {self.finished}/{self.total} requests finished, {self.failed} failed")
 
 
+@dataclass(frozen=True)
+class InProcessEngine:
+    """The engine ``--in-process`` drives: ``model`` (a checkpoint directory or a
+    generated slice) under ``options`` (EngineOptions fields), ``dp`` ranks as threads
+    with experts split ``expert_mode``."""
+
+    model: str
+    options: dict[str, Any]
+    dp: int = 1
+    expert_mode: str = "ep"
+
+    def build(self) -> "Engine":
+        from dsv41.cluster.engine import Engine
+        from dsv41.cluster.ranks import DPLayout
+
+        if self.dp == 1:
+            return Engine.from_pretrained(self.model, **self.options)
+        return Engine.in_process(self.model, DPLayout(self.dp, self.expert_mode), **self.options)
+
+
+def _in_process_spec(args: argparse.Namespace) -> InProcessEngine | None:
+    """``--in-process``'s engine: the ``--config`` application's, else ``--model-dir``
+    under the engine's defaults; None in HTTP mode."""
+    if args.config and not args.in_process:
+        raise SystemExit("--config: with --in-process only (an endpoint's engine is the server's)")
+    if not args.in_process:
+        return None
+    if args.config:
+        if args.model_dir:
+            raise SystemExit("--config / --model-dir: give one of them (each names the in-process engine)")
+        from dsv41.deploy.app_args import AppArgs, read_serve_config
+
+        try:
+            _, application = read_serve_config(args.config)
+            app = AppArgs.from_dict(application.args or {})
+        except ValueError as exc:
+            raise SystemExit(f"--config: {exc}") from exc
+        model = app.model if app.model is not None else str(app.model_dir())
+        return InProcessEngine(model, app.engine_options(), app.dp, app.expert_mode)
+    if not args.model_dir:
+        raise SystemExit("--in-process: needs --model-dir or --config")
+    return InProcessEngine(args.model_dir, {})
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``dsv41 bench`` options."""
     target = parser.add_argument_group("target")
@@ -385,7 +429,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--endpoint", choices=ENDPOINTS, default="completions")
     target.add_argument("--in-process", action="store_true", help="drive cluster.engine.Engine in this process")
     target.add_argument(
-        "--model-dir", help="checkpoint directory: the in-process engine; the vocabulary for --input-len"
+        "--model-dir",
+        help="checkpoint directory or generated:SLICE: the in-process engine (default options); the vocabulary for "
+        "--input-len",
+    )
+    target.add_argument(
+        "--config",
+        help="with --in-process: the engine of this Serve YAML's one application (its model, engine options, dp and "
+        "expert_mode: what `dsv41 serve --config` serves), so the two drivers time one engine",
     )
     target.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds per request")
     load = parser.add_argument_group("workload")
@@ -407,13 +458,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench_command(args: argparse.Namespace) -> BenchReport:
     """``dsv41 bench``: runs the workload, prints the table, writes ``--out``."""
+    engine_spec = _in_process_spec(args)
+    model = engine_spec.model if engine_spec is not None else args.model_dir
     vocab_size = args.vocab_size
     if args.input_len is not None and vocab_size is None:
-        if not args.model_dir:
-            raise SystemExit("--input-len: needs --vocab-size or --model-dir (random token ids need the vocabulary)")
-        from dsv41.model.config import V41Config
+        if not model:
+            raise SystemExit(
+                "--input-len: needs --vocab-size, --model-dir or --config (random token ids need the vocabulary)"
+            )
+        from dsv41.model.source import ModelSource
 
-        vocab_size = V41Config.from_pretrained(args.model_dir, text_only=True).vocab_size
+        vocab_size = ModelSource.parse(model).config().vocab_size
     try:
         workload = Workload(
             endpoint=args.endpoint,
@@ -435,15 +490,11 @@ def run_bench_command(args: argparse.Namespace) -> BenchReport:
     def progress(line: str) -> None:
         print(line, file=sys.stderr)
 
-    if args.in_process:
-        if not args.model_dir:
-            raise SystemExit("--in-process: needs --model-dir")
+    if engine_spec is not None:
         if args.base_url or args.model:
             raise SystemExit("--base-url / --model: HTTP mode only (not used with --in-process)")
-        from dsv41.cluster.engine import Engine
-
-        progress(f"bench: loading {args.model_dir} ...")
-        report = run_in_process(Engine.from_pretrained(args.model_dir), workload, progress)
+        progress(f"bench: loading {engine_spec.model} ...")
+        report = run_in_process(engine_spec.build(), workload, progress)
     else:
         report = run_http(target, workload, progress)
     print(report.table())

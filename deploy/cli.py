@@ -416,20 +416,19 @@ def _serve_settings(args: argparse.Namespace) -> tuple[str, int, str, dict[str, 
     the flags, else the config's values (the HTTP host only where the config sets it:
     Serve's own default is every interface), else the defaults, which listen on
     loopback only. The API key: --api-key, else $DSV41_API_KEY, else the config's."""
-    import yaml
-    from ray.serve.schema import ServeDeploySchema
+    from dsv41.deploy.app_args import read_serve_config
 
     host, port, route_prefix, app_args = None, DEFAULT_HTTP_PORT, "/", {}
     if args.config:
-        config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
-        if len(config.applications) != 1:
-            raise SystemExit(f"--config: {args.config} declares {len(config.applications)} applications (allowed: 1)")
+        try:
+            config, application = read_serve_config(args.config)
+        except ValueError as exc:
+            raise SystemExit(f"--config: {exc}") from exc
         if config.grpc_options.grpc_servicer_functions:
             raise SystemExit(
                 f"--config: {args.config} sets grpc_options.grpc_servicer_functions: Serve's gRPC proxy listens on "
                 "every interface; the application serves gRPC itself (allowed: the application's grpc_port arg)"
             )
-        application = config.applications[0]
         if "host" in config.http_options.model_fields_set:
             host = config.http_options.host
         port = config.http_options.port

@@ -74,10 +74,11 @@ _mode = threading.local()
 class GpuKernels:
     """The batch-invariant mode's GPU implementations: ``matmul(a [M, K], b [N, K])`` ->
     a @ b.T, or ``matmul(a [B, M, K], b [B, N, K])`` -> each item's a[i] @ b[i].T, with
-    one tile walk per output tile; ``row_sum(x [..., C])`` -> [...] fp32 with one order
-    per row."""
+    one tile walk per output tile (``row_invariant=False``: a row's sum order may depend
+    on M, for FP8 weights outside the mode); ``row_sum(x [..., C])`` -> [...] fp32 with
+    one order per row."""
 
-    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    matmul: Callable[..., torch.Tensor]
     row_sum: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -171,7 +172,8 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     weight = _plain(x, weight)
     if isinstance(weight, Fp8Weight):
         lead, k = x.shape[:-1], x.shape[-1]
-        return _gpu().matmul(x.reshape(-1, k), weight).reshape(*lead, weight.shape[0])
+        rows = _gpu().matmul(x.reshape(-1, k), weight, row_invariant=batch_invariant_enabled())
+        return rows.reshape(*lead, weight.shape[0])
     if not batch_invariant_enabled():
         return x @ weight.t()
     lead, k = x.shape[:-1], x.shape[-1]

@@ -333,7 +333,7 @@ def test_cli_bench_prints_the_table_and_writes_json(server: FakeOpenAIServer, tm
     assert report["mode"] == "http" and report["workload"]["request_rate"] == "inf"
     assert report["summary"]["completed"] == 3 and report["summary"]["total_output_tokens"] == 6
     assert [r["index"] for r in report["requests"]] == [0, 1, 2]
-    with pytest.raises(SystemExit, match="--vocab-size or --model-dir"):
+    with pytest.raises(SystemExit, match="needs --vocab-size, --model-dir or --config"):
         main(["bench", "--base-url", server.base_url, "--model", "ok", "--input-len", "3"])
 
 
@@ -371,3 +371,39 @@ def test_cli_in_process_with_one_request_at_a_time(tiny_dir: Path, tmp_path: Pat
     for before, after in zip(records, records[1:]):
         assert after["sent_s"] >= before["sent_s"] + before["latency_s"] - 1e-9
     assert math.isclose(report["summary"]["total_input_tokens"], 18)
+
+
+def _serve_yaml(path: Path, applications: list[dict[str, Any]]) -> Path:
+    path.write_text(json.dumps({"applications": applications}))
+    return path
+
+
+def test_cli_in_process_runs_the_engine_a_serve_config_declares(tiny_dir: Path, tmp_path: Path) -> None:
+    """`dsv41 bench --in-process --config YAML` builds the engine the YAML's application
+    serves (its model and engine options), and its vocabulary gives the random prompts;
+    a config with --model-dir, a config outside --in-process and a config of two
+    applications are refused before anything loads."""
+    import torch
+
+    from dsv41.deploy.bench import InProcessEngine, _in_process_spec
+    from dsv41.deploy.cli import build_parser
+
+    app = {"name": "a", "import_path": "dsv41.deploy.app:build_app", "route_prefix": "/",
+           "args": {"model": str(tiny_dir), "engine": {"dtype": "float32", "block_size": 64, "max_num_seqs": 4}}}
+    config = _serve_yaml(tmp_path / "serve.yaml", [app])
+    argv = ["bench", "--in-process", "--config", str(config), "--input-len", "5", "--num-prompts", "2",
+            "--output-len", "2"]
+    spec = _in_process_spec(build_parser().parse_args(argv))
+    assert spec == InProcessEngine(str(tiny_dir), {"dtype": torch.float32, "block_size": 64, "max_num_seqs": 4})
+    assert spec.build().options.block_size == 64
+    out = tmp_path / "report.json"
+    main([*argv, "--out", str(out)])
+    assert json.loads(out.read_text())["summary"]["completed"] == 2
+    with pytest.raises(SystemExit, match="give one of them"):
+        main([*argv, "--model-dir", str(tiny_dir)])
+    with pytest.raises(SystemExit, match="with --in-process only"):
+        main(["bench", "--base-url", "http://127.0.0.1:1/v1", "--model", "m", "--config", str(config),
+              "--input-len", "3", "--vocab-size", "10"])
+    two = _serve_yaml(tmp_path / "two.yaml", [app, {**app, "name": "b", "route_prefix": "/b"}])
+    with pytest.raises(SystemExit, match="declares 2 applications"):
+        main(["bench", "--in-process", "--config", str(two), "--input-len", "3", "--num-prompts", "1"])

@@ -105,17 +105,22 @@ def test_the_reference_forward_is_the_same_over_stored_and_decoded_weights(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_triton_gemm_reads_an_fp8_weight_as_its_decode(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_the_triton_gemm_reads_an_fp8_weight_as_its_decode(dtype: torch.dtype) -> None:
+    """On a GPU when present, else interpreted (tests/conftest.py): the FP8 bytes'
+    product equals the decoded weight's bit for bit, over edge tiles and K splits, in
+    the row-invariant split plan and the one outside the batch-invariant mode."""
     from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for rows, cols, count in ((70, 100, 5), (128, 64, 17), (33, 200, 1)):
-        weight = _fp8(rows, cols, dtype, seed=rows)
-        a = torch.randn(count, cols).to(dtype)
+        host = _fp8(rows, cols, dtype, seed=rows)
+        weight = Fp8Weight(host.values.to(device), host.scale.to(device), dtype)
+        a = torch.randn(count, cols).to(dtype).to(device)
         for programs in (1, 3, 8):
-            assert torch.equal(
-                fixed_tile_matmul(a, weight, programs=programs), fixed_tile_matmul(a, weight.decoded(), programs=programs)
-            ), (rows, cols, count, programs)
+            for invariant in (True, False):
+                got = fixed_tile_matmul(a, weight, programs=programs, row_invariant=invariant)
+                want = fixed_tile_matmul(a, weight.decoded(), programs=programs, row_invariant=invariant)
+                assert torch.equal(got, want), (rows, cols, count, programs, invariant)
     with pytest.raises(ValueError, match="one compute dtype"):
         fixed_tile_matmul(torch.zeros(2, 64, dtype=torch.float32), _fp8(32, 64, torch.bfloat16))
 

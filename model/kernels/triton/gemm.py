@@ -165,13 +165,19 @@ def _default_programs(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def fixed_tile_matmul(a: torch.Tensor, b: torch.Tensor | Fp8Weight, *, programs: int | None = None) -> torch.Tensor:
+def fixed_tile_matmul(
+    a: torch.Tensor, b: torch.Tensor | Fp8Weight, *, programs: int | None = None, row_invariant: bool = True
+) -> torch.Tensor:
     """``a @ b.T`` for a [M, K] and b [N, K] of one dtype (bf16 or fp32) -> [M, N] in
     that dtype, accumulated in fp32 over K in ``BLOCK_K`` steps, cut into the splits
     ``plan_k_splits`` gives for ``programs`` (None: the device's) and summed in split
     order; or each item's ``a[i] @ b[i].T`` for a [B, M, K] and b [B, N, K] -> [B, M,
     N], K in one walk. Any strides (a transposed view of the values is a ``b``). An
-    ``Fp8Weight`` b (decoding to a's dtype) gives its decoded weight's product exactly."""
+    ``Fp8Weight`` b (decoding to a's dtype) gives its decoded weight's product exactly.
+    ``row_invariant=False`` (outside the batch-invariant mode) lets the row tiles share
+    the programs: a prefill's many row tiles fill the GPU themselves, so K is cut only
+    as far as the rest need (none at 4096 rows), and a row's sum order then depends on
+    M."""
     scale_args: tuple[object, ...] = (a, 0, 0)
     scaled = isinstance(b, Fp8Weight)
     if scaled:
@@ -208,7 +214,10 @@ def fixed_tile_matmul(a: torch.Tensor, b: torch.Tensor | Fp8Weight, *, programs:
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    splits = plan_k_splits(n, k, a.dtype, _default_programs(a.device) if programs is None else programs)
+    programs = _default_programs(a.device) if programs is None else programs
+    if not row_invariant:
+        programs = max(1, programs // triton.cdiv(m, tiles["BLOCK_M"]))
+    splits = plan_k_splits(n, k, a.dtype, programs)
     k_per_split = triton.cdiv(triton.cdiv(k, tiles["BLOCK_K"]), splits) * tiles["BLOCK_K"]
     # One item: the batch strides are never used.
     strides = (0, *a.stride(), 0, *b.stride(), 0)
