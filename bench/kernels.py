@@ -54,7 +54,7 @@ from dsv41.model.formats import round_fp8, round_mxfp4
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.kernels.triton import TritonKernels
 from dsv41.model.kernels.triton.attention import AttentionTiling
-from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling
 from dsv41.model.kernels.triton.moe import ExpertTiling, PairBlocks, expert_down, expert_tiling, grouped_expert_slots
 from dsv41.model.moe import ExpertWeights, route, routed_expert_slots
@@ -82,7 +82,7 @@ MOE_SWEEP = (
 )
 COMPRESSION_PREFILL_ROWS = 4096
 # The dense projections' rows: decode batches and one 4096-token prefill.
-GEMM_ROWS = (1, 8, 32, 128, 4096)
+GEMM_ROWS = (1, 8, 32, 128, 256, 1024, 4096)
 # --small: what a CPU runs in minutes with the kernels interpreted.
 SMALL_BATCHES = (1, 2)
 SMALL_CONTEXTS = (4096,)
@@ -437,6 +437,7 @@ def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
                 "fp8_invariant_ms": graph_ms(lambda: fixed_tile_matmul(a, stored)),
                 "bf16_invariant_ms": graph_ms(lambda: fixed_tile_matmul(a, decoded)),
                 "cublas_bf16_ms": graph_ms(lambda: a @ decoded.t()),
+                "decode_cublas_ms": graph_ms(lambda: a @ decode_fp8_weight(stored).t()),
             }
             flops = 2 * m * n * k
             io = 2 * m * (n + k)
@@ -448,11 +449,13 @@ def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
             row["fp8_bf16_rate_frac"] = flops / (times["fp8_ms"] * 1e-3) / ceil["bf16_flop_per_s"]
             row["fp8_fp8_rate_frac"] = flops / (times["fp8_ms"] * 1e-3) / fp8_rate
             row["cublas_bf16_rate_frac"] = flops / (times["cublas_bf16_ms"] * 1e-3) / ceil["bf16_flop_per_s"]
+            row["decode_cublas_fp8_rate_frac"] = flops / (times["decode_cublas_ms"] * 1e-3) / fp8_rate
             rows.append(row)
             print(
                 f"{name:30s} [{n:5d}, {k:5d}] x {m:4d}: fp8 {times['fp8_ms']:.4f} ms ({row['fp8_bw_frac']:.0%} bw, "
                 f"{row['fp8_fp8_rate_frac']:.0%} fp8 rate), invariant {times['fp8_invariant_ms']:.4f} ms, "
-                f"bf16 invariant {times['bf16_invariant_ms']:.4f} ms, cuBLAS {times['cublas_bf16_ms']:.4f} ms",
+                f"bf16 invariant {times['bf16_invariant_ms']:.4f} ms, cuBLAS {times['cublas_bf16_ms']:.4f} ms, "
+                f"decode + cuBLAS {times['decode_cublas_ms']:.4f} ms",
                 flush=True,
             )
     for row in rows:
@@ -756,15 +759,17 @@ def main() -> None:
         )
     print(
         "| projection | [out, in] | rows | FP8 ms | % copy bw | % fp8 rate | FP8 row-invariant ms | % copy bw "
-        "| bf16 row-invariant ms | cuBLAS bf16 ms | cuBLAS % bw | cuBLAS % bf16 rate |"
+        "| bf16 row-invariant ms | cuBLAS bf16 ms | cuBLAS % bw | cuBLAS % bf16 rate | decode + cuBLAS ms "
+        "| its % fp8 rate |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in gemm_rows:
         print(
             f"| {r['tensor']} | [{r['n']}, {r['k']}] | {r['rows']} | {r['fp8_ms']:.4f} | {100 * r['fp8_bw_frac']:.0f}% | "
             f"{100 * r['fp8_fp8_rate_frac']:.0f}% | {r['fp8_invariant_ms']:.4f} | {100 * r['fp8_invariant_bw_frac']:.0f}% | "
             f"{r['bf16_invariant_ms']:.4f} | {r['cublas_bf16_ms']:.4f} | {100 * r['cublas_bw_frac']:.0f}% | "
-            f"{100 * r['cublas_bf16_rate_frac']:.0f}% |"
+            f"{100 * r['cublas_bf16_rate_frac']:.0f}% | {r['decode_cublas_ms']:.4f} | "
+            f"{100 * r['decode_cublas_fp8_rate_frac']:.0f}% |"
         )
     print(
         "| formats | step | rows | pairs | path ms | path TB/s | % copy bw | torch path ms "

@@ -62,6 +62,11 @@ logger = logging.getLogger(__name__)
 ROW_TILE = 16
 # Keys per dot-product GEMM in the batch-invariant mode.
 KEY_TILE = 32
+# Rows from which a projection through an FP8 weight on a GPU, outside the
+# batch-invariant mode, decodes the weight into a transient bf16 copy and runs cuBLAS
+# (the H200 measurement in BENCHMARKS.md: below, the fixed-tile GEMM over the FP8
+# bytes is as fast or faster; at 4096 rows cuBLAS is 2-4x faster).
+DECODED_GEMM_ROWS = 256
 
 # Elements per pointwise call: a multiple of every CPU vector loop's step (two 512-bit
 # vectors of bf16 is 64 elements; of fp32, 32; of fp64, 16).
@@ -76,10 +81,12 @@ class GpuKernels:
     a @ b.T, or ``matmul(a [B, M, K], b [B, N, K])`` -> each item's a[i] @ b[i].T, with
     one tile walk per output tile (``row_invariant=False``: a row's sum order may depend
     on M, for FP8 weights outside the mode); ``row_sum(x [..., C])`` -> [...] fp32 with
-    one order per row."""
+    one order per row; ``decode_fp8(w)`` -> an FP8 weight's exact decode in its compute
+    dtype, in one pass."""
 
     matmul: Callable[..., torch.Tensor]
     row_sum: Callable[[torch.Tensor], torch.Tensor]
+    decode_fp8: Callable[[Fp8Weight], torch.Tensor]
 
 
 _gpu_kernels: GpuKernels | None = None
@@ -172,8 +179,14 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     weight = _plain(x, weight)
     if isinstance(weight, Fp8Weight):
         lead, k = x.shape[:-1], x.shape[-1]
-        rows = _gpu().matmul(x.reshape(-1, k), weight, row_invariant=batch_invariant_enabled())
-        return rows.reshape(*lead, weight.shape[0])
+        rows = x.reshape(-1, k)
+        if batch_invariant_enabled() or rows.shape[0] < DECODED_GEMM_ROWS:
+            out = _gpu().matmul(rows, weight, row_invariant=batch_invariant_enabled())
+        else:
+            # A prefill's rows: cuBLAS's bf16 rate beats the in-register decode by
+            # more than the transient decode costs (BENCHMARKS.md, "FP8 projections").
+            out = rows @ _gpu().decode_fp8(weight).t()
+        return out.reshape(*lead, weight.shape[0])
     if not batch_invariant_enabled():
         return x @ weight.t()
     lead, k = x.shape[:-1], x.shape[-1]

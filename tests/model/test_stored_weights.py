@@ -125,6 +125,46 @@ def test_the_triton_gemm_reads_an_fp8_weight_as_its_decode(dtype: torch.dtype) -
         fixed_tile_matmul(torch.zeros(2, 64, dtype=torch.float32), _fp8(32, 64, torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_pass_decode_is_the_fp8_weights_exact_decode(dtype: torch.dtype) -> None:
+    """The Triton decode of an FP8 weight (on a GPU when present, else interpreted)
+    gives ``Fp8Weight.decoded``'s values bit for bit, over partial edge tiles, tiny
+    tile scales and a column-strided view."""
+    from dsv41.model.kernels.triton.gemm import decode_fp8_weight
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for rows, cols in ((70, 100), (33, 200), (128, 64)):
+        host = _fp8(rows, cols, dtype, seed=cols)
+        weight = Fp8Weight(host.values.to(device), host.scale.to(device), dtype)
+        assert torch.equal(decode_fp8_weight(weight), weight.decoded())
+    strided = Fp8Weight(weight.values.t(), weight.scale.t(), dtype)
+    assert torch.equal(decode_fp8_weight(strided), strided.decoded())
+
+
+@pytest.mark.parametrize("rows", [3, 300])
+def test_a_projection_through_a_stored_fp8_weight_is_its_decodes(rows: int) -> None:
+    """Outside the batch-invariant mode, on the device present: a decode step's few rows
+    (the FP8 GEMM) and a prefill's many (the transient decode, then the dense GEMM) both
+    give what the decoded weight gives through the same path."""
+    from dsv41.model.kernels import register_gpu_linalg_kernels
+    from dsv41.model.linalg import batch_invariant, linear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    register_gpu_linalg_kernels(device)
+    host = _fp8(96, 160, torch.bfloat16, seed=rows)
+    weight = Fp8Weight(host.values.to(device), host.scale.to(device), torch.bfloat16)
+    x = torch.randn(rows, 160).to(torch.bfloat16).to(device)
+    with batch_invariant(False):
+        got = linear(x, weight)
+    if device == "cuda" and rows < 256:
+        from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+
+        want = fixed_tile_matmul(x, weight.decoded(), row_invariant=False)
+    else:
+        want = x @ weight.decoded().t()
+    assert torch.equal(got, want)
+
+
 def test_the_engine_gives_the_same_tokens_over_stored_and_decoded_weights(tiny_quantized_dir: Path) -> None:
     rng = random.Random(18)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 70))] for _ in range(6)]

@@ -33,7 +33,7 @@ from dsv41.model.kernels.triton.attention import (
     sparse_attention_kernel,
 )
 from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
-from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
 from dsv41.model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
 from dsv41.model.kernels.triton.reduce import row_sum
@@ -53,7 +53,7 @@ VALUES_PER_PROGRAM = 4096
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 logger = logging.getLogger(__name__)
-register_gpu_kernels(GpuKernels(matmul=fixed_tile_matmul, row_sum=row_sum))
+register_gpu_kernels(GpuKernels(matmul=fixed_tile_matmul, row_sum=row_sum, decode_fp8=decode_fp8_weight))
 if INTERPRETED:
     logger.info("triton kernels: interpreter mode, fp32 dot operands, tl.exp in the pair softmax")
 

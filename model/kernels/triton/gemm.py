@@ -19,7 +19,11 @@ The weight may be an FP8 weight as the checkpoint stores it (model/stored_weight
 as its bytes and its scales, decoded in registers (E4M3 to fp32 times the tile's power
 of two, then the compute dtype: all exact) and multiplied as the decoded weight would
 be, with the same tiles and splits, so the product equals the decoded weight's bit for
-bit while the weight's bytes read are halved (bf16) or quartered (fp32).
+bit while the weight's bytes read are halved (bf16) or quartered (fp32). Also owns
+``decode_fp8_weight``, the weight's exact decode in one pass: outside the
+batch-invariant mode a prefill's projection (model/linalg.py ``DECODED_GEMM_ROWS``)
+decodes into a transient copy and runs cuBLAS, whose bf16 rate the in-register decode
+does not reach.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -31,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv41.model.kernels.triton.decode import e4m3_to_f32, e8m0_to_f32
 from dsv41.model.kernels.triton.moe import TL_DTYPES
 from dsv41.model.stored_weights import FP8_TILE, Fp8Weight
 
@@ -130,6 +135,37 @@ def fixed_tile_matmul_kernel(
         acc.to(OUT),
         mask=row_mask[:, None] & col_mask[None, :],
     )
+
+
+@triton.jit
+def decode_fp8_weight_kernel(
+    values_ptr, scale_ptr, out_ptr, rows, cols, stride_vr, stride_vc, stride_sr, stride_sc, stride_o,
+    OUT: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One TILE-row band of BLOCK_C columns of an E4M3 weight decoded to ``OUT``: each
+    value times its TILE x TILE tile's E8M0 scale, in fp32 (exact), then rounded."""
+    r = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    byte = tl.load(values_ptr + r.to(tl.int64)[:, None] * stride_vr + c[None, :] * stride_vc, mask=mask, other=0)
+    code = tl.load(scale_ptr + tl.program_id(0) * stride_sr + (c // TILE) * stride_sc, mask=c < cols, other=127)
+    value = e4m3_to_f32(byte) * e8m0_to_f32(code)[None, :]
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], value.to(OUT), mask=mask)
+
+
+def decode_fp8_weight(weight: Fp8Weight) -> torch.Tensor:
+    """The weight's exact decode in its compute dtype (``Fp8Weight.decoded``'s values)
+    in one pass over its bytes: the transient operand of a prefill's cuBLAS GEMM."""
+    values = weight.values.view(torch.uint8)
+    rows, cols = values.shape
+    out = torch.empty(rows, cols, dtype=weight.dtype, device=values.device)
+    block_c = 4 * FP8_TILE
+    if rows and cols:
+        decode_fp8_weight_kernel[(triton.cdiv(rows, FP8_TILE), triton.cdiv(cols, block_c))](
+            values, weight.scale, out, rows, cols, *values.stride(), *weight.scale.stride(), out.stride(0),
+            OUT=TL_DTYPES[weight.dtype], TILE=FP8_TILE, BLOCK_C=block_c,
+        )
+    return out
 
 
 @triton.jit
