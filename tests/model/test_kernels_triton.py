@@ -32,7 +32,7 @@ tl = pytest.importorskip("triton.language")
 
 from dsv41.model.kernels.interface import SCALE_GROUPS  # noqa: E402
 from dsv41.model.kernels.triton import FORMAT_CODES, TritonKernels  # noqa: E402
-from dsv41.model.kernels.triton.attention import AttentionTiling, plan_key_split  # noqa: E402
+from dsv41.model.kernels.triton.attention import AttentionTiling, MlaTiling, plan_key_split  # noqa: E402
 from dsv41.model.kernels.triton.decode import load_rows  # noqa: E402
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, plan_entry_span  # noqa: E402
 
@@ -46,6 +46,16 @@ ATTENTION_TILINGS = {
     "unsplit": AttentionTiling(programs_per_wave=1),
     "split-per-tile": AttentionTiling(block_n=16, programs_per_wave=10_000),
     "split-two-tiles": AttentionTiling(block_n=16, programs_per_wave=40),
+}
+# The all-heads kernel's cuts, at TINY_ALT's head dim 64 (20 heads): one program for all
+# heads, the latent whole (the logits' tile is the values'); two head groups, logits
+# summed over 32-channel spans, a split per tile; the output latent over two programs, a
+# split per two tiles; both spans, one program per row.
+MLA_TILINGS = {
+    "all-heads": MlaTiling(block_h=32, block_n=16, qk_chunk=None, dim_split=1, programs_per_wave=1),
+    "groups-qk-spans-split": MlaTiling(block_h=16, block_n=16, qk_chunk=32, dim_split=1, programs_per_wave=10_000),
+    "dim-split-two-tiles": MlaTiling(block_h=32, block_n=16, qk_chunk=None, dim_split=2, programs_per_wave=24),
+    "qk-spans-dim-split": MlaTiling(block_h=32, block_n=16, qk_chunk=32, dim_split=2, programs_per_wave=1),
 }
 
 
@@ -146,16 +156,67 @@ def test_attention_without_main_keys(tiny_dir: Path) -> None:
         _assert_attention_matches(window_only, tiling)
 
 
+@pytest.mark.parametrize("tiling", list(MLA_TILINGS))
+@pytest.mark.parametrize(
+    ("ring_kv", "main_kv", "dtype"),
+    [
+        ("bf16", "bf16", torch.float32),
+        ("fp4", "fp4", torch.float32),
+        ("bf16", "fp4", torch.bfloat16),
+        ("fp4", "bf16", torch.bfloat16),
+    ],
+)
+def test_mla_attention_matches_torch(tiny_alt_dir: Path, ring_kv: str, main_kv: str, dtype: torch.dtype,
+                                     tiling: str) -> None:
+    """The all-heads kernel, every cut of MLA_TILINGS, on bf16 or FP8 rings with bf16 or
+    NVFP4 main rows (NO_ROW entries, invalid window keys, a row with no valid key):
+    the torch backend's output at the unfused kernel's tolerances."""
+    config = V41Config.from_pretrained(tiny_alt_dir)
+    ring_store = _store(config, ring_kv, "fp8", seed=13, block_size=64)
+    main_store = _store(config, main_kv, "fp8", seed=14, block_size=64)
+    args = _attention_case(config, ring_store, main_store, rows=4, heads=20, topk=24, dtype=dtype, seed=15)
+    _assert_attention_matches(args, MLA_TILINGS[tiling])
+
+
+def test_mla_attention_without_main_keys(tiny_alt_dir: Path) -> None:
+    """A window-only layer through every cut of the all-heads kernel: the torch
+    backend's output."""
+    config = V41Config.from_pretrained(tiny_alt_dir)
+    store = _store(config, "fp4", "fp8", seed=16, block_size=64)
+    args = _attention_case(config, store, store, rows=3, heads=4, topk=8, dtype=torch.float32, seed=17)
+    window_only = args[:6] + (None, None) + args[8:]
+    for tiling in MLA_TILINGS.values():
+        _assert_attention_matches(window_only, tiling)
+
+
+def test_mla_tiling_rejects_spans_the_planes_cannot_read() -> None:
+    """Tile sizes below a dot's minimum are refused when the tiling is made; spans that
+    do not divide the head dim or would cut a scale group, when a launch meets them."""
+    with pytest.raises(ValueError, match="MlaTiling.block_h"):
+        MlaTiling(block_h=8)
+    with pytest.raises(ValueError, match="MlaTiling.qk_chunk"):
+        MlaTiling(qk_chunk=48)
+    with pytest.raises(ValueError, match="MlaTiling.dim_split"):
+        MlaTiling(dim_split=3)
+    assert MlaTiling(qk_chunk=128, dim_split=2).spans(512, (32, 16)) == (128, 256)
+    with pytest.raises(ValueError, match="qk_chunk = 16"):
+        MlaTiling(qk_chunk=16).spans(512, (32, 16))  # an FP8 ring's scale groups are 32 channels
+    with pytest.raises(ValueError, match="dim_split = 8"):
+        MlaTiling(dim_split=8).spans(64, (1, 1))
+
+
 @pytest.mark.parametrize(("kv", "index"), [("bf16", "fp8"), ("fp4", "fp4")])
 def test_attention_and_scores_at_flash_dims(kv: str, index: str) -> None:
     """V4.1-Flash dims on the Flash geometry (block 128): 64 heads x 512 in four head
-    groups, window 128, 32 index heads x 128, split and unsplit launches: the torch
-    backend's results (bf16 q on a GPU: bf16 dots)."""
+    groups and in one all-heads program (MlaTiling's default cut), window 128, 32 index
+    heads x 128, split and unsplit launches: the torch backend's results (bf16 q on a
+    GPU: bf16 dots)."""
     config = V41Config.from_pretrained(FLASH, text_only=True)
     store = _store(config, kv, index, seed=8, block_size=128)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     args = _attention_case(config, store, store, rows=2, heads=config.num_attention_heads, topk=32, dtype=dtype, seed=9)
-    for tiling in (ATTENTION_TILINGS["unsplit"], AttentionTiling(programs_per_wave=24)):
+    for tiling in (ATTENTION_TILINGS["unsplit"], AttentionTiling(programs_per_wave=24), MlaTiling(programs_per_wave=1),
+                   MlaTiling(programs_per_wave=8)):
         _assert_attention_matches(args, tiling)
     _assert_scores_match(config, store, rows=2, segments=2, width=200, seed=10,
                          kernels=(TritonKernels(), TritonKernels(scorer_tiling=ScorerTiling(programs_per_wave=4))))

@@ -27,8 +27,10 @@ from dsv41.model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresse
 from dsv41.model.kernels.triton.attention import (
     LOG2E,
     AttentionTiling,
+    MlaTiling,
     fixed_key_split,
     merge_splits_kernel,
+    mla_attention_kernel,
     plan_key_split,
     sparse_attention_kernel,
 )
@@ -123,7 +125,7 @@ class TritonKernels:
     def __init__(
         self,
         logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
-        attention_tiling: AttentionTiling = AttentionTiling(),
+        attention_tiling: AttentionTiling | MlaTiling = AttentionTiling(),
         scorer_tiling: ScorerTiling = ScorerTiling(),
     ) -> None:
         if logits_budget_bytes <= 0:
@@ -173,24 +175,30 @@ class TritonKernels:
         if rows == 0:
             return PreparedLaunch((), out)
         tiling = self.attention_tiling
+        ring_rows_per_unit, ring_fmt, ring_group = plane_constants(ring)
+        main_rows_per_unit, main_fmt, main_group = plane_constants(main)
         head_groups = triton.cdiv(heads, tiling.block_h)
+        if isinstance(tiling, MlaTiling):
+            qk_chunk, _ = tiling.spans(dim, (ring_group, main_group))
+            kernel, programs_per_split = mla_attention_kernel, head_groups * tiling.dim_split
+            cut = dict(QK_CHUNK=qk_chunk, DIM_SPLIT=tiling.dim_split)
+        else:
+            kernel, programs_per_split, cut = sparse_attention_kernel, head_groups, {}
         wave = _programs_per_wave(tiling.programs_per_wave, q.device, per_sm=1)
         if batch_invariant_enabled():
             split = fixed_key_split(window, topk, tiling.block_n)
         else:
-            split = plan_key_split(rows, head_groups, window, topk, tiling.block_n, wave)
+            split = plan_key_split(rows, programs_per_split, window, topk, tiling.block_n, wave)
         q, chunk_kv = _last_dim_dense(q), _last_dim_dense(chunk_kv)
         if split.splits > 1:
             partial_acc = torch.empty(rows, split.splits, heads, dim, dtype=torch.float32, device=q.device)
             partial_stats = torch.empty(rows, split.splits, 2, heads, dtype=torch.float32, device=q.device)
         else:
             partial_acc = partial_stats = out  # never written: the programs write ``out``
-        ring_rows_per_unit, ring_fmt, ring_group = plane_constants(ring)
-        main_rows_per_unit, main_fmt, main_group = plane_constants(main)
         launches = [
             KernelLaunch(
-                kernel=sparse_attention_kernel,
-                grid=(rows * head_groups, split.splits),
+                kernel=kernel,
+                grid=(rows * programs_per_split, split.splits),
                 args=(
                     q,
                     sink,
@@ -221,6 +229,7 @@ class TritonKernels:
                     HEAD_DIM=dim,
                     BLOCK_H=tiling.block_h,
                     BLOCK_N=tiling.block_n,
+                    **cut,
                     RING_ROWS=ring_rows_per_unit,
                     RING_FMT=ring_fmt,
                     RING_GROUP=ring_group,

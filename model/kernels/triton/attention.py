@@ -17,6 +17,13 @@ program folds all W + K keys and writes the output itself. The zero-value sink k
 starts the online softmax: running max = sink logit (finite, so no fully masked tile
 makes exp(-inf + inf)), running sum = 1 (its own weight) when the program writes the
 output, 0 when the merge adds it.
+
+Two kernels compute that function: sparse_attention_kernel (AttentionTiling: a group
+of 16 heads a program, so a row's 64 heads read each key tile four times) and
+mla_attention_kernel (MlaTiling: FlashMLA's layout as far as Triton allows, all of a
+row's heads in one program, q . k summed over latent spans and the output latent split
+over programs that share the softmax). Both write the same partials, so one merge
+kernel serves them; TritonKernels runs the one its tiling names.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from dsv41.model.kernels.triton.decode import load_rows
+from dsv41.model.kernels.triton.decode import load_row_span, load_rows
 
 # Logits are kept in log2 units (exp2 is the hardware's exponential).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -118,16 +125,72 @@ def _fold_tile(q, k, present, running_max, running_sum, acc, logit_scale, DOT_BF
         logits = tl.dot(q, tl.trans(k))
     else:
         logits = tl.dot(q, tl.trans(k), input_precision="ieee")
+    return _fold_logits(logits, k, present, running_max, running_sum, acc, logit_scale, DOT_BF16)
+
+
+@triton.jit
+def _fold_logits(logits, v, present, running_max, running_sum, acc, logit_scale, DOT_BF16: tl.constexpr):
+    """The online-softmax step of a tile's raw logits [BLOCK_H, BLOCK_N] (q . k, not yet
+    scaled) over its values ``v`` [BLOCK_N, channels] (the key rows, or a span of their
+    channels): the running max and sum, and acc [BLOCK_H, channels] rescaled and added to."""
     logits = tl.where(present[None, :], logits * logit_scale, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(logits, 1))
     correction = tl.exp2(running_max - new_max)
     p = tl.exp2(logits - new_max[:, None])
     running_sum = running_sum * correction + tl.sum(p, 1)
     if DOT_BF16:
-        acc = acc * correction[:, None] + tl.dot(p.to(tl.bfloat16), k)
+        acc = acc * correction[:, None] + tl.dot(p.to(tl.bfloat16), v)
     else:
-        acc = acc * correction[:, None] + tl.dot(p, k, input_precision="ieee")
+        acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
     return new_max, running_sum, acc
+
+
+@triton.jit
+def _window_keys(
+    chunk_ptr,
+    stride_chunk,
+    chunk_row,
+    from_chunk,
+    ring_values,
+    ring_scales,
+    ring_row,
+    from_ring,
+    RING_ROWS: tl.constexpr,
+    ring_values_stride_unit,
+    ring_values_stride_row,
+    ring_scales_stride_unit,
+    ring_scales_stride_row,
+    first,
+    WIDTH: tl.constexpr,
+    RING_FMT: tl.constexpr,
+    RING_GROUP: tl.constexpr,
+    dot_dtype: tl.constexpr,
+):
+    """Channels [first, first + WIDTH) of a tile of window keys: this step's row where
+    ``from_chunk``, the ring row where ``from_ring``, zeros elsewhere."""
+    dims = first + tl.arange(0, WIDTH)
+    k_chunk = tl.load(
+        chunk_ptr + tl.maximum(chunk_row, 0)[:, None] * stride_chunk + dims[None, :],
+        mask=from_chunk[:, None],
+        other=0.0,
+    ).to(dot_dtype)
+    k_ring = load_row_span(
+        ring_values,
+        ring_scales,
+        ring_row,
+        from_ring,
+        RING_ROWS,
+        ring_values_stride_unit,
+        ring_values_stride_row,
+        ring_scales_stride_unit,
+        ring_scales_stride_row,
+        first,
+        WIDTH,
+        RING_FMT,
+        RING_GROUP,
+        dot_dtype,
+    )
+    return tl.where(from_chunk[:, None], k_chunk, k_ring)
 
 
 @triton.jit
@@ -220,12 +283,11 @@ def sparse_attention_kernel(
         # NO_ROW, as the torch backend's clamp reads it).
         from_chunk = valid & (chunk_row >= 0)
         from_ring = valid & (chunk_row < 0)
-        k_chunk = tl.load(
-            chunk_ptr + tl.maximum(chunk_row, 0)[:, None] * stride_chunk + dims[None, :],
-            mask=from_chunk[:, None],
-            other=0.0,
-        ).to(dot_dtype)
-        k_ring = load_rows(
+        k = _window_keys(
+            chunk_ptr,
+            stride_chunk,
+            chunk_row,
+            from_chunk,
             ring_values,
             ring_scales,
             ring_row,
@@ -235,12 +297,12 @@ def sparse_attention_kernel(
             ring_values_stride_row,
             ring_scales_stride_unit,
             ring_scales_stride_row,
+            0,
             HEAD_DIM,
             RING_FMT,
             RING_GROUP,
             dot_dtype,
         )
-        k = tl.where(from_chunk[:, None], k_chunk, k_ring)
         running_max, running_sum, acc = _fold_tile(q, k, valid, running_max, running_sum, acc, logit_scale, DOT_BF16)
 
     for start in range(main_lo, main_hi, BLOCK_N):
@@ -326,3 +388,252 @@ def merge_splits_kernel(
         (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty),
         mask=head_mask[:, None],
     )
+
+
+@dataclass(frozen=True)
+class MlaTiling:
+    """How the all-heads (FlashMLA-layout) attention kernel cuts the work: one program
+    takes ``block_h`` heads (64, all of V4.1-Flash's, by default) so each key tile is
+    read and decoded for all of a row's heads at once, and its dots are [64 x channels]
+    x [channels x keys] (64 rows: whole warpgroup MMAs) instead of four programs' [16 x
+    512] ones. ``block_n`` keys a tile. ``qk_chunk`` (None: the whole latent) is the
+    channel span of each partial q . k dot: below the head dim, q is re-read span by
+    span from L1/L2 for every tile instead of being held through the loop, and each key
+    tile is read (and decoded) span by span for the logits, then once more for the
+    values. ``dim_split`` splits the output latent over that many programs of a row:
+    each folds the same logits (so they agree on the softmax statistics) and
+    accumulates head dim / dim_split channels ([64, 256] fp32 at 2, the share of one of
+    FlashMLA's two warpgroups); the programs of a row sit side by side in the grid, so
+    L2 serves their repeated reads of a tile and HBM sees it about once.
+    ``programs_per_wave``, ``merge_block_h``, ``num_warps`` and ``num_stages`` are
+    AttentionTiling's.
+
+    Compiled for sm_90 on the CPU dev box (triton 3.9.0; the H200 runs 3.6.0) at Flash
+    dims, 2026-12-02: the whole [64, 512] accumulator in one program spills at 8 warps
+    (176-672 bytes, any qk_chunk and block_n tried) and at 16 warps (128 registers a
+    thread at most); the default (32-key tiles, q . k over 64-channel spans, two value
+    spans) holds in 232 registers with bf16 planes and 242 with FP8 / NVFP4, no
+    spills, 115 / 91 KB of shared memory, as do dim_split 4 and 16-key tiles with
+    128-channel spans. AttentionTiling at block_h 64 needs 263 KB of shared memory
+    (bf16) and spills. Which cut is fastest, and whether any beats AttentionTiling, is
+    for the H200 sweep of bench/kernels.py (ATTENTION_SWEEP) to say: none has run on a
+    GPU yet."""
+
+    block_h: int = 64
+    block_n: int = 32
+    qk_chunk: int | None = 64
+    dim_split: int = 2
+    num_warps: int = 8
+    num_stages: int = 2
+    merge_block_h: int = 16
+    programs_per_wave: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_h", "block_n", "merge_block_h"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MlaTiling.{name}: {value} (allowed: a power of two >= 16, a dot's minimum)")
+        if self.qk_chunk is not None and (self.qk_chunk < 16 or self.qk_chunk & (self.qk_chunk - 1)):
+            raise ValueError(f"MlaTiling.qk_chunk: {self.qk_chunk} (allowed: None or a power of two >= 16)")
+        if self.dim_split < 1 or self.dim_split & (self.dim_split - 1):
+            raise ValueError(f"MlaTiling.dim_split: {self.dim_split} (allowed: a power of two >= 1)")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"MlaTiling.num_warps: {self.num_warps} (allowed: 1, 2, 4, 8, 16)")
+        if self.num_stages < 1:
+            raise ValueError(f"MlaTiling.num_stages: {self.num_stages} (allowed: >= 1)")
+        if self.programs_per_wave is not None and self.programs_per_wave < 1:
+            raise ValueError(f"MlaTiling.programs_per_wave: {self.programs_per_wave} (allowed: >= 1 or None)")
+
+    def spans(self, head_dim: int, groups: tuple[int, ...]) -> tuple[int, int]:
+        """(logits span, value span) channels at ``head_dim`` for planes of these
+        channels-per-scale ``groups``: both must divide the head dim, be at least 16 (a
+        dot's minimum) and hold whole scale groups."""
+        qk_chunk = self.qk_chunk or head_dim
+        value_dim = head_dim // self.dim_split
+        for name, span in (("qk_chunk", qk_chunk), ("head_dim / dim_split", value_dim)):
+            if span < 16 or head_dim % span or any(span % g for g in groups):
+                raise ValueError(
+                    f"MlaTiling: {name} = {span} at head dim {head_dim} (allowed: >= 16, dividing the head "
+                    f"dim, a multiple of the planes' scale groups {sorted(set(groups))})"
+                )
+        return qk_chunk, value_dim
+
+
+@triton.jit
+def _logits(q, k, DOT_BF16: tl.constexpr):
+    """q [BLOCK_H, C] . k [BLOCK_N, C] -> [BLOCK_H, BLOCK_N] fp32."""
+    if DOT_BF16:
+        return tl.dot(q, tl.trans(k))
+    else:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+
+
+@triton.jit
+def mla_attention_kernel(
+    q_ptr,
+    sink_ptr,
+    out_ptr,
+    partial_acc_ptr,
+    partial_stats_ptr,
+    chunk_ptr,
+    chunk_rows_ptr,
+    ring_rows_ptr,
+    window_valid_ptr,
+    entry_rows_ptr,
+    ring_values,
+    ring_scales,
+    ring_values_stride_unit,
+    ring_values_stride_row,
+    ring_scales_stride_unit,
+    ring_scales_stride_row,
+    main_values,
+    main_scales,
+    main_values_stride_unit,
+    main_values_stride_row,
+    main_scales_stride_unit,
+    main_scales_stride_row,
+    num_heads,
+    head_groups,
+    window,
+    topk,
+    keys_per_split,
+    window_splits,
+    logit_scale,
+    stride_q_row,
+    stride_q_head,
+    stride_out_row,
+    stride_out_head,
+    stride_chunk,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QK_CHUNK: tl.constexpr,
+    DIM_SPLIT: tl.constexpr,
+    RING_ROWS: tl.constexpr,
+    RING_FMT: tl.constexpr,
+    RING_GROUP: tl.constexpr,
+    MAIN_ROWS: tl.constexpr,
+    MAIN_FMT: tl.constexpr,
+    MAIN_GROUP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):
+    """sparse_attention_kernel's function and outputs (the same partials for
+    merge_splits_kernel) with MlaTiling's cut. Grid (rows x head groups x DIM_SPLIT
+    value spans, key splits), value spans varying fastest, then head groups: the
+    programs that read the same key rows run side by side."""
+    VALUE_DIM: tl.constexpr = HEAD_DIM // DIM_SPLIT
+    ONE_READ: tl.constexpr = QK_CHUNK == HEAD_DIM and DIM_SPLIT == 1
+    part = tl.program_id(0) % DIM_SPLIT
+    group = (tl.program_id(0) // DIM_SPLIT) % head_groups
+    row = (tl.program_id(0) // (DIM_SPLIT * head_groups)).to(tl.int64)
+    heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(1)
+    head_mask = heads < num_heads
+    value_first = part * VALUE_DIM
+    value_dims = value_first + tl.arange(0, VALUE_DIM)
+    if DOT_BF16:
+        dot_dtype = tl.bfloat16
+    else:
+        dot_dtype = tl.float32
+    q_rows = q_ptr + row * stride_q_row + heads[:, None] * stride_q_head
+    if QK_CHUNK == HEAD_DIM:
+        q = tl.load(q_rows + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask[:, None], other=0.0).to(dot_dtype)
+    running_max = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
+    if SPLIT:
+        running_sum = tl.zeros([BLOCK_H], tl.float32)  # the merge adds the sink's weight
+    else:
+        running_sum = tl.full([BLOCK_H], 1.0, tl.float32)  # the sink's own weight
+    acc = tl.zeros([BLOCK_H, VALUE_DIM], tl.float32)
+    if SPLIT:
+        window_lo = tl.minimum(split * keys_per_split, window)
+        window_hi = tl.where(split < window_splits, tl.minimum(window_lo + keys_per_split, window), window_lo)
+        main_lo = tl.minimum(tl.maximum(split - window_splits, 0) * keys_per_split, topk)
+        main_hi = tl.where(split >= window_splits, tl.minimum(main_lo + keys_per_split, topk), main_lo)
+    else:
+        window_lo = 0
+        window_hi = window
+        main_lo = 0
+        main_hi = topk
+
+    for start in range(window_lo, window_hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        in_span = keys < window_hi
+        chunk_row = tl.load(chunk_rows_ptr + row * window + keys, mask=in_span, other=-1)
+        ring_row = tl.load(ring_rows_ptr + row * window + keys, mask=in_span, other=-1)
+        valid = tl.load(window_valid_ptr + row * window + keys, mask=in_span, other=0) != 0
+        # As in sparse_attention_kernel: a valid key not in this step's rows is a ring row.
+        from_chunk = valid & (chunk_row >= 0)
+        from_ring = valid & (chunk_row < 0)
+        if QK_CHUNK == HEAD_DIM:
+            k = _window_keys(chunk_ptr, stride_chunk, chunk_row, from_chunk, ring_values, ring_scales, ring_row,
+                             from_ring, RING_ROWS, ring_values_stride_unit, ring_values_stride_row,
+                             ring_scales_stride_unit, ring_scales_stride_row, 0, HEAD_DIM, RING_FMT, RING_GROUP,
+                             dot_dtype)
+            logits = _logits(q, k, DOT_BF16)
+        else:
+            logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+            for first in tl.static_range(0, HEAD_DIM, QK_CHUNK):
+                q_span = tl.load(q_rows + first + tl.arange(0, QK_CHUNK)[None, :], mask=head_mask[:, None],
+                                 other=0.0).to(dot_dtype)
+                k_span = _window_keys(chunk_ptr, stride_chunk, chunk_row, from_chunk, ring_values, ring_scales,
+                                      ring_row, from_ring, RING_ROWS, ring_values_stride_unit,
+                                      ring_values_stride_row, ring_scales_stride_unit, ring_scales_stride_row, first,
+                                      QK_CHUNK, RING_FMT, RING_GROUP, dot_dtype)
+                logits += _logits(q_span, k_span, DOT_BF16)
+        if ONE_READ:
+            v = k
+        else:
+            v = _window_keys(chunk_ptr, stride_chunk, chunk_row, from_chunk, ring_values, ring_scales, ring_row,
+                             from_ring, RING_ROWS, ring_values_stride_unit, ring_values_stride_row,
+                             ring_scales_stride_unit, ring_scales_stride_row, value_first, VALUE_DIM, RING_FMT,
+                             RING_GROUP, dot_dtype)
+        running_max, running_sum, acc = _fold_logits(logits, v, valid, running_max, running_sum, acc, logit_scale,
+                                                     DOT_BF16)
+
+    for start in range(main_lo, main_hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        entry = tl.load(entry_rows_ptr + row * topk + keys, mask=keys < main_hi, other=-1)
+        present = entry >= 0
+        if QK_CHUNK == HEAD_DIM:
+            k = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS, main_values_stride_unit,
+                              main_values_stride_row, main_scales_stride_unit, main_scales_stride_row, 0, HEAD_DIM,
+                              MAIN_FMT, MAIN_GROUP, dot_dtype)
+            logits = _logits(q, k, DOT_BF16)
+        else:
+            logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+            for first in tl.static_range(0, HEAD_DIM, QK_CHUNK):
+                q_span = tl.load(q_rows + first + tl.arange(0, QK_CHUNK)[None, :], mask=head_mask[:, None],
+                                 other=0.0).to(dot_dtype)
+                k_span = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS, main_values_stride_unit,
+                                       main_values_stride_row, main_scales_stride_unit, main_scales_stride_row, first,
+                                       QK_CHUNK, MAIN_FMT, MAIN_GROUP, dot_dtype)
+                logits += _logits(q_span, k_span, DOT_BF16)
+        if ONE_READ:
+            v = k
+        else:
+            v = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS, main_values_stride_unit,
+                              main_values_stride_row, main_scales_stride_unit, main_scales_stride_row, value_first,
+                              VALUE_DIM, MAIN_FMT, MAIN_GROUP, dot_dtype)
+        running_max, running_sum, acc = _fold_logits(logits, v, present, running_max, running_sum, acc, logit_scale,
+                                                     DOT_BF16)
+
+    if SPLIT:
+        # sparse_attention_kernel's partials; every value span writes its channels, the
+        # first alone the (identical) statistics.
+        num_splits = tl.num_programs(1)
+        slot = row * num_splits + split
+        tl.store(
+            partial_acc_ptr + (slot * num_heads + heads[:, None]) * HEAD_DIM + value_dims[None, :],
+            acc,
+            mask=head_mask[:, None],
+        )
+        if part == 0:
+            tl.store(partial_stats_ptr + slot * 2 * num_heads + heads, running_max, mask=head_mask)
+            tl.store(partial_stats_ptr + (slot * 2 + 1) * num_heads + heads, running_sum, mask=head_mask)
+    else:
+        tl.store(
+            out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + value_dims[None, :],
+            (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None],
+        )

@@ -8,7 +8,8 @@ aligned rows load as whole vectors). Also owns the decoding of the stored format
 compute dtype, value for value model/formats.py's dequantizers: bf16 rows, FP8 E4M3 +
 E8M0 per 32 (the hardware E4M3 conversion), NVFP4 (E2M1 pairs + E4M3 per 16) and MXFP4
 (E2M1 pairs + E8M0 per 32). A row is loaded as [rows, groups, group] so each group's
-scale is one load per row, broadcast in registers.
+scale is one load per row, broadcast in registers; a span of a row's channels (whole
+scale groups) is read the same way.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -77,14 +78,52 @@ def load_rows(
     ``present`` is false read as zeros (finite: they meet zero probabilities). FMT is
     the plane's FORMAT_CODES entry (0 bf16, 1 FP8 E4M3 + E8M0, 2 NVFP4, 3 MXFP4; see
     model/kernels/triton/__init__.py), GROUP its channels per scale."""
+    return load_row_span(
+        values_ptr,
+        scales_ptr,
+        flat_rows,
+        present,
+        ROWS,
+        values_stride_unit,
+        values_stride_row,
+        scales_stride_unit,
+        scales_stride_row,
+        0,
+        WIDTH,
+        FMT,
+        GROUP,
+        OUT_DTYPE,
+    )
+
+
+@triton.jit
+def load_row_span(
+    values_ptr,
+    scales_ptr,
+    flat_rows,
+    present,
+    ROWS: tl.constexpr,
+    values_stride_unit,
+    values_stride_row,
+    scales_stride_unit,
+    scales_stride_row,
+    first,
+    WIDTH: tl.constexpr,
+    FMT: tl.constexpr,
+    GROUP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    """Channels [first, first + WIDTH) of rows of a plane as OUT_DTYPE [N, WIDTH], as
+    load_rows reads them; ``first`` and WIDTH are multiples of GROUP (whole scale
+    groups, and whole bytes of packed nibbles)."""
     offsets = row_offsets(flat_rows, ROWS, values_stride_unit, values_stride_row)
     if FMT == 0:
         dims = tl.arange(0, WIDTH)
-        rows = tl.load(values_ptr + offsets[:, None] + dims[None, :], mask=present[:, None], other=0.0)
+        rows = tl.load(values_ptr + offsets[:, None] + first + dims[None, :], mask=present[:, None], other=0.0)
         out = rows.to(OUT_DTYPE)
     else:
         groups = tl.arange(0, WIDTH // GROUP)
-        scale_offsets = row_offsets(flat_rows, ROWS, scales_stride_unit, scales_stride_row)
+        scale_offsets = row_offsets(flat_rows, ROWS, scales_stride_unit, scales_stride_row) + first // GROUP
         scale_bytes = tl.load(scales_ptr + scale_offsets[:, None] + groups[None, :], mask=present[:, None], other=0)
         if FMT == 2:
             scale = e4m3_to_f32(scale_bytes)
@@ -93,7 +132,7 @@ def load_rows(
         if FMT == 1:
             lanes = tl.arange(0, GROUP)
             raw = tl.load(
-                values_ptr + offsets[:, None, None] + (groups * GROUP)[None, :, None] + lanes[None, None, :],
+                values_ptr + (offsets + first)[:, None, None] + (groups * GROUP)[None, :, None] + lanes[None, None, :],
                 mask=present[:, None, None],
                 other=0,
             )
@@ -103,7 +142,10 @@ def load_rows(
         else:
             lanes = tl.arange(0, GROUP // 2)
             packed = tl.load(
-                values_ptr + offsets[:, None, None] + (groups * (GROUP // 2))[None, :, None] + lanes[None, None, :],
+                values_ptr
+                + (offsets + first // 2)[:, None, None]
+                + (groups * (GROUP // 2))[None, :, None]
+                + lanes[None, None, :],
                 mask=present[:, None, None],
                 other=0,
             ).to(tl.int32)
