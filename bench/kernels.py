@@ -14,7 +14,11 @@ Prints tables and writes JSON. Usage (on the GPU machine, from the repo root):
 The attention/scorer table compares each kernel with the rows of a baseline JSON (by
 default bench/results/kernels.json as it was before this run: the first Triton
 baseline), and a tiling sweep at 32k context times other AttentionTiling / ScorerTiling
-choices than the defaults (GPU only; --no-sweep skips it).
+choices than the defaults, and the all-heads kernel's MlaTiling cuts, each attention
+variant checked against the torch backend's output (GPU only; --no-sweep skips it).
+The attention part alone at 32k (rows and the attention sweep at batch 8/32/128, both
+pool formats; no scorer sweep, MoE or compression):
+    python3 -m bench.kernels --attention-only --contexts 32768 --batches 8 32 128 --out attention.json
 The MoE section alone, with its tiling sweep of the MXFP4 kernels (--no-sweep skips it):
     python3 -m bench.kernels --moe-only --out moe.json
 The dense projections alone (each FP8-stored shape of a Flash layer at 1..4096 rows:
@@ -53,7 +57,7 @@ from dsv41.model import formats
 from dsv41.model.formats import round_fp8, round_mxfp4
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.kernels.triton import TritonKernels
-from dsv41.model.kernels.triton.attention import AttentionTiling
+from dsv41.model.kernels.triton.attention import AttentionTiling, MlaTiling
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling
 from dsv41.model.kernels.triton.moe import ExpertTiling, PairBlocks, expert_down, expert_tiling, grouped_expert_slots
@@ -96,7 +100,19 @@ ATTENTION_SWEEP = {
     "block_n=64": AttentionTiling(block_n=64),
     "num_stages=2": AttentionTiling(num_stages=2),
     "no key split": AttentionTiling(programs_per_wave=1),
+    # The all-heads kernel (MlaTiling): its default, the cuts that compiled for sm_90
+    # without spills (triton 3.9 on the CPU dev box), and the one-program-per-row cut
+    # that spills (FlashMLA's whole [64, 512] accumulator), timed to see what it costs.
+    "mla": MlaTiling(),
+    "mla block_n=16 qk_chunk=128": MlaTiling(block_n=16, qk_chunk=128),
+    "mla qk_chunk=128 dim_split=4": MlaTiling(qk_chunk=128, dim_split=4),
+    "mla block_n=64 qk_chunk=128 dim_split=4": MlaTiling(block_n=64, qk_chunk=128, dim_split=4),
+    "mla block_n=16 qk_chunk=128 dim_split=1": MlaTiling(block_n=16, qk_chunk=128, dim_split=1),
+    "mla no key split": MlaTiling(programs_per_wave=1),
 }
+# A sweep variant's output against the torch backend's counts as correct within the
+# tests' bf16 tolerance (tests/model/test_kernels_triton.py: bf16 dots, bf16 probabilities).
+SWEEP_REL_TOL = 2e-2
 SCORER_SWEEP = {
     "default": ScorerTiling(),
     "block_c=64": ScorerTiling(block_c=64),
@@ -196,11 +212,16 @@ def scorer_bytes(config: V41Config, index: str, batch: int, width: int) -> float
     return batch * width * (entry + 8 + 4)
 
 
-def tiling_sweep(config: V41Config, ceil: dict, kv: str, index: str, batch: int, att: tuple, sc: tuple) -> list[dict]:
-    """Kernel ms and fraction of the copy bandwidth of each ATTENTION_SWEEP and
-    SCORER_SWEEP variant on one shape (the data to choose the defaults from)."""
+def tiling_sweep(
+    config: V41Config, ceil: dict, kv: str, index: str, batch: int, att: tuple, sc: tuple, scorer: bool = True
+) -> list[dict]:
+    """Kernel ms and fraction of the copy bandwidth of each ATTENTION_SWEEP (and, with
+    ``scorer``, SCORER_SWEEP) variant on one shape (the data to choose the defaults
+    from), each attention variant's relative error against the torch backend's output
+    with it."""
     rows = []
-    for kernel, variants in (("attention", ATTENTION_SWEEP), ("scorer", SCORER_SWEEP)):
+    reference = TorchKernels().attend(*att).float()
+    for kernel, variants in (("attention", ATTENTION_SWEEP), ("scorer", SCORER_SWEEP if scorer else {})):
         for name, tiling in variants.items():
             if kernel == "attention":
                 launch = TritonKernels(attention_tiling=tiling).prepare_attention(*att)
@@ -214,17 +235,29 @@ def tiling_sweep(config: V41Config, ceil: dict, kv: str, index: str, batch: int,
                 "context": SWEEP_CONTEXT,
                 "kernel": kernel,
                 "variant": name,
+                "tiling": repr(tiling),
                 "programs": math.prod(launch.launches[0].grid),
             }
             try:
+                if kernel == "attention":
+                    got = launch.run().float()
+                    row["rel_err"] = float((got - reference).norm() / reference.norm())
+                    row["correct"] = row["rel_err"] < SWEEP_REL_TOL
                 ms = median_ms(launch.run)
             except OutOfResources as error:
                 # A variant this GPU cannot run is a result of the sweep, not its end.
                 rows.append({**row, "kernel_ms": None, "bw_frac": None, "error": str(error)})
-                print(f"sweep {kv}/{index} B={batch:<4d} {kernel:9s} {name:20s} {error}", flush=True)
+                print(f"sweep {kv}/{index} B={batch:<4d} {kernel:9s} {name:42s} {error}", flush=True)
                 continue
             rows.append({**row, "kernel_ms": ms, "bw_frac": moved / (ms * 1e-3) / ceil["copy_bytes_per_s"]})
-            print(f"sweep {kv}/{index} B={batch:<4d} {kernel:9s} {name:20s} {ms:8.4f} ms ({rows[-1]['bw_frac']:.0%} bw)", flush=True)
+            check = ""
+            if kernel == "attention":
+                check = f" rel err {row['rel_err']:.1e}{'' if row['correct'] else ' WRONG'}"
+            print(
+                f"sweep {kv}/{index} B={batch:<4d} {kernel:9s} {name:42s} {ms:8.4f} ms "
+                f"({rows[-1]['bw_frac']:.0%} bw, {row['programs']} programs){check}",
+                flush=True,
+            )
     return rows
 
 
@@ -600,6 +633,17 @@ def main() -> None:
     )
     parser.add_argument("--gemm-only", action="store_true", help="the dense FP8 projections' GEMM section alone")
     parser.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="the attention/scorer rows and the attention tiling sweep alone (no scorer sweep, MoE or compression)",
+    )
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", help=f"contexts of the attention/scorer rows (default {CONTEXTS})"
+    )
+    parser.add_argument(
+        "--batches", type=int, nargs="+", help=f"batches of the attention/scorer rows (default {BATCHES})"
+    )
+    parser.add_argument(
         "--small",
         action="store_true",
         help="a smoke run: small batches and contexts, no MoE section (runs on a CPU with TRITON_INTERPRET=1)",
@@ -608,7 +652,10 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not (args.small and os.environ.get("TRITON_INTERPRET") == "1"):
         parser.error("no CUDA device: on a CPU, run the --small smoke mode with TRITON_INTERPRET=1 set")
+    if args.attention_only and (args.moe_only or args.gemm_only):
+        parser.error("--attention-only excludes --moe-only and --gemm-only")
     batches, contexts = (SMALL_BATCHES, SMALL_CONTEXTS) if args.small else (BATCHES, CONTEXTS)
+    batches, contexts = tuple(args.batches or batches), tuple(args.contexts or contexts)
     config = V41Config.from_pretrained(FLASH, text_only=True)
     ceil = ceilings(device)
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
@@ -633,7 +680,7 @@ def main() -> None:
                 store = PlaneIO(pools)
                 att = attention_case(config, store, batch, context, pages_per_req)
                 sc = scorer_case(config, store, batch, context, pages_per_req)
-                if batch in (batches[1], batches[-1]) and context == contexts[0]:
+                if batch in (batches[min(1, len(batches) - 1)], batches[-1]) and context == contexts[0]:
                     # batches[1] runs split over keys on an H200, batches[-1] unsplit.
                     ref = torch_k.attend(*att).float()
                     got = triton_k.attend(*att).float()
@@ -687,15 +734,16 @@ def main() -> None:
                     flush=True,
                 )
                 if not (args.small or args.no_sweep) and context == SWEEP_CONTEXT and batch in SWEEP_BATCHES:
-                    sweep_rows += tiling_sweep(config, ceil, kv, index, batch, att, sc)
+                    sweep_rows += tiling_sweep(config, ceil, kv, index, batch, att, sc, scorer=not args.attention_only)
                 del pools, store, att, sc
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    moe_sweep_rows = [] if args.small or args.no_sweep or args.gemm_only else moe_sweep(config, ceil)
-    moe_rows, moe_checks = ([], []) if args.small or args.gemm_only else moe_benchmark(config, ceil)
-    gemm_rows = [] if args.small or args.moe_only else gemm_benchmark(config, ceil)
+    no_moe = args.small or args.gemm_only or args.attention_only
+    moe_sweep_rows = [] if no_moe or args.no_sweep else moe_sweep(config, ceil)
+    moe_rows, moe_checks = ([], []) if no_moe else moe_benchmark(config, ceil)
+    gemm_rows = [] if args.small or args.moe_only or args.attention_only else gemm_benchmark(config, ceil)
     compression_rows, compression_checks = (
-        ([], []) if only else compression_benchmark(config, ceil, device, args.small)
+        ([], []) if only or args.attention_only else compression_benchmark(config, ceil, device, args.small)
     )
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -736,11 +784,12 @@ def main() -> None:
             f"{r['scorer_kernel_ms']:.3f} | {100 * r['scorer_kernel_bw_frac']:.0f}% | "
             f"{times(r['baseline_scorer_ms'], r['scorer_ms'])} | {100 * r['decode_kernel_bw_frac']:.0f}% |"
         )
-    print("| formats | batch | kernel | tiling | programs | kernel ms | % copy bw |")
-    print("|---|---:|---|---|---:|---:|---:|")
+    print("| formats | batch | kernel | tiling | programs | kernel ms | % copy bw | rel err vs torch |")
+    print("|---|---:|---|---|---:|---:|---:|---:|")
     for r in sweep_rows:
         timing = f"{r['kernel_ms']:.4f} | {100 * r['bw_frac']:.0f}%" if r["kernel_ms"] is not None else "out of resources | -"
-        print(f"| {r['formats']} | {r['batch']} | {r['kernel']} | {r['variant']} | {r['programs']} | {timing} |")
+        err = "-" if "rel_err" not in r else f"{r['rel_err']:.1e}" + ("" if r["correct"] else " WRONG")
+        print(f"| {r['formats']} | {r['batch']} | {r['kernel']} | {r['variant']} | {r['programs']} | {timing} | {err} |")
     print("| held | tokens | MXFP4 tiling | ms | % copy bw | TFLOP/s |")
     print("|---:|---:|---|---:|---:|---:|")
     for r in moe_sweep_rows:
