@@ -100,14 +100,16 @@ ATTENTION_SWEEP = {
     "block_n=64": AttentionTiling(block_n=64),
     "num_stages=2": AttentionTiling(num_stages=2),
     "no key split": AttentionTiling(programs_per_wave=1),
-    # The all-heads kernel (MlaTiling): its default, the cuts that compiled for sm_90
-    # without spills (triton 3.9 on the CPU dev box), and the one-program-per-row cut
-    # that spills (FlashMLA's whole [64, 512] accumulator), timed to see what it costs.
+    # The all-heads kernel (MlaTiling): its default and cuts that compiled for sm_90
+    # without spills (triton 3.9 on the CPU dev box, 2026-12-02), among them FlashMLA's
+    # one program per row (the whole [64, 512] accumulator), which holds only with q
+    # re-read from L2 for every tile (q_reload).
     "mla": MlaTiling(),
     "mla block_n=16 qk_chunk=128": MlaTiling(block_n=16, qk_chunk=128),
     "mla qk_chunk=128 dim_split=4": MlaTiling(qk_chunk=128, dim_split=4),
-    "mla block_n=64 qk_chunk=128 dim_split=4": MlaTiling(block_n=64, qk_chunk=128, dim_split=4),
-    "mla block_n=16 qk_chunk=128 dim_split=1": MlaTiling(block_n=16, qk_chunk=128, dim_split=1),
+    "mla q_reload num_stages=1": MlaTiling(q_reload=True, num_stages=1),
+    "mla row/program q_reload block_n=16": MlaTiling(block_n=16, q_reload=True, dim_split=1),
+    "mla row/program q_reload num_stages=1": MlaTiling(q_reload=True, dim_split=1, num_stages=1),
     "mla no key split": MlaTiling(programs_per_wave=1),
 }
 # A sweep variant's output against the torch backend's counts as correct within the

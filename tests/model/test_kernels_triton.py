@@ -49,11 +49,12 @@ ATTENTION_TILINGS = {
 }
 # The all-heads kernel's cuts, at TINY_ALT's head dim 64 (20 heads): one program for all
 # heads, the latent whole (the logits' tile is the values'); two head groups, logits
-# summed over 32-channel spans, a split per tile; the output latent over two programs, a
-# split per two tiles; both spans, one program per row.
+# summed over 32-channel spans of q re-read every tile, a split per tile; the output
+# latent over two programs, a split per two tiles; both spans, one program per row.
 MLA_TILINGS = {
     "all-heads": MlaTiling(block_h=32, block_n=16, qk_chunk=None, dim_split=1, programs_per_wave=1),
-    "groups-qk-spans-split": MlaTiling(block_h=16, block_n=16, qk_chunk=32, dim_split=1, programs_per_wave=10_000),
+    "groups-qk-spans-split": MlaTiling(block_h=16, block_n=16, qk_chunk=32, q_reload=True, dim_split=1,
+                                       programs_per_wave=10_000),
     "dim-split-two-tiles": MlaTiling(block_h=32, block_n=16, qk_chunk=None, dim_split=2, programs_per_wave=24),
     "qk-spans-dim-split": MlaTiling(block_h=32, block_n=16, qk_chunk=32, dim_split=2, programs_per_wave=1),
 }
@@ -190,14 +191,19 @@ def test_mla_attention_without_main_keys(tiny_alt_dir: Path) -> None:
 
 
 def test_mla_tiling_rejects_spans_the_planes_cannot_read() -> None:
-    """Tile sizes below a dot's minimum are refused when the tiling is made; spans that
-    do not divide the head dim or would cut a scale group, when a launch meets them."""
+    """Tile sizes below a dot's minimum and q re-reads without spans are refused when the
+    tiling is made; spans that do not divide the head dim or would cut a scale group,
+    and re-reads of a single span, when a launch meets them."""
     with pytest.raises(ValueError, match="MlaTiling.block_h"):
         MlaTiling(block_h=8)
     with pytest.raises(ValueError, match="MlaTiling.qk_chunk"):
         MlaTiling(qk_chunk=48)
     with pytest.raises(ValueError, match="MlaTiling.dim_split"):
         MlaTiling(dim_split=3)
+    with pytest.raises(ValueError, match="MlaTiling.q_reload"):
+        MlaTiling(qk_chunk=None, q_reload=True)
+    with pytest.raises(ValueError, match="MlaTiling.q_reload"):
+        MlaTiling(qk_chunk=64, q_reload=True).spans(64, (1, 1))  # one span: nothing to re-read
     assert MlaTiling(qk_chunk=128, dim_split=2).spans(512, (32, 16)) == (128, 256)
     with pytest.raises(ValueError, match="qk_chunk = 16"):
         MlaTiling(qk_chunk=16).spans(512, (32, 16))  # an FP8 ring's scale groups are 32 channels

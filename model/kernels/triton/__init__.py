@@ -181,7 +181,7 @@ class TritonKernels:
         if isinstance(tiling, MlaTiling):
             qk_chunk, _ = tiling.spans(dim, (ring_group, main_group))
             kernel, programs_per_split = mla_attention_kernel, head_groups * tiling.dim_split
-            cut = dict(QK_CHUNK=qk_chunk, DIM_SPLIT=tiling.dim_split)
+            cut = dict(QK_CHUNK=qk_chunk, Q_RELOAD=tiling.q_reload, DIM_SPLIT=tiling.dim_split)
         else:
             kernel, programs_per_split, cut = sparse_attention_kernel, head_groups, {}
         wave = _programs_per_wave(tiling.programs_per_wave, q.device, per_sm=1)

@@ -397,31 +397,39 @@ class MlaTiling:
     read and decoded for all of a row's heads at once, and its dots are [64 x channels]
     x [channels x keys] (64 rows: whole warpgroup MMAs) instead of four programs' [16 x
     512] ones. ``block_n`` keys a tile. ``qk_chunk`` (None: the whole latent) is the
-    channel span of each partial q . k dot: below the head dim, q is re-read span by
-    span from L1/L2 for every tile instead of being held through the loop, and each key
-    tile is read (and decoded) span by span for the logits, then once more for the
-    values. ``dim_split`` splits the output latent over that many programs of a row:
-    each folds the same logits (so they agree on the softmax statistics) and
+    channel span of each partial q . k dot; below the head dim each key tile is read
+    (and decoded) span by span for the logits, then once more for the values (from L2).
+    q's spans are loaded once and held (the compiler hoists them out of the key loop:
+    registers, copied into shared memory for each tile's MMAs), or with ``q_reload``
+    re-read from L2 for every tile (a volatile load), which frees those registers for a
+    larger accumulator. ``dim_split`` splits the output latent over that many programs
+    of a row: each folds the same logits (so they agree on the softmax statistics) and
     accumulates head dim / dim_split channels ([64, 256] fp32 at 2, the share of one of
     FlashMLA's two warpgroups); the programs of a row sit side by side in the grid, so
-    L2 serves their repeated reads of a tile and HBM sees it about once.
+    L2 serves their repeated reads of a tile and HBM sees it about once. Triton lays the
+    [64, keys] logits MMA over both warpgroups of 8 warps by replication, so each
+    computes all of them: q . k work doubles, and doubles again at dim_split 2.
     ``programs_per_wave``, ``merge_block_h``, ``num_warps`` and ``num_stages`` are
     AttentionTiling's.
 
-    Compiled for sm_90 on the CPU dev box (triton 3.9.0; the H200 runs 3.6.0) at Flash
-    dims, 2026-12-02: the whole [64, 512] accumulator in one program spills at 8 warps
-    (176-672 bytes, any qk_chunk and block_n tried) and at 16 warps (128 registers a
-    thread at most); the default (32-key tiles, q . k over 64-channel spans, two value
-    spans) holds in 232 registers with bf16 planes and 242 with FP8 / NVFP4, no
-    spills, 115 / 91 KB of shared memory, as do dim_split 4 and 16-key tiles with
-    128-channel spans. AttentionTiling at block_h 64 needs 263 KB of shared memory
-    (bf16) and spills. Which cut is fastest, and whether any beats AttentionTiling, is
-    for the H200 sweep of bench/kernels.py (ATTENTION_SWEEP) to say: none has run on a
-    GPU yet."""
+    Compiled for sm_90 on the CPU dev box (triton 3.9.0 and its ptxas; the H200 runs
+    3.6.0) at Flash dims, split and unsplit launches, 2026-12-02: the default (32-key
+    tiles, 64-channel q . k spans, two value spans, 8 warps, 2 stages) takes 232
+    registers with bf16 planes and 242-254 with FP8 / NVFP4, no spills, 115 / 91 KB of
+    shared memory. The whole [64, 512] accumulator in one program (dim_split 1) spills
+    at 8 warps with q held (176-672 bytes, every qk_chunk and block_n tried) and at 16
+    warps (128 registers a thread at most), and holds with q_reload: 16-key tiles, 2
+    stages, 238-255 registers, 197-213 KB; 32-key tiles, 1 stage, 244-255 registers,
+    32-131 KB. 4 warps spill at dim_split 2 and 4. q_reload with dim_split 2 needs more than
+    an SM's 227 KB of shared memory at 2 stages (246 KB: the reloads are pipelined
+    too), and 16-65 KB at 1. AttentionTiling at block_h 64 needs 263 KB (bf16) and
+    spills. Which cut is fastest, and whether any beats AttentionTiling, is for the H200
+    sweep of bench/kernels.py (ATTENTION_SWEEP) to say: none has run on a GPU yet."""
 
     block_h: int = 64
     block_n: int = 32
     qk_chunk: int | None = 64
+    q_reload: bool = False
     dim_split: int = 2
     num_warps: int = 8
     num_stages: int = 2
@@ -435,6 +443,8 @@ class MlaTiling:
                 raise ValueError(f"MlaTiling.{name}: {value} (allowed: a power of two >= 16, a dot's minimum)")
         if self.qk_chunk is not None and (self.qk_chunk < 16 or self.qk_chunk & (self.qk_chunk - 1)):
             raise ValueError(f"MlaTiling.qk_chunk: {self.qk_chunk} (allowed: None or a power of two >= 16)")
+        if self.q_reload and self.qk_chunk is None:
+            raise ValueError("MlaTiling.q_reload: True with qk_chunk None (allowed: True only with a qk_chunk)")
         if self.dim_split < 1 or self.dim_split & (self.dim_split - 1):
             raise ValueError(f"MlaTiling.dim_split: {self.dim_split} (allowed: a power of two >= 1)")
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -450,6 +460,10 @@ class MlaTiling:
         dot's minimum) and hold whole scale groups."""
         qk_chunk = self.qk_chunk or head_dim
         value_dim = head_dim // self.dim_split
+        if self.q_reload and qk_chunk == head_dim:
+            raise ValueError(
+                f"MlaTiling.q_reload: True with qk_chunk {qk_chunk} = the head dim (allowed: True only below it)"
+            )
         for name, span in (("qk_chunk", qk_chunk), ("head_dim / dim_split", value_dim)):
             if span < 16 or head_dim % span or any(span % g for g in groups):
                 raise ValueError(
@@ -466,6 +480,19 @@ def _logits(q, k, DOT_BF16: tl.constexpr):
         return tl.dot(q, tl.trans(k))
     else:
         return tl.dot(q, tl.trans(k), input_precision="ieee")
+
+
+@triton.jit
+def _q_span(q_rows, first, WIDTH: tl.constexpr, head_mask, dot_dtype: tl.constexpr, RELOAD: tl.constexpr):
+    """Channels [first, first + WIDTH) of the program's query rows. RELOAD: a volatile
+    load, which the compiler neither hoists out of the key loop nor merges with the
+    previous tile's, so q is re-read from L2 for every tile instead of being held."""
+    offsets = q_rows + first + tl.arange(0, WIDTH)[None, :]
+    if RELOAD:
+        q = tl.load(offsets, mask=head_mask[:, None], other=0.0, volatile=True)
+    else:
+        q = tl.load(offsets, mask=head_mask[:, None], other=0.0)
+    return q.to(dot_dtype)
 
 
 @triton.jit
@@ -508,6 +535,7 @@ def mla_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     QK_CHUNK: tl.constexpr,
+    Q_RELOAD: tl.constexpr,
     DIM_SPLIT: tl.constexpr,
     RING_ROWS: tl.constexpr,
     RING_FMT: tl.constexpr,
@@ -538,7 +566,7 @@ def mla_attention_kernel(
         dot_dtype = tl.float32
     q_rows = q_ptr + row * stride_q_row + heads[:, None] * stride_q_head
     if QK_CHUNK == HEAD_DIM:
-        q = tl.load(q_rows + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask[:, None], other=0.0).to(dot_dtype)
+        q = _q_span(q_rows, 0, HEAD_DIM, head_mask, dot_dtype, False)
     running_max = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
     if SPLIT:
         running_sum = tl.zeros([BLOCK_H], tl.float32)  # the merge adds the sink's weight
@@ -574,8 +602,7 @@ def mla_attention_kernel(
         else:
             logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
             for first in tl.static_range(0, HEAD_DIM, QK_CHUNK):
-                q_span = tl.load(q_rows + first + tl.arange(0, QK_CHUNK)[None, :], mask=head_mask[:, None],
-                                 other=0.0).to(dot_dtype)
+                q_span = _q_span(q_rows, first, QK_CHUNK, head_mask, dot_dtype, Q_RELOAD)
                 k_span = _window_keys(chunk_ptr, stride_chunk, chunk_row, from_chunk, ring_values, ring_scales,
                                       ring_row, from_ring, RING_ROWS, ring_values_stride_unit,
                                       ring_values_stride_row, ring_scales_stride_unit, ring_scales_stride_row, first,
@@ -603,8 +630,7 @@ def mla_attention_kernel(
         else:
             logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
             for first in tl.static_range(0, HEAD_DIM, QK_CHUNK):
-                q_span = tl.load(q_rows + first + tl.arange(0, QK_CHUNK)[None, :], mask=head_mask[:, None],
-                                 other=0.0).to(dot_dtype)
+                q_span = _q_span(q_rows, first, QK_CHUNK, head_mask, dot_dtype, Q_RELOAD)
                 k_span = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS, main_values_stride_unit,
                                        main_values_stride_row, main_scales_stride_unit, main_scales_stride_row, first,
                                        QK_CHUNK, MAIN_FMT, MAIN_GROUP, dot_dtype)
