@@ -19,6 +19,8 @@ variant checked against the torch backend's output (GPU only; --no-sweep skips i
 The attention part alone at 32k (rows and the attention sweep at batch 8/32/128, both
 pool formats; no scorer sweep, MoE or compression):
     python3 -m bench.kernels --attention-only --contexts 32768 --batches 8 32 128 --out attention.json
+(most of its time is compiling the sweep's variants, each split and unsplit on both
+formats; --attention-variants names the ones to time).
 The MoE section alone, with its tiling sweep of the MXFP4 kernels (--no-sweep skips it):
     python3 -m bench.kernels --moe-only --out moe.json
 The dense projections alone (each FP8-stored shape of a Flash layer at 1..4096 rows:
@@ -215,16 +217,25 @@ def scorer_bytes(config: V41Config, index: str, batch: int, width: int) -> float
 
 
 def tiling_sweep(
-    config: V41Config, ceil: dict, kv: str, index: str, batch: int, att: tuple, sc: tuple, scorer: bool = True
+    config: V41Config,
+    ceil: dict,
+    kv: str,
+    index: str,
+    batch: int,
+    att: tuple,
+    sc: tuple,
+    scorer: bool = True,
+    variants: list[str] | None = None,
 ) -> list[dict]:
-    """Kernel ms and fraction of the copy bandwidth of each ATTENTION_SWEEP (and, with
-    ``scorer``, SCORER_SWEEP) variant on one shape (the data to choose the defaults
-    from), each attention variant's relative error against the torch backend's output
-    with it."""
+    """Kernel ms and fraction of the copy bandwidth of each ATTENTION_SWEEP variant (the
+    named ``variants``, or all) and, with ``scorer``, each SCORER_SWEEP one on one shape
+    (the data to choose the defaults from), each attention variant's relative error
+    against the torch backend's output with it."""
     rows = []
     reference = TorchKernels().attend(*att).float()
-    for kernel, variants in (("attention", ATTENTION_SWEEP), ("scorer", SCORER_SWEEP if scorer else {})):
-        for name, tiling in variants.items():
+    attention = {name: ATTENTION_SWEEP[name] for name in variants or ATTENTION_SWEEP}
+    for kernel, tilings in (("attention", attention), ("scorer", SCORER_SWEEP if scorer else {})):
+        for name, tiling in tilings.items():
             if kernel == "attention":
                 launch = TritonKernels(attention_tiling=tiling).prepare_attention(*att)
                 moved = attention_bytes(config, kv, batch)
@@ -640,6 +651,12 @@ def main() -> None:
         help="the attention/scorer rows and the attention tiling sweep alone (no scorer sweep, MoE or compression)",
     )
     parser.add_argument(
+        "--attention-variants",
+        nargs="+",
+        choices=list(ATTENTION_SWEEP),
+        help="the ATTENTION_SWEEP variants the sweep times (default: all; each is compiled twice, split and unsplit)",
+    )
+    parser.add_argument(
         "--contexts", type=int, nargs="+", help=f"contexts of the attention/scorer rows (default {CONTEXTS})"
     )
     parser.add_argument(
@@ -736,7 +753,10 @@ def main() -> None:
                     flush=True,
                 )
                 if not (args.small or args.no_sweep) and context == SWEEP_CONTEXT and batch in SWEEP_BATCHES:
-                    sweep_rows += tiling_sweep(config, ceil, kv, index, batch, att, sc, scorer=not args.attention_only)
+                    sweep_rows += tiling_sweep(
+                        config, ceil, kv, index, batch, att, sc, scorer=not args.attention_only,
+                        variants=args.attention_variants,
+                    )
                 del pools, store, att, sc
                 if device == "cuda":
                     torch.cuda.empty_cache()
