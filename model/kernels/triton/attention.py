@@ -398,7 +398,8 @@ class MlaTiling:
     x [channels x keys] (64 rows: whole warpgroup MMAs) instead of four programs' [16 x
     512] ones. ``block_n`` keys a tile. ``qk_chunk`` (None: the whole latent) is the
     channel span of each partial q . k dot; below the head dim each key tile is read
-    (and decoded) span by span for the logits, then once more for the values (from L2).
+    (and decoded) span by span for the logits, then once more for the values (a second
+    read, which L2 should serve).
     q's spans are loaded once and held (the compiler hoists them out of the key loop:
     registers, copied into shared memory for each tile's MMAs), or with ``q_reload``
     re-read from L2 for every tile (a volatile load), which frees those registers for a
@@ -406,9 +407,10 @@ class MlaTiling:
     of a row: each folds the same logits (so they agree on the softmax statistics) and
     accumulates head dim / dim_split channels ([64, 256] fp32 at 2, the share of one of
     FlashMLA's two warpgroups); the programs of a row sit side by side in the grid, so
-    L2 serves their repeated reads of a tile and HBM sees it about once. Triton lays the
-    [64, keys] logits MMA over both warpgroups of 8 warps by replication, so each
-    computes all of them: q . k work doubles, and doubles again at dim_split 2.
+    L2 can serve their repeated reads of a tile and HBM see it about once. In the sm_90
+    build the [64, keys] logits MMA is laid over both warpgroups of 8 warps by
+    replication (warps [8, 1] over 64 rows), so each computes all of them: q . k work
+    doubles, and doubles again at dim_split 2.
     ``programs_per_wave``, ``merge_block_h``, ``num_warps`` and ``num_stages`` are
     AttentionTiling's.
 
@@ -420,9 +422,9 @@ class MlaTiling:
     at 8 warps with q held (176-672 bytes, every qk_chunk and block_n tried) and at 16
     warps (128 registers a thread at most), and holds with q_reload: 16-key tiles, 2
     stages, 238-255 registers, 197-213 KB; 32-key tiles, 1 stage, 244-255 registers,
-    32-131 KB. 4 warps spill at dim_split 2 and 4. q_reload with dim_split 2 needs more than
-    an SM's 227 KB of shared memory at 2 stages (246 KB: the reloads are pipelined
-    too), and 16-65 KB at 1. AttentionTiling at block_h 64 needs 263 KB (bf16) and
+    32-131 KB. 4 warps spill at dim_split 2 and 4. q_reload with dim_split 2 needs
+    more than an SM's 227 KB of shared memory at 2 stages (246 KB: the reloads are
+    pipelined too), and 16-65 KB at 1. AttentionTiling at block_h 64 needs 263 KB (bf16) and
     spills. Which cut is fastest, and whether any beats AttentionTiling, is for the H200
     sweep of bench/kernels.py (ATTENTION_SWEEP) to say: none has run on a GPU yet."""
 
