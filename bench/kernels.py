@@ -17,7 +17,7 @@ baseline), and a tiling sweep at 32k context times other AttentionTiling / Score
 choices than the defaults, and the all-heads kernel's MlaTiling cuts, each attention
 variant checked against the torch backend's output (GPU only; --no-sweep skips it).
 The attention part alone at 32k (rows and the attention sweep at batch 8/32/128, both
-pool formats; no scorer sweep, MoE or compression):
+pool formats; no scorer sweep, MoE, GEMM or compression):
     python3 -m bench.kernels --attention-only --contexts 32768 --batches 8 32 128 --out attention.json
 (most of its time is compiling the sweep's variants, each split and unsplit on both
 formats; --attention-variants names the ones to time).
@@ -648,7 +648,8 @@ def main() -> None:
     parser.add_argument(
         "--attention-only",
         action="store_true",
-        help="the attention/scorer rows and the attention tiling sweep alone (no scorer sweep, MoE or compression)",
+        help="the attention/scorer rows and the attention tiling sweep alone (no scorer sweep, MoE, GEMM or "
+        "compression)",
     )
     parser.add_argument(
         "--attention-variants",
