@@ -12,16 +12,17 @@ three.
 
 model/mhc.py defines the arithmetic; the kernels follow its operation order in float32:
 every product, quotient and sum of hc terms rounds where torch's ops do (hc terms added
-first to last, as ``small_sum`` and ``ordered_sum`` add them; IEEE division,
-``div_rn``, since a GPU's plain '/' is approximate; no multiply-add fusion), so under
-the interpreter they are the CPU torch path bit for bit where no exp and no long
-reduction enters (tests/model/test_kernels_mhc.py). They differ in the last bits
-through exp (numpy's in the interpreter; torch's CPU exp is its own), the softmax's
-sum of hc terms (first to last here; torch's softmax sums in its kernel's order) and
-the long row reductions (the mean of squares over hc * hidden or hidden: BLOCK columns
-folded at a time, then one tree). Compiled, exp and rsqrt are libdevice's expf and
-rsqrtf, the functions torch's CUDA ops call; equality with the torch path on a GPU is
-not measured.
+first to last, as ``ordered_sum`` and a GPU's batch-invariant ``small_sum`` add them,
+and as torch's CPU sum does up to hc = 4, not at 5 or 8; IEEE division, ``div_rn``,
+since a GPU's plain '/' is approximate; no multiply-add fusion), so under the
+interpreter they are the CPU torch path bit for bit where no exp and no long reduction
+enters, at the configs' hc of 3 and 4 (tests/model/test_kernels_mhc.py). They differ
+in the last bits through exp (numpy's in the interpreter; torch's CPU exp is its own),
+the softmax's sum of hc terms (first to last here; torch's softmax sums in its
+kernel's order) and the long row reductions (the mean of squares over hc * hidden or
+hidden: BLOCK columns folded at a time, then one tree). Compiled, exp and rsqrt are
+libdevice's expf and rsqrtf, the functions torch's CUDA ops call; equality with the
+torch path on a GPU is not measured.
 A program reads and writes its own token rows only, and its shape is fixed by the
 device, never by the call: a row's result does not depend on how many rows share the
 launch (the batch-invariant mode's requirement).
@@ -84,22 +85,25 @@ def _store_rounded(ptr, x, mask, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _row_sums(m, cols, HC: tl.constexpr):
-    """[R, P] sums over each row of [R, P, P] tiles' first HC columns, first to last
-    (``small_sum(m, -1)``); a column is taken out exactly by a sum with zeros."""
-    total = tl.sum(tl.where(cols == 0, m, 0.0), axis=2)
+def _ordered_sum(m, AXIS: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr):
+    """The sum over ``AXIS`` (1 or 2) of [R, P, P] tiles' first HC entries, first to
+    last (``small_sum``), kept as a size-1 dim. The entries are taken apart by halving
+    the last dim (a reshape and a split: exact copies, and no reduction, which the
+    interpreter runs as a function call of its own)."""
+    if AXIS == 1:
+        m = tl.permute(m, (0, 2, 1))
+    parts = (m,)
+    for level in tl.static_range(LOG2P):
+        halved = ()
+        for q in tl.static_range(2**level):
+            lo, hi = tl.split(tl.permute(tl.reshape(parts[q], (R, P, 2, (P >> level) // 2)), (0, 1, 3, 2)))
+            halved = halved + (lo, hi)
+        parts = halved
+    total = parts[0]
     for j in tl.static_range(1, HC):
-        total = total + tl.sum(tl.where(cols == j, m, 0.0), axis=2)
-    return total
-
-
-@triton.jit
-def _col_sums(m, rows, HC: tl.constexpr):
-    """[R, P] sums over each column of [R, P, P] tiles' first HC rows, first to last
-    (``small_sum(m, -2)``)."""
-    total = tl.sum(tl.where(rows == 0, m, 0.0), axis=1)
-    for i in tl.static_range(1, HC):
-        total = total + tl.sum(tl.where(rows == i, m, 0.0), axis=1)
+        total = total + parts[j]
+    if AXIS == 1:
+        total = tl.reshape(total, (R, 1, P))
     return total
 
 
@@ -120,6 +124,7 @@ def hc_mix_kernel(
     COLS: tl.constexpr,
     HC: tl.constexpr,
     HC_P: tl.constexpr,
+    LOG2_HC_P: tl.constexpr,
     ITERS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -166,12 +171,12 @@ def hc_mix_kernel(
     real_row = tl.arange(0, HC_P)[None, :] < HC
     top = tl.where(real_row, tl.max(tl.where(entry, logits, float("-inf")), axis=2), 0.0)
     shifted = tl.where(entry, _exp(logits - top[:, :, None], LIBDEVICE), 0.0)
-    total = tl.where(real_row, _row_sums(shifted, cols, HC), 1.0)
-    comb = tl.where(entry, tl.math.div_rn(shifted, total[:, :, None]) + hc_eps, 0.0)
-    comb = tl.math.div_rn(comb, (_col_sums(comb, rows, HC) + hc_eps)[:, None, :])
+    total = tl.where(real_row[:, :, None], _ordered_sum(shifted, 2, BLOCK_T, HC, HC_P, LOG2_HC_P), 1.0)
+    comb = tl.where(entry, tl.math.div_rn(shifted, total) + hc_eps, 0.0)
+    comb = tl.math.div_rn(comb, _ordered_sum(comb, 1, BLOCK_T, HC, HC_P, LOG2_HC_P) + hc_eps)
     for _iteration in range(ITERS - 1):
-        comb = tl.math.div_rn(comb, (_row_sums(comb, cols, HC) + hc_eps)[:, :, None])
-        comb = tl.math.div_rn(comb, (_col_sums(comb, rows, HC) + hc_eps)[:, None, :])
+        comb = tl.math.div_rn(comb, _ordered_sum(comb, 2, BLOCK_T, HC, HC_P, LOG2_HC_P) + hc_eps)
+        comb = tl.math.div_rn(comb, _ordered_sum(comb, 1, BLOCK_T, HC, HC_P, LOG2_HC_P) + hc_eps)
     tl.store(comb_ptr + t3 * (HC * HC) + rows * HC + cols, comb, mask=valid)
 
 
@@ -319,6 +324,7 @@ def fused_hc_mix(streams: torch.Tensor, site: HcSite, config: V41Config, block_t
             COLS=hc * hidden,
             HC=hc,
             HC_P=triton.next_power_of_2(hc),
+            LOG2_HC_P=(triton.next_power_of_2(hc) - 1).bit_length(),
             ITERS=config.hc_sinkhorn_iters,
             BLOCK=min(BLOCK, triton.next_power_of_2(hc * hidden)),
             BLOCK_T=block_t,
