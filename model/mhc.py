@@ -4,13 +4,17 @@ Owns the residual of ``hc_mult`` streams per token: the per-site mix (pre, post 
 the doubly stochastic comb matrix), the collapse of the streams into a sublayer input
 (with the *previous* site's pre: single pass) and the expansion of a sublayer output
 back into the streams (MODEL_FACTS section 3). Mixing runs in fp32.
+A site's three steps (mix, collapse + RMSNorm, expand) run through ``HcKernels``: a
+kernels backend may fuse each into a launch of its own, computing this module's
+function; ``TorchHc`` is this module's arithmetic itself (the torch backend's, and the
+default where no backend is given).
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -104,6 +108,43 @@ def expand(streams: torch.Tensor, y: torch.Tensor, mix: HcMix) -> torch.Tensor:
     return out.to(streams.dtype)
 
 
+class HcKernels(Protocol):
+    """A site's steps as a kernels backend runs them. Each computes, for every row
+    alone, the function of this module it names."""
+
+    def hc_mix(self, streams: torch.Tensor, site: HcSite, config: V41Config) -> HcMix:
+        """``site.mix(streams, config)``."""
+        ...
+
+    def hc_collapse_norm(
+        self, streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``rms_norm(collapse(streams, pre), norm, eps, out_dtype=out_dtype)``."""
+        ...
+
+    def hc_expand(self, streams: torch.Tensor, y: torch.Tensor, mix: HcMix) -> torch.Tensor:
+        """``expand(streams, y, mix)``."""
+        ...
+
+
+class TorchHc:
+    """``HcKernels`` as this module's own arithmetic."""
+
+    def hc_mix(self, streams: torch.Tensor, site: HcSite, config: V41Config) -> HcMix:
+        return site.mix(streams, config)
+
+    def hc_collapse_norm(
+        self, streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        return rms_norm(collapse(streams, pre), norm, eps, out_dtype=out_dtype)
+
+    def hc_expand(self, streams: torch.Tensor, y: torch.Tensor, mix: HcMix) -> torch.Tensor:
+        return expand(streams, y, mix)
+
+
+TORCH_HC = TorchHc()
+
+
 def run_site(
     streams: torch.Tensor,
     pre: torch.Tensor,
@@ -111,32 +152,42 @@ def run_site(
     norm: torch.Tensor,
     sublayer: Callable[[torch.Tensor], torch.Tensor],
     config: V41Config,
+    kernels: HcKernels = TORCH_HC,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One site of a block: mix from the incoming streams, collapse them with the
     previous site's ``pre``, RMSNorm, the sublayer, expand. Returns the new streams
     and this site's pre (what the next site collapses with)."""
-    mix, h = open_site(streams, pre, site, norm, config)
-    return expand(streams, sublayer(h), mix), mix.pre
+    mix, h = open_site(streams, pre, site, norm, config, kernels)
+    return kernels.hc_expand(streams, sublayer(h), mix), mix.pre
 
 
 def open_site(
-    streams: torch.Tensor, pre: torch.Tensor, site: HcSite, norm: torch.Tensor, config: V41Config
+    streams: torch.Tensor,
+    pre: torch.Tensor,
+    site: HcSite,
+    norm: torch.Tensor,
+    config: V41Config,
+    kernels: HcKernels = TORCH_HC,
 ) -> tuple[HcMix, torch.Tensor]:
     """A site up to its sublayer: its mix and the sublayer's input (``run_site`` for a
     sublayer that returns later: a MoE whose collectives are in flight). The site
-    ends with ``expand(streams, y, mix)`` and ``mix.pre``."""
-    return site.mix(streams, config), site_input(streams, pre, norm, config.rms_norm_eps)
+    ends with ``kernels.hc_expand(streams, y, mix)`` and ``mix.pre``."""
+    return kernels.hc_mix(streams, site, config), site_input(streams, pre, norm, config.rms_norm_eps, kernels)
 
 
-def site_input(streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+def site_input(
+    streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float, kernels: HcKernels = TORCH_HC
+) -> torch.Tensor:
     """What a site's sublayer reads: the streams collapsed with the previous site's
     ``pre``, RMS-normed with the site's weight, in the streams' dtype. Row by row, so
     a subset of rows gives those rows' inputs (a bounded replay's KV source compresses
     every row's while its attention reads the tail's)."""
-    return rms_norm(collapse(streams, pre), norm, eps, out_dtype=streams.dtype)
+    return kernels.hc_collapse_norm(streams, pre, norm, eps, streams.dtype)
 
 
-def final_hidden(streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+def final_hidden(
+    streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float, kernels: HcKernels = TORCH_HC
+) -> torch.Tensor:
     """After the last block: collapse with the last FFN-site pre, then the final norm
     (fp32, what the fp32 head reads)."""
-    return rms_norm(collapse(streams, pre), norm, eps, out_dtype=torch.float32)
+    return kernels.hc_collapse_norm(streams, pre, norm, eps, torch.float32)

@@ -44,7 +44,7 @@ from dsv41.model.indexer import EMPTY, SelectionState, index_query
 from dsv41.model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.linalg import batch_invariant, linear
-from dsv41.model.mhc import expand, final_hidden, first_pre, open_site, run_site, site_input
+from dsv41.model.mhc import final_hidden, first_pre, open_site, run_site, site_input
 from dsv41.model.microbatch import EngramRows, EngramSource, MoESteps, StagedEngramRows, Steps, interleave, run_steps
 from dsv41.model.moe import ExpertWeights, Routing, combine_slots, expert_ffn, route
 from dsv41.model.params import LayerParams, ModelParams
@@ -419,7 +419,7 @@ class PagedRuntime:
             if replay_source:
                 # The KV source compresses every row's attention input; from here on
                 # only the decoder rows run.
-                h_all = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps)
+                h_all = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps, self.kernels)
                 self._compress(layer, h_all, plan.compression[layer.topology.ratio], store)
                 streams, pre = streams[decoder.rows], pre[decoder.rows]
                 engram_rows, stage = engram_rows[decoder.rows.cpu()], decoder.plan
@@ -445,11 +445,11 @@ class PagedRuntime:
                     self._compress(layer, h, stage.compression[layer.topology.ratio], store)
                 return self._attention(layer, h, stage, store, state)
 
-            streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg)
-            mix, h = open_site(streams, pre, layer.hc_ffn, layer.ffn_norm, cfg)
+            streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg, self.kernels)
+            mix, h = open_site(streams, pre, layer.hc_ffn, layer.ffn_norm, cfg, self.kernels)
             y = yield from self._moe_steps(layer, h, moe)
-            streams, pre = expand(streams, y, mix), mix.pre
-        h = final_hidden(streams[out_rows], pre[out_rows], self.params.norm, cfg.rms_norm_eps)
+            streams, pre = self.kernels.hc_expand(streams, y, mix), mix.pre
+        h = final_hidden(streams[out_rows], pre[out_rows], self.params.norm, cfg.rms_norm_eps, self.kernels)
         selections = state.selections
         if decoder is not None and queries is not None:
             selections = self._step_selections(selections, rows, decoder.rows, queries)
@@ -470,7 +470,7 @@ class PagedRuntime:
         stage's rows, query, attention and FFN on ``queries`` (rows of the stage).
         Returns the queries' streams and pre."""
         cfg = self.config
-        h_kv = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps)
+        h_kv = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps, self.kernels)
         kv = project_window_kv(h_kv, layer.attn, cfg.rms_norm_eps, layer.rope, plan.positions)
         if queries.numel() == 0:
             # A step whose decoder rows all precede the prompts' last rows: the ring
@@ -484,10 +484,12 @@ class PagedRuntime:
         def attention(h: torch.Tensor) -> torch.Tensor:
             return self._attention(layer, h, query_plan, store, query_state, kv)
 
-        streams, pre = run_site(streams[queries], pre[queries], layer.hc_attn, layer.attn_norm, attention, cfg)
-        mix, h = open_site(streams, pre, layer.hc_ffn, layer.ffn_norm, cfg)
+        streams, pre = run_site(
+            streams[queries], pre[queries], layer.hc_attn, layer.attn_norm, attention, cfg, self.kernels
+        )
+        mix, h = open_site(streams, pre, layer.hc_ffn, layer.ffn_norm, cfg, self.kernels)
         y = yield from self._moe_steps(layer, h, moe)
-        streams, pre = expand(streams, y, mix), mix.pre
+        streams, pre = self.kernels.hc_expand(streams, y, mix), mix.pre
         if layer.layer_id in query_state.selections:
             state.selections[layer.layer_id] = query_state.selections[layer.layer_id]
         return streams, pre

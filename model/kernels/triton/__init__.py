@@ -7,7 +7,8 @@ nothing is left to reuse across the layers of a step), launch grids and the key 
 that fill the GPU, and the logits memory budget that bounds how many query rows one
 scorer launch covers. The routed experts' grouped GEMMs are
 model/kernels/triton/moe.py's (bank, alignment and launches). The compression path's
-launches (pair pooling and tail stores, quantised row stores) are in their own block.
+launches (pair pooling and tail stores, quantised row stores) are in their own block,
+and the mHC site steps are model/kernels/triton/mhc.py's fused launches.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -22,6 +23,7 @@ from typing import Any, Mapping
 import torch
 import triton
 
+from dsv41.model.config import V41Config
 from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
 from dsv41.model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresses, PlaneView, check_row_write
 from dsv41.model.kernels.triton.attention import (
@@ -37,10 +39,12 @@ from dsv41.model.kernels.triton.attention import (
 from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
+from dsv41.model.kernels.triton.mhc import fused_collapse_norm, fused_expand, fused_hc_mix
 from dsv41.model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
 from dsv41.model.kernels.triton.reduce import row_sum
 from dsv41.model.kernels.triton.store import store_rows_kernel
 from dsv41.model.linalg import GpuKernels, batch_invariant_enabled, register_gpu_kernels
+from dsv41.model.mhc import HcMix, HcSite
 from dsv41.model.moe import ExpertWeights, Routing
 
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
@@ -57,7 +61,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 logger = logging.getLogger(__name__)
 register_gpu_kernels(GpuKernels(matmul=fixed_tile_matmul, row_sum=row_sum, decode_fp8=decode_fp8_weight))
 if INTERPRETED:
-    logger.info("triton kernels: interpreter mode, fp32 dot operands, tl.exp in the pair softmax")
+    logger.info("triton kernels: interpreter mode, fp32 dot operands, tl.exp in the pair softmax and the mHC mix")
 
 
 def plane_launch_args(plane: PlaneView) -> tuple[Any, ...]:
@@ -335,6 +339,19 @@ class TritonKernels:
         if not isinstance(bank, TritonExpertBank):
             raise TypeError(f"bank: {type(bank).__name__} (allowed: a TritonExpertBank from TritonKernels.expert_bank)")
         return grouped_expert_slots(x, routing, bank, limit, bf16_dot=x.dtype == torch.bfloat16 and not INTERPRETED)
+
+    # -- the mHC site steps (mhc.py) ----------------------------------------------------
+
+    def hc_mix(self, streams: torch.Tensor, site: HcSite, config: V41Config) -> HcMix:
+        return fused_hc_mix(streams, site, config)
+
+    def hc_collapse_norm(
+        self, streams: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        return fused_collapse_norm(streams, pre, norm, eps, out_dtype)
+
+    def hc_expand(self, streams: torch.Tensor, y: torch.Tensor, mix: HcMix) -> torch.Tensor:
+        return fused_expand(streams, y, mix)
 
     # -- ratio-2 compression and the quantised stores (compress.py, store.py) ----------
 

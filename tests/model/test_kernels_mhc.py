@@ -1,0 +1,253 @@
+"""The fused Triton mHC kernels (model/kernels/triton/mhc.py) compute model/mhc.py's
+site steps: compiled on a GPU when one is present, else under TRITON_INTERPRET=1 on
+the CPU (tests/conftest.py sets it). The torch reference is taken on the CPU in the
+batch-invariant mode (the CPU path's arithmetic).
+
+The kernels round every product, quotient and sum of hc terms where torch's ops do, so
+where no exp and no long reduction is involved they are the torch path bit for bit:
+the expand always; the collapse + RMSNorm and the Sinkhorn on inputs whose exps and
+mean of squares every implementation computes exactly. Elsewhere they differ only
+through exp (numpy's in the interpreter, torch's own on the CPU) and the order of the
+long row reductions, and are held to a few float32 ulps. A row's result does not
+depend on the other rows of the call, nor on how many rows a program takes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv41.cluster.engine import Engine
+from dsv41.cluster.options import RankLayout, engine_options
+from dsv41.cluster.ranks import DPRank, LocalRank
+from dsv41.model.config import V41Config
+from dsv41.model.kernels.torch_backend import TorchKernels
+from dsv41.model.linalg import batch_invariant
+from dsv41.model.mhc import TORCH_HC, HcMix, HcSite
+from dsv41.model.params import load_model_params
+
+pytest.importorskip("triton")
+
+from dsv41.model.kernels.triton import TritonKernels  # noqa: E402  (needs triton)
+from dsv41.model.kernels.triton.mhc import fused_collapse_norm, fused_expand, fused_hc_mix  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROW_COUNTS = (1, 3, 64, 200)
+# Bounds in float32 ulps of the larger magnitude: about twice the worst measured over
+# these tests' inputs, 12 seeds of 200 rows each on TINY and TINY_ALT, fp32 and bf16
+# streams (CPU, interpreter, 2026-12-02): pre 8.1, post 8.0 (an exp's ulps grow with
+# the logit's magnitude), comb 14.9 (carried through 20 Sinkhorn rounds), the collapse
+# + RMSNorm in fp32 3.3 (the mean of squares' order).
+MIX_ULPS = {"pre": 16.0, "post": 16.0, "comb": 30.0}
+NORM_ULPS = 7.0
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny_alt"])
+def config(request: pytest.FixtureRequest) -> V41Config:
+    """TINY (hc 4, hidden 64) and TINY_ALT (hc 3: a padded stream axis, hidden 96)."""
+    return V41Config.from_pretrained(request.getfixturevalue(f"{request.param}_dir"), text_only=True)
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """The largest difference in units of ``dtype``'s epsilon times the larger magnitude."""
+    got, want = got.double().cpu(), want.double()
+    scale = torch.finfo(dtype).eps * torch.maximum(got.abs(), want.abs()).clamp_min(1e-300)
+    return ((got - want).abs() / scale).max().item()
+
+
+def _site(config: V41Config, g: torch.Generator) -> HcSite:
+    hc, width = config.hc_mult, config.hc_mult * config.hidden_size
+    return HcSite(
+        fn=torch.randn((2 + hc) * hc, width, generator=g) / width**0.5,
+        base=torch.randn((2 + hc) * hc, generator=g),
+        scale=torch.rand(3, generator=g) + 0.5,
+    )
+
+
+def _streams(config: V41Config, rows: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Random streams, each row at its own magnitude."""
+    scale = torch.rand(rows, 1, 1, generator=g) * 4 + 0.01
+    return (torch.randn(rows, config.hc_mult, config.hidden_size, generator=g) * scale).to(dtype)
+
+
+def _mix(config: V41Config, rows: int, g: torch.Generator) -> HcMix:
+    hc = config.hc_mult
+    return HcMix(
+        pre=torch.rand(rows, hc, generator=g) + 0.1,
+        post=2 * torch.rand(rows, hc, generator=g),
+        comb=torch.rand(rows, hc, hc, generator=g),
+    )
+
+
+def _on(device: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(device) for t in tensors)
+
+
+def _site_on(site: HcSite, device: str) -> HcSite:
+    return HcSite(*_on(device, site.fn, site.base, site.scale))
+
+
+def _mix_on(mix: HcMix, device: str) -> HcMix:
+    return HcMix(*_on(device, mix.pre, mix.post, mix.comb))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_the_fused_expand_is_the_torch_expand(config: V41Config, rows: int, dtype: torch.dtype) -> None:
+    """post * y + the comb-weighted streams, summed first to last: bit for bit."""
+    g = torch.Generator().manual_seed(rows)
+    streams, mix = _streams(config, rows, dtype, g), _mix(config, rows, g)
+    y = torch.randn(rows, config.hidden_size, generator=g).to(dtype)
+    with batch_invariant(True):
+        want = TORCH_HC.hc_expand(streams, y, mix)
+    got = fused_expand(*_on(DEVICE, streams, y), _mix_on(mix, DEVICE))
+    assert got.dtype == dtype and torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_collapse_norm_is_the_torch_one_where_sums_are_exact(
+    config: V41Config, dtype: torch.dtype, out_dtype: torch.dtype
+) -> None:
+    """Streams and pre on coarse dyadic grids, so the collapse and the mean of squares
+    are exact in any order: then the fused collapse + RMSNorm equals the torch path bit
+    for bit (the rsqrt, the scaling by the norm weight and the rounding to the output
+    dtype are torch's)."""
+    g = torch.Generator().manual_seed(7)
+    rows, hc = 64, config.hc_mult
+    streams = (torch.randint(-8, 9, (rows, hc, config.hidden_size), generator=g) / 4).to(dtype)
+    pre = torch.randint(0, 5, (rows, hc), generator=g) / 4
+    norm = torch.randn(config.hidden_size, generator=g)
+    with batch_invariant(True):
+        want = TORCH_HC.hc_collapse_norm(streams, pre, norm, config.rms_norm_eps, out_dtype)
+    got = fused_collapse_norm(*_on(DEVICE, streams, pre, norm), config.rms_norm_eps, out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_the_fused_collapse_norm_matches_the_torch_one(config: V41Config, rows: int, dtype: torch.dtype) -> None:
+    """Random streams: the sublayer input (streams' dtype) within one bf16 step or
+    NORM_ULPS float32 ulps, the final hidden (fp32) within NORM_ULPS."""
+    g = torch.Generator().manual_seed(rows)
+    streams = _streams(config, rows, dtype, g)
+    pre = torch.rand(rows, config.hc_mult, generator=g) + 0.1
+    norm = torch.randn(config.hidden_size, generator=g)
+    for out_dtype in {dtype, torch.float32}:
+        with batch_invariant(True):
+            want = TORCH_HC.hc_collapse_norm(streams, pre, norm, config.rms_norm_eps, out_dtype)
+        got = fused_collapse_norm(*_on(DEVICE, streams, pre, norm), config.rms_norm_eps, out_dtype)
+        bound = 1.0 if out_dtype == torch.bfloat16 else NORM_ULPS
+        assert got.dtype == out_dtype and _ulps(got, want, out_dtype) <= bound
+
+
+def test_the_fused_sinkhorn_is_the_torch_one_where_exps_are_exact(config: V41Config) -> None:
+    """A zero projection and logits of 0 and -inf only (each comb row keeps at least one
+    0), whose exps every implementation computes exactly: the pre and post sigmoids,
+    the softmax and all 20 Sinkhorn rounds of row and column sums and divisions equal
+    the torch path bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    rows, hc = 64, config.hc_mult
+    streams = _streams(config, rows, torch.float32, g)
+    keep = torch.rand(hc, hc, generator=g) < 0.6
+    keep[torch.arange(hc), torch.randint(0, hc, (hc,), generator=g)] = True
+    comb_base = torch.where(keep, 0.0, float("-inf")).flatten()
+    gate_base = torch.where(torch.rand(2 * hc, generator=g) < 0.5, 0.0, float("-inf"))
+    site = HcSite(
+        fn=torch.zeros((2 + hc) * hc, hc * config.hidden_size),
+        base=torch.cat((gate_base, comb_base)),
+        scale=torch.rand(3, generator=g) + 0.5,
+    )
+    with batch_invariant(True):
+        want = TORCH_HC.hc_mix(streams, site, config)
+        got = fused_hc_mix(streams.to(DEVICE), _site_on(site, DEVICE), config)
+    for name in ("pre", "post", "comb"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_the_fused_mix_matches_the_torch_mix(config: V41Config, rows: int, dtype: torch.dtype) -> None:
+    """Random streams and site weights: pre, post and the doubly stochastic comb within
+    MIX_ULPS of the torch path's."""
+    g = torch.Generator().manual_seed(rows)
+    streams, site = _streams(config, rows, dtype, g), _site(config, g)
+    with batch_invariant(True):
+        want = TORCH_HC.hc_mix(streams, site, config)
+        got = fused_hc_mix(streams.to(DEVICE), _site_on(site, DEVICE), config)
+    for name, bound in MIX_ULPS.items():
+        assert _ulps(getattr(got, name), getattr(want, name)) <= bound, name
+
+
+def test_a_rows_fused_result_does_not_depend_on_the_call(config: V41Config) -> None:
+    """Every fused step gives a row the same bits in a call of 200 rows, of 3 rows and
+    of that row alone, with one row per program and with the default rows per program."""
+    g = torch.Generator().manual_seed(11)
+    rows = 200
+    streams = _streams(config, rows, torch.bfloat16, g).to(DEVICE)
+    site, mix = _site_on(_site(config, g), DEVICE), _mix_on(_mix(config, rows, g), DEVICE)
+    y = torch.randn(rows, config.hidden_size, generator=g).to(torch.bfloat16).to(DEVICE)
+    norm = torch.randn(config.hidden_size, generator=g).to(DEVICE)
+
+    def steps(pick: torch.Tensor, block_t: int | None) -> list[torch.Tensor]:
+        sub = HcMix(mix.pre[pick], mix.post[pick], mix.comb[pick])
+        with batch_invariant(True):
+            mixed = fused_hc_mix(streams[pick], site, config, block_t=block_t)
+        return [
+            mixed.pre,
+            mixed.post,
+            mixed.comb,
+            fused_collapse_norm(streams[pick], sub.pre, norm, config.rms_norm_eps, torch.bfloat16, block_t=block_t),
+            fused_expand(streams[pick], y[pick], sub, block_t=block_t),
+        ]
+
+    everything = steps(torch.arange(rows, device=DEVICE), None)
+    for pick in (torch.tensor([5, 100, 199]), torch.tensor([17])):
+        for block_t in (None, 1):
+            for whole, part in zip(everything, steps(pick.to(DEVICE), block_t)):
+                assert torch.equal(whole[pick.to(DEVICE)], part)
+
+
+class TritonMhc(TorchKernels):
+    """The torch backend with the fused mHC site steps: the whole runtime with only
+    these kernels changed."""
+
+    name = "torch+triton-mhc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.triton = TritonKernels()
+
+    def hc_mix(self, *args: object) -> HcMix:
+        return self.triton.hc_mix(*args)
+
+    def hc_collapse_norm(self, *args: object) -> torch.Tensor:
+        return self.triton.hc_collapse_norm(*args)
+
+    def hc_expand(self, *args: object) -> torch.Tensor:
+        return self.triton.hc_expand(*args)
+
+
+def test_the_runtime_on_the_fused_mhc_gives_the_torch_logits(tiny_dir: Path) -> None:
+    """A prompt fed in chunks of 3, 1, 6, 5, 2 through the paged runtime: with the fused
+    mHC it selects the same entries at every layer and position, and its greedy tokens
+    and logits are the torch backend's (fp32; logits within 1e-5)."""
+    options = engine_options(dict(block_size=32, enable_prefix_caching=False, max_num_seqs=2, num_pages=4,
+                                  device=DEVICE))
+    params, checkpoint = load_model_params(tiny_dir, dtype=options.dtype, text_only=True)
+    params = params.to(DEVICE)
+    layout = RankLayout.build(params.config, options)
+    prompt = torch.randint(3, 500, (17,), generator=torch.Generator().manual_seed(5)).tolist()
+    scores = {}
+    for name, kernels in (("torch", TorchKernels()), ("fused", TritonMhc())):
+        rank = DPRank(
+            params, layout, 0, None, device=DEVICE, kernels=kernels, batch_invariant=bool(options.batch_invariant)
+        )
+        engine = Engine(params.config, checkpoint.tokenizer, options, 1, LocalRank(rank))
+        scores[name] = engine.prompt_logits(prompt, chunk_sizes=(3, 1, 6, 5, 2))
+    for layer, selected in scores["torch"].selections.items():
+        assert torch.equal(scores["fused"].selections[layer], selected), f"layer {layer}"
+    assert torch.equal(scores["fused"].logits.argmax(-1), scores["torch"].logits.argmax(-1))
+    torch.testing.assert_close(scores["fused"].logits, scores["torch"].logits, rtol=1e-5, atol=1e-5)
