@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from dsv41.model.config import ARCHITECTURE, MODEL_TYPE, QuantizationConfig, V41Config
 from dsv41.model.engram import build_compressed_token_map, engram_row_counts
 from dsv41.model.formats import MXFP4_BLOCK
 from dsv41.model.loader import ExpertShard, LoadedCheckpoint, TensorPart, load_generated, tp_split_axis
-from dsv41.model.tiny import PAD_TOKEN, SPECIAL_TOKENS, SYSTEM_TOKEN, init_rule
+from dsv41.model.tiny import SPECIAL_TOKENS, SYSTEM_TOKEN, init_rule
 from dsv41.model.weights import TensorKind, TensorSpec, quantize
 
 EXPERT_FORMATS = ("bf16", "fp4")
@@ -153,13 +153,19 @@ SMALL_SLICE = dataclasses.replace(
 def slice_tokenizer(vocab_size: int) -> Tokenizer:
     """A word-level tokenizer with one word per model token id: PROTOCOL.md's special
     tokens at ids 0, 1, 2, ... (as the tiny model's), then ``w<id>``. Every id decodes
-    to its own text, so every id has its own Engram compressed id."""
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size: {vocab_size} (allowed: more than the {len(SPECIAL_TOKENS)} special tokens)")
+    to its own text, so every id has its own Engram compressed id. Words split at
+    whitespace and around every character but ASCII letters and digits, so a special
+    token's text typed as plain text falls apart into unknown words (the first ordinary
+    id) and never becomes its id: what a server's prompt encoder requires of a
+    tokenizer (deploy/chat_protocol.py PromptEncoder)."""
+    if vocab_size <= len(SPECIAL_TOKENS) + 1:
+        raise ValueError(f"vocab_size: {vocab_size} (allowed: more than the {len(SPECIAL_TOKENS)} special tokens + 1)")
     vocab = {token: token_id for token_id, token in enumerate(SPECIAL_TOKENS)}
     vocab.update({f"w{token_id}": token_id for token_id in range(len(SPECIAL_TOKENS), vocab_size)})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=PAD_TOKEN))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=f"w{len(SPECIAL_TOKENS)}"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex("[^0-9A-Za-z]"), behavior="isolated")]
+    )
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return tokenizer
 

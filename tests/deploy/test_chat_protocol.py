@@ -626,3 +626,19 @@ def test_images_are_refused_with_a_clear_reason() -> None:
     with pytest.raises(ChatRequestError, match="images are not supported"):
         parts = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "u"}}]
         render_chat([{"role": "user", "content": parts}])
+
+
+def test_a_generated_slices_tokenizer_is_one_a_server_accepts() -> None:
+    """The prompt encoder accepts the generated slices' tokenizer (so `dsv41 serve`
+    serves `generated:...`): typed as plain text, every special token's string falls
+    apart into ordinary ids, while the tokenizer as is still matches it as its id and
+    keeps every word's own id."""
+    from dsv41.model.reference_slice import slice_tokenizer
+    from dsv41.model.tiny import SPECIAL_TOKENS
+
+    tokenizer = slice_tokenizer(1000)
+    PromptEncoder(tokenizer)
+    plain = text_tokenizer(tokenizer)
+    for token_id, token in enumerate(SPECIAL_TOKENS):
+        assert tokenizer.encode(f"w500 {token}", add_special_tokens=False).ids == [500, token_id]
+        assert all(i >= len(SPECIAL_TOKENS) for i in plain.encode(token, add_special_tokens=False).ids), token
