@@ -137,7 +137,13 @@ def read_memory(app_name: str, processes: dict[int, tuple[str, float]], *, trim:
     readings = probe_replicas(app_name, trim=trim)
     for pid, (name, _) in processes.items():
         if name.startswith(PROXY_TITLE):
-            readings["ProxyActor"] = read_foreign(pid, trim=trim)
+            try:
+                readings["ProxyActor"] = read_foreign(pid, trim=trim)
+            except subprocess.CalledProcessError as exc:
+                # Where gdb cannot call into the proxy (ptrace refused, or a gdb that will not
+                # call fopen without its debug information), its RSS is all there is to read.
+                unread = exc.stderr.decode(errors="replace").strip().splitlines()[-1:]
+                readings["ProxyActor"] = {"pid": pid, "rss_bytes": rss_bytes(pid), "unread": unread}
     return readings
 
 
@@ -156,6 +162,9 @@ def probe_table(points: list[tuple[str, dict[str, dict]]]) -> list[str]:
     ]
     for point, readings in points:
         for name, r in readings.items():
+            if "malloc" not in r:
+                lines.append(f"| {name} | {point} | {_mib(r['rss_bytes'])} | not read through gdb: {' '.join(r['unread'])} |" + " |" * 6)
+                continue
             pymalloc, malloc = r.get("pymalloc"), r["malloc"]
             pm = "" if pymalloc is None else f"{_mib(pymalloc['arena_bytes'])} ({_mib(pymalloc['allocated_block_bytes'])})"
             trimmed = r.get("trim", {}).get("rss_bytes")

@@ -17,9 +17,10 @@ arena (``madvise``); a replica calls it once it has had no request in flight for
 gives its peak back. (Fewer arenas, ``MALLOC_ARENA_MAX=2``, left the free bytes as
 they were; jemalloc, preloaded, reached the same floor as the trim: BENCHMARKS.md.)
 Before the trim it runs a full garbage collection (``gc.collect()``): reference cycles a
-load left (the ingress's streams leave thousands: bench/soak.py's probe) hold their
-buffers until the collector's next generation-2 pass, which an idle process may not
-reach for long, and what they free after a trim stays resident. What it cannot return
+load left (up to 5,904 unreachable objects in the ingress after a soak round, holding
+about 3 MiB: BENCHMARKS.md, soak) hold their buffers until the collector's next
+generation-2 pass, which an idle process may not reach for long, and what they free
+after a trim stays resident. What it cannot return
 is pymalloc's: Python's small-object arenas go back only when every object in them is
 freed.
 

@@ -10,7 +10,12 @@ Why: the proxy (Ray's ``ProxyActor``, not a dsv41 deployment) carries every stre
 bytes, and after bench/soak.py's 1,000 concurrent streams glibc held 300 MiB of free
 chunks in it, its RSS 125-180 MiB above baseline and still rising round after round
 (BENCHMARKS.md, soak). free() gives back only the top of a heap; the pages freed below
-live chunks come back only through ``malloc_trim``.
+live chunks come back only through ``malloc_trim``. glibc's settings in the proxy's
+environment do not stand in for it: with fixed thresholds and two arenas
+(``GLIBC_TUNABLES=glibc.malloc.trim_threshold=131072:glibc.malloc.mmap_threshold=131072``,
+``MALLOC_ARENA_MAX=2``) the soak's proxy kept 98 MiB after one round and gave it back
+only when the next round's end happened to free the top of its heap, and the streams
+ran slower; trimmed, it is back to 50 MiB above baseline within 10 s of each round.
 
 How, without patching Ray: Serve's proxy (Ray 2.60, ``ray.serve._private.http_util``)
 reads :data:`PROXY_CALLBACK_ENV` at its start and wraps its ASGI app in the Starlette
