@@ -12,9 +12,11 @@ Ray started for the application (gcs_server, raylet, the Serve controller, the H
 proxy, the ingress and LLM server replicas, idle workers; not this client) is read from
 /proc every ``--sample-every`` seconds: at baseline (after a warm-up, idle), during the
 load, and after each round (``--settle`` seconds idle). A leak grows round after round;
-memory an allocator keeps for reuse rises once and stays level. The replicas trim
-their C heap once idle (AppArgs' ``heap_trim_idle_s``, 5 s: deploy/heap.py), well
-within ``--settle``; ``--no-heap-trim`` builds them without it.
+memory an allocator keeps for reuse rises once and stays level. The replicas collect
+their garbage and trim their C heap once idle (AppArgs' ``heap_trim_idle_s``, 5 s:
+deploy/heap.py), well within ``--settle``, and so does Serve's HTTP proxy, started as
+``dsv41 serve`` starts it (deploy/proxy_heap.py); ``--no-heap-trim`` runs all three
+without it, ``--no-proxy-heap-trim`` only the proxy.
 
 What the memory is (``--memory-probe``): the application is built with AppArgs'
 ``memory_probe`` and, at baseline and after each round's idle RSS sample, each of the
@@ -31,7 +33,7 @@ for a moment calling glibc's ``malloc_info`` (and with ``--malloc-trim``
 Prints the latency summary (TTFT and TPOT p50 / p99), the RSS table and the probe's
 table; writes JSON (default bench/results/soak.json).
 Usage: python3 -m bench.soak [--model DIR] [--num-requests 3000] [--rounds 2] [--concurrency 1000]
-       [--no-heap-trim] [--memory-probe [--trace-frames N] [--malloc-trim]]
+       [--no-heap-trim | --no-proxy-heap-trim] [--memory-probe [--trace-frames N] [--malloc-trim]]
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ from dsv41.deploy.app import build_app, run_app
 from dsv41.deploy.bench import HttpTarget, run_http
 from dsv41.deploy.bench_workload import Workload
 from dsv41.deploy.cli import default_model_dir
-from dsv41.deploy.heap import parse_malloc_info
+from dsv41.deploy.heap import DEFAULT_HEAP_TRIM_IDLE_S, parse_malloc_info
+from dsv41.deploy.proxy_heap import controller_options
 from dsv41.deploy.procfs import descendants, process_title, rss_bytes
 
 # The deployments whose replicas read their own memory (--memory-probe).
@@ -134,7 +137,13 @@ def read_memory(app_name: str, processes: dict[int, tuple[str, float]], *, trim:
     readings = probe_replicas(app_name, trim=trim)
     for pid, (name, _) in processes.items():
         if name.startswith(PROXY_TITLE):
-            readings["ProxyActor"] = read_foreign(pid, trim=trim)
+            try:
+                readings["ProxyActor"] = read_foreign(pid, trim=trim)
+            except subprocess.CalledProcessError as exc:
+                # Where gdb cannot call into the proxy (ptrace refused, or a gdb that will not
+                # call fopen without its debug information), its RSS is all there is to read.
+                unread = exc.stderr.decode(errors="replace").strip().splitlines()[-1:]
+                readings["ProxyActor"] = {"pid": pid, "rss_bytes": rss_bytes(pid), "unread": unread}
     return readings
 
 
@@ -153,6 +162,9 @@ def probe_table(points: list[tuple[str, dict[str, dict]]]) -> list[str]:
     ]
     for point, readings in points:
         for name, r in readings.items():
+            if "malloc" not in r:
+                lines.append(f"| {name} | {point} | {_mib(r['rss_bytes'])} | not read through gdb: {' '.join(r['unread'])} |" + " |" * 6)
+                continue
             pymalloc, malloc = r.get("pymalloc"), r["malloc"]
             pm = "" if pymalloc is None else f"{_mib(pymalloc['arena_bytes'])} ({_mib(pymalloc['allocated_block_bytes'])})"
             trimmed = r.get("trim", {}).get("rss_bytes")
@@ -195,6 +207,11 @@ def main() -> None:
         "--no-heap-trim",
         action="store_true",
         help="build the app with heap_trim_idle_s null: the replicas keep their freed C heap (the behaviour before it)",
+    )
+    parser.add_argument(
+        "--no-proxy-heap-trim",
+        action="store_true",
+        help="start Serve without the proxy's idle heap trim (deploy/proxy_heap.py), the replicas' kept",
     )
     parser.add_argument(
         "--memory-probe",
@@ -241,7 +258,8 @@ def main() -> None:
     reports, afters = [], []
     probes: list[tuple[str, dict[str, dict]]] = []
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        proxy_trim_idle_s = None if args.no_heap_trim or args.no_proxy_heap_trim else DEFAULT_HEAP_TRIM_IDLE_S
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port}, controller_options=controller_options(proxy_trim_idle_s))
         run_app(build_app(app_args), name="soak", route_prefix="/", timeout_s=600)
         target = HttpTarget(f"http://127.0.0.1:{args.port}/v1", "tiny")
         warmup = Workload("completions", 64, args.output_len, input_len=args.input_len, vocab_size=512, seed=1, max_concurrency=64)

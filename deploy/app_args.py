@@ -73,9 +73,11 @@ class AppArgs:
     ``RequestLimits`` fields. ``grpc_port``: where the ingress serves
     ``dsv41.GenerateService`` (None: no gRPC), on ``grpc_host`` (loopback by default).
     ``metrics_prefix``, ``ray_metrics``: the metrics' names and Ray export (deploy/ray_metrics.py).
-    ``heap_trim_idle_s``: each ingress and LLM server replica returns its C heap's free
-    pages to the OS (``malloc_trim(0)``) once it has had no request in flight for this
-    many seconds after serving (deploy/heap.py); None: never.
+    ``heap_trim_idle_s``: each ingress and LLM server replica collects its garbage and
+    returns its C heap's free pages to the OS (``gc.collect()``, ``malloc_trim(0)``)
+    once it has had no request in flight for this many seconds after serving
+    (deploy/heap.py); so does Serve's HTTP proxy when ``dsv41 serve`` starts Serve
+    (deploy/proxy_heap.py); None: never.
     ``memory_probe`` (a diagnostic, off by default): ``deploy.memory_probe.ProbeOptions``
     fields; when set (``{}`` for the defaults), each ingress and LLM server replica
     answers ``memory_report`` through its deployment handle (no HTTP route): what its

@@ -467,6 +467,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from dsv41.deploy.app import AppStartFailed, AppStartTimeout, build_app, run_app
     from dsv41.deploy.app_args import AppArgs
+    from dsv41.deploy.proxy_heap import controller_options
 
     host, port, route_prefix, app_args = _serve_settings(args)
     try:
@@ -497,7 +498,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         waiting = f"up to {args.start_timeout:g} s for its replicas to run"
         print(f"starting {parsed.model_name}: {waiting} ...", file=sys.stderr, flush=True)
         try:
-            serve.start(http_options={"host": host, "port": port})
+            # Serve's proxy trims its heap when idle, as the replicas do (deploy/proxy_heap.py).
+            serve.start(http_options={"host": host, "port": port}, controller_options=controller_options(parsed.heap_trim_idle_s))
             handle = run_app(build_app(parsed), name=SERVE_APP_NAME, route_prefix=route_prefix, timeout_s=args.start_timeout)
             grpc_address = handle.grpc_address.remote().result(timeout_s=args.start_timeout)
         except (AppStartTimeout, AppStartFailed) as exc:

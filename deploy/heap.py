@@ -16,8 +16,13 @@ arena (``madvise``); a replica calls it once it has had no request in flight for
 ``idle_s`` seconds after serving, so a busy replica never pays for it and an idle one
 gives its peak back. (Fewer arenas, ``MALLOC_ARENA_MAX=2``, left the free bytes as
 they were; jemalloc, preloaded, reached the same floor as the trim: BENCHMARKS.md.)
-What it cannot return is pymalloc's: Python's small-object arenas go back only when
-every object in them is freed.
+Before the trim it runs a full garbage collection (``gc.collect()``): reference cycles a
+load left (up to 5,904 unreachable objects in the ingress after a soak round, holding
+about 3 MiB: BENCHMARKS.md, soak) hold their buffers until the collector's next
+generation-2 pass, which an idle process may not reach for long, and what they free
+after a trim stays resident. What it cannot return
+is pymalloc's: Python's small-object arenas go back only when every object in them is
+freed.
 
 glibc >= 2.33 only (``mallinfo2``); elsewhere :func:`glibc` raises :class:`NoGlibcHeap`.
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import re
@@ -149,10 +155,12 @@ def trim_heap(libc: ctypes.CDLL) -> bool:
 
 
 class IdleHeapTrim:
-    """Trims this process's heap (:func:`trim_heap`) once it has served something and then
-    had nothing in flight for ``idle_s`` seconds; once per idle spell. The work it
-    waits for is whatever runs inside :meth:`serving` (from any thread). Its own thread
-    trims, so that callers (an event loop) never wait for it."""
+    """Collects this process's garbage cycles and trims its heap (:func:`trim_heap`) once
+    it has served something and then had nothing in flight for ``idle_s`` seconds; once
+    per idle spell. The work it waits for is whatever runs inside :meth:`serving` (from
+    any thread). Its own thread collects and trims, so that callers (an event loop)
+    never wait for it; ``collected`` counts the unreachable objects its collections
+    found, ``released_bytes`` the RSS collection and trim gave back together."""
 
     def __init__(self, idle_s: float, *, name: str = "dsv41-heap-trim") -> None:
         if isinstance(idle_s, bool) or not isinstance(idle_s, (int, float)) or not idle_s > 0:
@@ -165,6 +173,7 @@ class IdleHeapTrim:
         self._idle_since: float | None = None
         self._stopped = False
         self.trims = 0
+        self.collected = 0
         self.released_bytes = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -212,11 +221,18 @@ class IdleHeapTrim:
                     return
                 self._idle_since = None
             before = _own_rss()
+            # First, so that what the cycles held is among the free chunks the trim returns.
+            # Their finalizers run on this thread, as they would on whichever thread's
+            # allocation set off an automatic collection.
+            collected = gc.collect()
             trim_heap(self._libc)
             released = max(0, before - _own_rss())
             self.trims += 1
+            self.collected += collected
             self.released_bytes += released
-            logger.debug("idle for %.1f s: malloc_trim returned %.1f MiB", self.idle_s, released / 2**20)
+            logger.debug(
+                "idle for %.1f s: gc collected %d objects, malloc_trim returned %.1f MiB", self.idle_s, collected, released / 2**20
+            )
 
 
 def _own_rss() -> int:

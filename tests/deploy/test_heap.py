@@ -1,10 +1,11 @@
 """deploy/heap.py on this machine's glibc: its totals read two ways agree, a trim gives
 freed pages back, and IdleHeapTrim trims once per idle spell, never while work is in
-flight."""
+flight, returning what garbage cycles held as well as what was freed."""
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import random
 import threading
@@ -146,6 +147,41 @@ def test_idle_trim_gives_a_freed_peak_back() -> None:
         _free_all(libc, kept)
     finally:
         trimmer.close()
+
+
+class _Cycle:
+    """An object in a reference cycle with itself, holding a malloc'd buffer."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray(CHUNK)
+        self.me = self
+
+
+def test_idle_trim_collects_garbage_cycles_before_trimming() -> None:
+    """Buffers only garbage cycles hold (the collector off, as between its generation-2
+    passes) are resident until the idle spell ends; then the trimmer collects them
+    (counted in ``collected``) and their pages are returned by the same trim, the
+    live buffers among them (pinning the heap) kept."""
+    libc = glibc()
+    enabled = gc.isenabled()
+    gc.disable()
+    trim_heap(libc)
+    trimmer = IdleHeapTrim(IDLE_S)
+    try:
+        with trimmer.serving():
+            cycles = [_Cycle() for _ in range(CHUNKS)]
+            pinned = [bytearray(cycle.buffer) for cycle in cycles[::64]]
+            garbage = (CHUNKS - len(pinned)) * CHUNK
+            del cycles
+            peak = _own_rss()
+        assert _wait_for(lambda: trimmer.trims == 1)
+        assert trimmer.collected >= CHUNKS
+        assert peak - _own_rss() > garbage * 0.6 and trimmer.released_bytes > garbage * 0.6
+        assert all(len(buffer) == CHUNK for buffer in pinned)
+    finally:
+        trimmer.close()
+        if enabled:
+            gc.enable()
 
 
 @pytest.mark.parametrize("idle_s", [0, -1.0, True, "5", None])

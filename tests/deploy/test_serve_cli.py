@@ -29,7 +29,8 @@ from ray import serve
 import dsv41.deploy.app
 from dsv41.deploy.app import AppStartTimeout
 from dsv41.deploy.cli import API_KEY_ENV, DEFAULT_GRPC_PORT, DEFAULT_START_TIMEOUT_S, _serve_settings, build_parser, main
-from dsv41.deploy.procfs import descendants
+from dsv41.deploy.procfs import descendants, process_title
+from dsv41.deploy.proxy_heap import PROXY_CALLBACK_ENV, PROXY_IDLE_ENV, proxy_middlewares
 from dsv41.deploy.proto.generate_pb2 import GenerateRequest
 from dsv41.deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
@@ -50,7 +51,8 @@ def test_serve_cli_serves_the_tiny_yaml_and_ctrl_c_leaves_nothing(
     """The tiny-cpu YAML serves completions over HTTP and the token stream over gRPC
     through `dsv41 serve`, both on 127.0.0.1 only (the banner says so, read back from
     the kernel's sockets, and the machine's other address refuses both ports) and both
-    behind the key of $DSV41_API_KEY; after Ctrl-C pressed twice (SIGINT, SIGINT: the
+    behind the key of $DSV41_API_KEY; Serve's proxy starts with the environment that
+    makes it trim its heap when idle (deploy/proxy_heap.py); after Ctrl-C pressed twice (SIGINT, SIGINT: the
     handler must not deadlock on the second) the command exits 0 and every process it
     started (Ray's included) is gone. SIGTERM takes the same handler."""
     port, grpc_port = free_port(), free_port()
@@ -83,6 +85,11 @@ def test_serve_cli_serves_the_tiny_yaml_and_ctrl_c_leaves_nothing(
         assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finish_reason == "length"
         started = descendants(server.pid)
         assert started, "no Ray process was started"
+        proxies = [pid for pid in started if (process_title(pid) or "").startswith("ray::ProxyActor")]
+        assert len(proxies) == 1, [process_title(pid) for pid in started]
+        proxy_env = set((Path("/proc") / str(proxies[0]) / "environ").read_bytes().split(b"\0"))
+        callback = f"{proxy_middlewares.__module__}.{proxy_middlewares.__name__}"
+        assert {f"{PROXY_CALLBACK_ENV}={callback}".encode(), f"{PROXY_IDLE_ENV}=5.0".encode()} <= proxy_env
         server.send_signal(signal.SIGINT)
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=120) == 0
