@@ -58,7 +58,7 @@ from dsv41.deploy.app import build_app, run_app
 from dsv41.deploy.bench import HttpTarget, run_http
 from dsv41.deploy.bench_workload import Workload
 from dsv41.deploy.cli import default_model_dir
-from dsv41.deploy.heap import DEFAULT_HEAP_TRIM_IDLE_S, parse_malloc_info
+from dsv41.deploy.heap import DEFAULT_HEAP_TRIM_IDLE_S, DEFAULT_PYTHON_ALLOCATOR, PYTHON_ALLOCATORS, parse_malloc_info
 from dsv41.deploy.proxy_heap import controller_options
 from dsv41.deploy.procfs import descendants, process_title, rss_bytes
 
@@ -214,6 +214,12 @@ def main() -> None:
         help="start Serve without the proxy's idle heap trim (deploy/proxy_heap.py), the replicas' kept",
     )
     parser.add_argument(
+        "--python-allocator",
+        default=DEFAULT_PYTHON_ALLOCATOR,
+        choices=PYTHON_ALLOCATORS,
+        help="the Python allocator of the replicas and Serve's proxy (AppArgs' python_allocator; deploy/heap.py)",
+    )
+    parser.add_argument(
         "--memory-probe",
         action="store_true",
         help="build the app with memory_probe; at baseline and after each round read each replica's objects, pymalloc "
@@ -248,6 +254,7 @@ def main() -> None:
     }
     if args.no_heap_trim:
         app_args["heap_trim_idle_s"] = None
+    app_args["python_allocator"] = args.python_allocator
     if args.memory_probe:
         app_args["memory_probe"] = {"trace_frames": args.trace_frames}
     # The workers import dsv41 from where this driver does (a worktree's .roof, say),
@@ -259,7 +266,10 @@ def main() -> None:
     probes: list[tuple[str, dict[str, dict]]] = []
     try:
         proxy_trim_idle_s = None if args.no_heap_trim or args.no_proxy_heap_trim else DEFAULT_HEAP_TRIM_IDLE_S
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port}, controller_options=controller_options(proxy_trim_idle_s))
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": args.port},
+            controller_options=controller_options(proxy_trim_idle_s, args.python_allocator),
+        )
         run_app(build_app(app_args), name="soak", route_prefix="/", timeout_s=600)
         target = HttpTarget(f"http://127.0.0.1:{args.port}/v1", "tiny")
         warmup = Workload("completions", 64, args.output_len, input_len=args.input_len, vocab_size=512, seed=1, max_concurrency=64)

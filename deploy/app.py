@@ -55,7 +55,7 @@ from ray.serve.schema import ApplicationStatus
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from dsv41.deploy.app_args import INGRESS_NUM_CPUS, RETRY_AFTER_S, AppArgs, IngressOptions
+from dsv41.deploy.app_args import RETRY_AFTER_S, AppArgs, IngressOptions
 from dsv41.deploy.grpc_service import STOP_GRACE_S, GenerateServicer, start_generate_server
 from dsv41.deploy.llm_server import LLMServer, llm_server_placement
 from dsv41.deploy.heap import IdleHeapTrim, idle_heap_trim, serving
@@ -320,7 +320,7 @@ def build_app(args: Mapping[str, Any] | AppArgs) -> serve.Application:
     llm = LLMServer.options(
         max_ongoing_requests=parsed.max_ongoing_requests,
         max_queued_requests=parsed.max_queued_requests,
-        ray_actor_options=dict(parsed.ray_actor_options),
+        ray_actor_options=parsed.llm_server_actor_options(),
         health_check_period_s=parsed.health_check_period_s,
         health_check_timeout_s=parsed.health_check_timeout_s,
         **llm_server_placement(parsed),
@@ -330,7 +330,7 @@ def build_app(args: Mapping[str, Any] | AppArgs) -> serve.Application:
         num_replicas=parsed.ingress_num_replicas,
         max_ongoing_requests=parsed.ingress_max_ongoing_requests,
         max_queued_requests=parsed.ingress_max_queued_requests,
-        ray_actor_options={"num_cpus": INGRESS_NUM_CPUS, **parsed.ingress_ray_actor_options},
+        ray_actor_options=parsed.ingress_actor_options(),
     ).bind(llm, parsed.model_name, parsed.ingress_options())
 
 

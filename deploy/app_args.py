@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from dsv41.cluster.options import engine_options
-from dsv41.deploy.heap import DEFAULT_HEAP_TRIM_IDLE_S
+from dsv41.deploy.heap import (
+    DEFAULT_HEAP_TRIM_IDLE_S,
+    DEFAULT_PYTHON_ALLOCATOR,
+    PYTHON_ALLOCATOR_ENV,
+    PYTHON_ALLOCATORS,
+    python_allocator_env,
+)
 from dsv41.deploy.memory_probe import ProbeOptions
 from dsv41.deploy.metrics import DEFAULT_METRICS_PREFIX
 from dsv41.deploy.openai_api import RequestLimits
@@ -78,6 +84,10 @@ class AppArgs:
     once it has had no request in flight for this many seconds after serving
     (deploy/heap.py); so does Serve's HTTP proxy when ``dsv41 serve`` starts Serve
     (deploy/proxy_heap.py); None: never.
+    ``python_allocator``: the Python object allocator the ingress and LLM server
+    replicas and Serve's proxy start with (``PYTHONMALLOC``): "malloc" (the default:
+    small objects in glibc's heap, which the idle trim returns) or "pymalloc"
+    (CPython's arenas, which return only when empty); deploy/heap.py.
     ``memory_probe`` (a diagnostic, off by default): ``deploy.memory_probe.ProbeOptions``
     fields; when set (``{}`` for the defaults), each ingress and LLM server replica
     answers ``memory_report`` through its deployment handle (no HTTP route): what its
@@ -110,6 +120,7 @@ class AppArgs:
     metrics_prefix: str = DEFAULT_METRICS_PREFIX
     ray_metrics: bool = True
     heap_trim_idle_s: float | None = DEFAULT_HEAP_TRIM_IDLE_S
+    python_allocator: str = DEFAULT_PYTHON_ALLOCATOR
     memory_probe: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -153,6 +164,13 @@ class AppArgs:
                 raise ValueError(f"{name}: {getattr(self, name)!r} (allowed: a positive number of seconds)")
         if self.heap_trim_idle_s is not None and not _is_seconds(self.heap_trim_idle_s):
             raise ValueError(f"heap_trim_idle_s: {self.heap_trim_idle_s!r} (allowed: a positive number of seconds, or null for never)")
+        python_allocator_env(self.python_allocator)
+        for name in ("ray_actor_options", "ingress_ray_actor_options"):
+            if PYTHON_ALLOCATOR_ENV in _env_vars(getattr(self, name)):
+                raise ValueError(
+                    f"{name}: sets {PYTHON_ALLOCATOR_ENV} in its runtime_env (allowed: python_allocator, one of "
+                    f"{', '.join(PYTHON_ALLOCATORS)}, which sets it for the replicas and Serve's proxy)"
+                )
         if not isinstance(self.group, Mapping):
             raise ValueError(f"group: {self.group!r} (allowed: a mapping of GroupOptions fields)")
         if self.group and self.backend != "ray":
@@ -212,6 +230,16 @@ class AppArgs:
         from dsv41.actors.group import GroupOptions
 
         return _declared(GroupOptions, self.group, "group")
+
+    def llm_server_actor_options(self) -> dict[str, Any]:
+        """An LLM server replica's Ray actor options: ``ray_actor_options`` with the
+        Python allocator in its runtime environment."""
+        return _with_allocator(self.ray_actor_options, self.python_allocator)
+
+    def ingress_actor_options(self) -> dict[str, Any]:
+        """The ingress replica's: :data:`INGRESS_NUM_CPUS` unless
+        ``ingress_ray_actor_options`` says otherwise, with the Python allocator."""
+        return _with_allocator({"num_cpus": INGRESS_NUM_CPUS, **self.ingress_ray_actor_options}, self.python_allocator)
 
     def model_dir(self) -> Path:
         return Path(self.model) if self.model is not None else embedded_model_dir()
@@ -276,6 +304,19 @@ def _is_count(value: object) -> bool:
 
 def _is_seconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _env_vars(ray_actor_options: Mapping[str, Any]) -> Mapping[str, Any]:
+    runtime_env = ray_actor_options.get("runtime_env") or {}
+    return runtime_env.get("env_vars") or {}
+
+
+def _with_allocator(ray_actor_options: Mapping[str, Any], allocator: str) -> dict[str, Any]:
+    """``ray_actor_options`` whose runtime environment also sets the Python allocator
+    (Ray merges an actor's env_vars with the job's)."""
+    runtime_env = dict(ray_actor_options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**_env_vars(ray_actor_options), **python_allocator_env(allocator)}
+    return {**ray_actor_options, "runtime_env": runtime_env}
 
 
 def _replica_bundle(ray_actor_options: Mapping[str, Any]) -> dict[str, float]:

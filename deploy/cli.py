@@ -499,7 +499,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         print(f"starting {parsed.model_name}: {waiting} ...", file=sys.stderr, flush=True)
         try:
             # Serve's proxy trims its heap when idle, as the replicas do (deploy/proxy_heap.py).
-            serve.start(http_options={"host": host, "port": port}, controller_options=controller_options(parsed.heap_trim_idle_s))
+            serve.start(http_options={"host": host, "port": port}, controller_options=controller_options(parsed.heap_trim_idle_s, parsed.python_allocator))
             handle = run_app(build_app(parsed), name=SERVE_APP_NAME, route_prefix=route_prefix, timeout_s=args.start_timeout)
             grpc_address = handle.grpc_address.remote().result(timeout_s=args.start_timeout)
         except (AppStartTimeout, AppStartFailed) as exc:

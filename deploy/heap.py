@@ -1,7 +1,8 @@
 """This process's C heap (glibc's malloc): what it holds, and giving its free pages back
 to the OS once the process is idle.
 
-Owns :func:`glibc` (the allocator's calls, typed), :class:`MallocStats` (its totals:
+Owns :func:`glibc` (the allocator's calls, typed), the Python allocator a replica
+starts with (:func:`python_allocator_env`), :class:`MallocStats` (its totals:
 ``mallinfo2`` in process, ``malloc_info``'s XML from outside, :func:`parse_malloc_info`),
 :func:`trim_heap` (``malloc_trim(0)``) and :class:`IdleHeapTrim`, the replicas' behaviour
 behind AppArgs' ``heap_trim_idle_s``.
@@ -20,9 +21,12 @@ Before the trim it runs a full garbage collection (``gc.collect()``): reference 
 load left (up to 5,904 unreachable objects in the ingress after a soak round, holding
 about 3 MiB: BENCHMARKS.md, soak) hold their buffers until the collector's next
 generation-2 pass, which an idle process may not reach for long, and what they free
-after a trim stays resident. What it cannot return
-is pymalloc's: Python's small-object arenas go back only when every object in them is
-freed.
+after a trim stays resident. What it cannot return is pymalloc's: Python's
+small-object arenas go back only when every object in them is freed. Hence
+:data:`PYTHON_ALLOCATORS`: a replica started with ``PYTHONMALLOC=malloc`` (AppArgs'
+``python_allocator``, the default) keeps Python's small objects in glibc's heap, where
+the trim reaches them (bench/soak.py, BENCHMARKS.md "soak": the RSS left above
+baseline after the rounds about halved, the streams no slower).
 
 glibc >= 2.33 only (``mallinfo2``); elsewhere :func:`glibc` raises :class:`NoGlibcHeap`.
 
@@ -54,6 +58,19 @@ logger = logging.getLogger(__name__)
 # default): long enough that a replica under steady load never trims, short next to
 # the idle time it gives back.
 DEFAULT_HEAP_TRIM_IDLE_S = 5.0
+# The Python object allocators a replica's process may start with (CPython's
+# PYTHONMALLOC): "malloc", glibc's heap for every object, or "pymalloc", CPython's own
+# arenas for small ones (its default).
+PYTHON_ALLOCATORS = ("malloc", "pymalloc")
+DEFAULT_PYTHON_ALLOCATOR = "malloc"
+PYTHON_ALLOCATOR_ENV = "PYTHONMALLOC"
+
+
+def python_allocator_env(allocator: str) -> dict[str, str]:
+    """The environment variable that starts a Python process with ``allocator``."""
+    if allocator not in PYTHON_ALLOCATORS:
+        raise ValueError(f"python_allocator: {allocator!r} (allowed: {', '.join(PYTHON_ALLOCATORS)})")
+    return {PYTHON_ALLOCATOR_ENV: allocator}
 
 
 class NoGlibcHeap(RuntimeError):

@@ -4,7 +4,7 @@ Owns :class:`HeapTrimMiddleware` (an ASGI middleware: each HTTP or websocket req
 the proxy serves is work for an :class:`~dsv41.deploy.heap.IdleHeapTrim`),
 :func:`proxy_middlewares` (the callback that Serve's proxy calls when it starts) and
 :func:`controller_options` (``serve.start``'s options for the Serve controller that
-name it in the environment its proxies inherit).
+name it, and the Python allocator, in the environment its proxies inherit).
 
 Why: the proxy (Ray's ``ProxyActor``, not a dsv41 deployment) carries every stream's
 bytes, and after bench/soak.py's 1,000 concurrent streams glibc held 300 MiB of free
@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, MutableMapping
 
 from starlette.middleware import Middleware
 
-from dsv41.deploy.heap import IdleHeapTrim, idle_heap_trim
+from dsv41.deploy.heap import IdleHeapTrim, idle_heap_trim, python_allocator_env
 
 # Serve's proxy calls the function this variable names (``module.function``) at its start.
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -69,14 +69,15 @@ class HeapTrimMiddleware:
             await self.app(scope, receive, send)
 
 
-def controller_options(idle_s: float | None) -> dict[str, Any] | None:
+def controller_options(idle_s: float | None, python_allocator: str) -> dict[str, Any]:
     """``serve.start``'s ``controller_options``: environment variables that make each
-    proxy the controller starts trim its heap after ``idle_s`` idle seconds (AppArgs'
-    ``heap_trim_idle_s``, validated there); None (Serve's defaults) when ``idle_s`` is
-    None (never)."""
-    if idle_s is None:
-        return None
-    env = {PROXY_CALLBACK_ENV: f"{__name__}.{proxy_middlewares.__name__}", PROXY_IDLE_ENV: repr(float(idle_s))}
+    proxy the controller starts use ``python_allocator`` for Python's objects (AppArgs'
+    ``python_allocator``: deploy/heap.py) and, unless ``idle_s`` is None (never), trim
+    its heap after ``idle_s`` idle seconds (AppArgs' ``heap_trim_idle_s``, validated
+    there)."""
+    env = python_allocator_env(python_allocator)
+    if idle_s is not None:
+        env |= {PROXY_CALLBACK_ENV: f"{__name__}.{proxy_middlewares.__name__}", PROXY_IDLE_ENV: repr(float(idle_s))}
     return {"runtime_env": {"env_vars": env}}
 
 

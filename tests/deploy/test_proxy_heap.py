@@ -15,6 +15,7 @@ from ray.serve._private.utils import call_function_from_import_path
 from ray.serve.config import ControllerOptions
 
 from dsv41.deploy.heap import IdleHeapTrim
+from dsv41.deploy.heap import PYTHON_ALLOCATOR_ENV
 from dsv41.deploy.proxy_heap import PROXY_CALLBACK_ENV, PROXY_IDLE_ENV, HeapTrimMiddleware, controller_options, proxy_middlewares
 
 # Small, so a test waits for an idle spell in well under a second.
@@ -67,10 +68,10 @@ def test_controller_options_name_the_callback_serve_calls(monkeypatch: pytest.Mo
     """Serve's controller options validator accepts the options; with their environment,
     Serve's own callback loader calls the named function, whose one middleware (valid for
     Serve) trims after the idle seconds the options carry."""
-    options = controller_options(2.5)
-    assert options is not None
+    options = controller_options(2.5, "malloc")
     ControllerOptions.model_validate(options)
     env = options["runtime_env"]["env_vars"]
+    assert env[PYTHON_ALLOCATOR_ENV] == "malloc"
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     middlewares = validate_http_proxy_callback_return(call_function_from_import_path(env[PROXY_CALLBACK_ENV]))
@@ -83,9 +84,9 @@ def test_controller_options_name_the_callback_serve_calls(monkeypatch: pytest.Mo
 
 
 def test_no_idle_time_no_trim(monkeypatch: pytest.MonkeyPatch) -> None:
-    """heap_trim_idle_s null leaves Serve's controller as it is; a proxy without the
-    idle variable adds no middleware."""
-    assert controller_options(None) is None
+    """heap_trim_idle_s null sets only the Python allocator in the controller's
+    environment; a proxy without the idle variable adds no middleware."""
+    assert controller_options(None, "pymalloc") == {"runtime_env": {"env_vars": {PYTHON_ALLOCATOR_ENV: "pymalloc"}}}
     monkeypatch.delenv(PROXY_IDLE_ENV, raising=False)
     assert proxy_middlewares() == []
 
