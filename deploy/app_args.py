@@ -85,9 +85,10 @@ class AppArgs:
     (deploy/heap.py); so does Serve's HTTP proxy when ``dsv41 serve`` starts Serve
     (deploy/proxy_heap.py); None: never.
     ``python_allocator``: the Python object allocator the ingress and LLM server
-    replicas and Serve's proxy start with (``PYTHONMALLOC``): "malloc" (the default:
-    small objects in glibc's heap, which the idle trim returns) or "pymalloc"
-    (CPython's arenas, which return only when empty); deploy/heap.py.
+    replicas and Serve's proxy start with (``PYTHONMALLOC``): "pymalloc" (the default,
+    CPython's arenas, which return to the OS only when empty) or "malloc" (small
+    objects in glibc's heap, which the idle trim returns: about half the RSS left after
+    a load, at some speed); deploy/heap.py.
     ``memory_probe`` (a diagnostic, off by default): ``deploy.memory_probe.ProbeOptions``
     fields; when set (``{}`` for the defaults), each ingress and LLM server replica
     answers ``memory_report`` through its deployment handle (no HTTP route): what its

@@ -24,9 +24,11 @@ generation-2 pass, which an idle process may not reach for long, and what they f
 after a trim stays resident. What it cannot return is pymalloc's: Python's
 small-object arenas go back only when every object in them is freed. Hence
 :data:`PYTHON_ALLOCATORS`: a replica started with ``PYTHONMALLOC=malloc`` (AppArgs'
-``python_allocator``, the default) keeps Python's small objects in glibc's heap, where
-the trim reaches them (bench/soak.py, BENCHMARKS.md "soak": the RSS left above
-baseline after the rounds about halved, the streams no slower).
+``python_allocator``) keeps Python's small objects in glibc's heap, where the trim
+reaches them: bench/soak.py measured the RSS left above baseline after its rounds about
+halved, and 8% fewer output tokens a second (BENCHMARKS.md, "soak"). The default stays
+CPython's own, ``pymalloc``: an engine's host work is Python, and a decode step on a GPU
+waits on it.
 
 glibc >= 2.33 only (``mallinfo2``); elsewhere :func:`glibc` raises :class:`NoGlibcHeap`.
 
@@ -62,7 +64,7 @@ DEFAULT_HEAP_TRIM_IDLE_S = 5.0
 # PYTHONMALLOC): "malloc", glibc's heap for every object, or "pymalloc", CPython's own
 # arenas for small ones (its default).
 PYTHON_ALLOCATORS = ("malloc", "pymalloc")
-DEFAULT_PYTHON_ALLOCATOR = "malloc"
+DEFAULT_PYTHON_ALLOCATOR = "pymalloc"
 PYTHON_ALLOCATOR_ENV = "PYTHONMALLOC"
 
 

@@ -13,23 +13,23 @@ from dsv41.deploy.heap import DEFAULT_PYTHON_ALLOCATOR, PYTHON_ALLOCATOR_ENV
 def test_the_replicas_start_with_the_python_allocator_beside_the_users_environment() -> None:
     args = AppArgs.from_dict(
         {
-            "python_allocator": "pymalloc",
+            "python_allocator": "malloc",
             "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {"A": "1"}, "pip": ["x"]}},
             "ingress_ray_actor_options": {"memory": 2**30},
         }
     )
     assert args.llm_server_actor_options() == {
         "num_cpus": 1,
-        "runtime_env": {"env_vars": {"A": "1", PYTHON_ALLOCATOR_ENV: "pymalloc"}, "pip": ["x"]},
+        "runtime_env": {"env_vars": {"A": "1", PYTHON_ALLOCATOR_ENV: "malloc"}, "pip": ["x"]},
     }
     assert args.ingress_actor_options() == {
         "num_cpus": INGRESS_NUM_CPUS,
         "memory": 2**30,
-        "runtime_env": {"env_vars": {PYTHON_ALLOCATOR_ENV: "pymalloc"}},
+        "runtime_env": {"env_vars": {PYTHON_ALLOCATOR_ENV: "malloc"}},
     }
     default = AppArgs.from_dict({})
-    assert default.python_allocator == DEFAULT_PYTHON_ALLOCATOR == "malloc"
-    assert default.llm_server_actor_options()["runtime_env"]["env_vars"] == {PYTHON_ALLOCATOR_ENV: "malloc"}
+    assert default.python_allocator == DEFAULT_PYTHON_ALLOCATOR == "pymalloc"
+    assert default.llm_server_actor_options()["runtime_env"]["env_vars"] == {PYTHON_ALLOCATOR_ENV: "pymalloc"}
 
 
 @pytest.mark.parametrize(

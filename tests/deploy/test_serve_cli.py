@@ -52,8 +52,8 @@ def test_serve_cli_serves_the_tiny_yaml_and_ctrl_c_leaves_nothing(
     through `dsv41 serve`, both on 127.0.0.1 only (the banner says so, read back from
     the kernel's sockets, and the machine's other address refuses both ports) and both
     behind the key of $DSV41_API_KEY; Serve's proxy starts with the environment that
-    makes it trim its heap when idle (deploy/proxy_heap.py), and it and both replicas keep
-    Python's objects in glibc's heap (python_allocator); after Ctrl-C pressed twice (SIGINT, SIGINT: the
+    makes it trim its heap when idle (deploy/proxy_heap.py), and it and both replicas start
+    with the Python allocator python_allocator names; after Ctrl-C pressed twice (SIGINT, SIGINT: the
     handler must not deadlock on the second) the command exits 0 and every process it
     started (Ray's included) is gone. SIGTERM takes the same handler."""
     port, grpc_port = free_port(), free_port()
@@ -91,11 +91,11 @@ def test_serve_cli_serves_the_tiny_yaml_and_ctrl_c_leaves_nothing(
         proxy_env = set((Path("/proc") / str(proxies[0]) / "environ").read_bytes().split(b"\0"))
         callback = f"{proxy_middlewares.__module__}.{proxy_middlewares.__name__}"
         assert {f"{PROXY_CALLBACK_ENV}={callback}".encode(), f"{PROXY_IDLE_ENV}=5.0".encode()} <= proxy_env
-        # The proxy and both replicas keep Python's objects in glibc's heap (python_allocator).
+        # The proxy and both replicas start with the Python allocator (python_allocator's default).
         replicas = [pid for pid in started if (process_title(pid) or "").startswith("ray::ServeReplica")]
         assert len(replicas) == 2, [process_title(pid) for pid in started]
         for pid in (*proxies, *replicas):
-            assert b"PYTHONMALLOC=malloc" in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"), pid
+            assert b"PYTHONMALLOC=pymalloc" in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"), pid
         server.send_signal(signal.SIGINT)
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=120) == 0
