@@ -15,8 +15,8 @@ replica held in glibc's free chunks after a round, level round after round, with
 live objects back where they were. ``malloc_trim(0)`` returns the free pages of every
 arena (``madvise``); a replica calls it once it has had no request in flight for
 ``idle_s`` seconds after serving, so a busy replica never pays for it and an idle one
-gives its peak back. (Fewer arenas, ``MALLOC_ARENA_MAX=2``, left the free bytes as
-they were; jemalloc, preloaded, reached the same floor as the trim: BENCHMARKS.md.)
+gives its peak back. (Two arenas instead of 16, ``MALLOC_ARENA_MAX=2``, and fixed trim
+and mmap thresholds do not stand in for it: BENCHMARKS.md, soak.)
 Before the trim it runs a full garbage collection (``gc.collect()``): reference cycles a
 load left (up to 5,904 unreachable objects in the ingress after a soak round, holding
 about 3 MiB: BENCHMARKS.md, soak) hold their buffers until the collector's next
