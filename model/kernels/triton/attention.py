@@ -194,6 +194,37 @@ def _window_keys(
 
 
 @triton.jit
+def _key_spans(split, keys_per_split, window, window_splits, topk, SPLIT: tl.constexpr):
+    """(window_lo, window_hi, main_lo, main_hi): the window and main keys a program
+    folds. Split over keys, a program's span is window or main, never both (the first
+    ``window_splits`` splits cut the window, the rest the main entries); unsplit, all."""
+    if SPLIT:
+        window_lo = tl.minimum(split * keys_per_split, window)
+        window_hi = tl.where(split < window_splits, tl.minimum(window_lo + keys_per_split, window), window_lo)
+        main_lo = tl.minimum(tl.maximum(split - window_splits, 0) * keys_per_split, topk)
+        main_hi = tl.where(split >= window_splits, tl.minimum(main_lo + keys_per_split, topk), main_lo)
+    else:
+        window_lo = 0
+        window_hi = window
+        main_lo = 0
+        main_hi = topk
+    return window_lo, window_hi, main_lo, main_hi
+
+
+@triton.jit
+def _sink_start(sink_ptr, heads, head_mask, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr):
+    """The online softmax's start for ``heads``: running max = the sink logit (log2
+    units), running sum = the sink's own weight when the program writes the output, 0
+    when the merge adds it."""
+    running_max = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
+    if SPLIT:
+        running_sum = tl.zeros([BLOCK_H], tl.float32)
+    else:
+        running_sum = tl.full([BLOCK_H], 1.0, tl.float32)
+    return running_max, running_sum
+
+
+@triton.jit
 def sparse_attention_kernel(
     q_ptr,
     sink_ptr,
@@ -256,22 +287,9 @@ def sparse_attention_kernel(
     q = tl.load(
         q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :], mask=head_mask[:, None], other=0.0
     ).to(dot_dtype)
-    running_max = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
-    if SPLIT:
-        running_sum = tl.zeros([BLOCK_H], tl.float32)  # the merge adds the sink's weight
-    else:
-        running_sum = tl.full([BLOCK_H], 1.0, tl.float32)  # the sink's own weight
+    running_max, running_sum = _sink_start(sink_ptr, heads, head_mask, BLOCK_H, SPLIT)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    if SPLIT:
-        window_lo = tl.minimum(split * keys_per_split, window)
-        window_hi = tl.where(split < window_splits, tl.minimum(window_lo + keys_per_split, window), window_lo)
-        main_lo = tl.minimum(tl.maximum(split - window_splits, 0) * keys_per_split, topk)
-        main_hi = tl.where(split >= window_splits, tl.minimum(main_lo + keys_per_split, topk), main_lo)
-    else:
-        window_lo = 0
-        window_hi = window
-        main_lo = 0
-        main_hi = topk
+    window_lo, window_hi, main_lo, main_hi = _key_spans(split, keys_per_split, window, window_splits, topk, SPLIT)
 
     for start in range(window_lo, window_hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
@@ -569,22 +587,9 @@ def mla_attention_kernel(
     q_rows = q_ptr + row * stride_q_row + heads[:, None] * stride_q_head
     if QK_CHUNK == HEAD_DIM:
         q = _q_span(q_rows, 0, HEAD_DIM, head_mask, dot_dtype, False)
-    running_max = tl.load(sink_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
-    if SPLIT:
-        running_sum = tl.zeros([BLOCK_H], tl.float32)  # the merge adds the sink's weight
-    else:
-        running_sum = tl.full([BLOCK_H], 1.0, tl.float32)  # the sink's own weight
+    running_max, running_sum = _sink_start(sink_ptr, heads, head_mask, BLOCK_H, SPLIT)
     acc = tl.zeros([BLOCK_H, VALUE_DIM], tl.float32)
-    if SPLIT:
-        window_lo = tl.minimum(split * keys_per_split, window)
-        window_hi = tl.where(split < window_splits, tl.minimum(window_lo + keys_per_split, window), window_lo)
-        main_lo = tl.minimum(tl.maximum(split - window_splits, 0) * keys_per_split, topk)
-        main_hi = tl.where(split >= window_splits, tl.minimum(main_lo + keys_per_split, topk), main_lo)
-    else:
-        window_lo = 0
-        window_hi = window
-        main_lo = 0
-        main_hi = topk
+    window_lo, window_hi, main_lo, main_hi = _key_spans(split, keys_per_split, window, window_splits, topk, SPLIT)
 
     for start in range(window_lo, window_hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
