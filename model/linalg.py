@@ -64,8 +64,9 @@ ROW_TILE = 16
 KEY_TILE = 32
 # Rows from which a projection through an FP8 weight on a GPU, outside the
 # batch-invariant mode, decodes the weight into a transient bf16 copy and runs cuBLAS
-# (the H200 measurement in BENCHMARKS.md: below, the fixed-tile GEMM over the FP8
-# bytes is as fast or faster; at 4096 rows cuBLAS is 2-4x faster).
+# (the H200 measurement in BENCHMARKS.md: at 128 rows the fixed-tile GEMM over the
+# FP8 bytes is faster on most shapes; from 256 rows the decode and cuBLAS are, about
+# 2x at 4096 rows).
 DECODED_GEMM_ROWS = 256
 
 # Elements per pointwise call: a multiple of every CPU vector loop's step (two 512-bit

@@ -114,7 +114,7 @@ def fixed_tile_matmul_kernel(
         )
         if B_SCALED:
             # Each column's scale for each of the step's TILE-wide K blocks, spread over
-            # the block's columns; an E8M0 byte is a float32 exponent field (0: 2^-127).
+            # the block's columns.
             scale_rows = (cols // TILE).to(tl.int64) * stride_sn
             scale = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for g in tl.static_range(BLOCK_K // TILE):
@@ -122,8 +122,8 @@ def fixed_tile_matmul_kernel(
                     scale_ptr + scale_rows + (k0 // TILE + g) * stride_sk,
                     mask=col_mask & (cols * 0 + k0 + g * TILE < k_end),
                     other=127,
-                ).to(tl.int32)
-                block = tl.where(code == 0, 0x00400000, code << 23).to(tl.float32, bitcast=True)
+                )
+                block = e8m0_to_f32(code)
                 scale = tl.where((tl.arange(0, BLOCK_K) // TILE == g)[None, :], block[:, None], scale)
             b = (b.to(tl.float32) * scale).to(a.dtype)
         if IEEE:
