@@ -1,0 +1,193 @@
+"""Which source line issues each device op of a decode step: the op census.
+
+The profile (bench/profile_step.py) names the kernels a decode step runs, but a
+name like ``vectorized_elementwise_kernel<CUDAFunctor_add>`` does not say which line
+of the model asked for it. This bench runs the real engine path on the reference
+slice (or ``--small`` on a CPU, Triton kernels interpreted there), lets a few decode
+steps warm up, then records every torch op one eager decode step dispatches, except
+views (they launch nothing), each under the innermost frame (``--depth``: frames) of
+this repository's packages that called it (allocations, which launch nothing, are
+left out too), plus every Triton kernel launch under its kernel's name.
+Ops a Triton launch issues inside Triton (the interpreter's copies on a CPU) are not
+counted: on a GPU they do not exist. The table lists the sites by ops per step: what a
+fusion at that site would remove. ``.item()``-style host syncs are ops too (aten
+``_local_scalar_dense``); the census lists them apart.
+
+Prints a table and writes JSON. On a CPU, in a few minutes:
+    TRITON_INTERPRET=1 python3 -m bench.op_census --small --kernel-backend triton --no-batch-invariant
+On the GPU machine, from the repo root:
+    python3 -m bench.op_census [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import functools
+import os
+import sys
+from pathlib import Path
+from types import FrameType
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.decode_step import FULL_WORKLOAD, SMALL_WORKLOAD
+from bench.slice_engine import add_slice_options, build_slice_engine, prepare_device, random_prompts
+from dsv41.cluster.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = tuple(str(REPO / p) + "/" for p in ("model", "cache", "cluster", "actors"))
+HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item"})
+# Ops that only allocate: no kernel runs.
+ALLOCATION_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+def _is_view(func: torch._ops.OpOverload) -> bool:
+    """An op whose every return aliases an input without writing it: it moves no bytes."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+@functools.cache
+def _repo_path(filename: str) -> str:
+    """The file's real path: the package may be imported through a symlinked root."""
+    return os.path.realpath(filename)
+
+
+def _site(frame: FrameType | None, depth: int) -> str | None:
+    """``path:function`` of the ``depth`` innermost frames in this repository's packages
+    (innermost first, joined by " <- "), or None when a Triton frame comes first (the op
+    is the interpreter's, not the model's)."""
+    chain: list[str] = []
+    while frame is not None and len(chain) < depth:
+        name = _repo_path(frame.f_code.co_filename)
+        if name.startswith(PACKAGES):
+            chain.append(f"{Path(name).relative_to(REPO)}:{frame.f_code.co_name}")
+        elif not chain and f"{Path('triton')}/" in name and "site-packages" in name:
+            return None
+        frame = frame.f_back
+    return " <- ".join(chain) or None
+
+
+class OpCensus(TorchDispatchMode):
+    """Counts the ops dispatched while active, by (site, op)."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.depth = depth
+        self.ops: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if not _is_view(func) and func.overloadpacket.__name__ not in ALLOCATION_OPS:
+            site = _site(sys._getframe(1), self.depth)
+            if site is not None:
+                self.ops[(site, func.overloadpacket.__name__)] += 1
+        return out
+
+
+def _count_triton_launches(census: OpCensus) -> list[object]:
+    """Wraps Triton's launch entry points so each launch is counted under its kernel's
+    name; returns what to restore."""
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    restore: list[object] = []
+    for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+        original = cls.run
+
+        def run(self, *args, __original=original, **kwargs):  # type: ignore[no-untyped-def]
+            name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "kernel")
+            census.ops[(f"triton:{name}", "launch")] += 1
+            with torch.utils._python_dispatch._disable_current_modes():
+                return __original(self, *args, **kwargs)
+
+        restore.append((cls, original))
+        cls.run = run
+    return restore
+
+
+def census_step(engine, batch: int, prompt_len: int, warmup: int, depth: int) -> collections.Counter[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=warmup + 4, temperature=0.0, ignore_eos=True)
+    ids = [f"c{batch}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, random_prompts(batch, prompt_len, engine.config.vocab_size, seed=batch)):
+        engine.add_request(rid, prompt, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    census = OpCensus(depth)
+    restore = _count_triton_launches(census)
+    try:
+        with census:
+            outputs = engine.step()
+    finally:
+        for cls, original in restore:  # type: ignore[misc]
+            cls.run = original
+    if len(outputs) != batch:
+        raise RuntimeError(f"batch {batch}: the censused step produced {len(outputs)} tokens (expected {batch})")
+    for rid in ids:
+        engine.abort(rid)
+    return census.ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_slice_options(parser)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 1024 (small: 128)")
+    parser.add_argument("--top", type=int, default=40, help="sites listed")
+    parser.add_argument("--depth", type=int, default=1, help="repository frames that name a site (1: the innermost)")
+    parser.add_argument("--out", default="bench/results/op_census.json")
+    args = parser.parse_args()
+    if args.cudagraph_mode != "none":
+        parser.error("--cudagraph-mode: the census counts an eager step's ops (allowed: none)")
+    prepare_device(args)
+    workload = SMALL_WORKLOAD if args.small else FULL_WORKLOAD
+    prompt_len = args.prompt_len or workload.prompt_len
+    engine = build_slice_engine(
+        args, max_num_seqs=args.batch, max_num_batched_tokens=max(workload.max_num_batched_tokens, args.batch),
+        tokens_per_request=prompt_len + 16,
+    )
+    ops = census_step(engine, args.batch, prompt_len, warmup=2, depth=args.depth)
+    by_site: collections.Counter[str] = collections.Counter()
+    for (site, _op), n in ops.items():
+        by_site[site] += n
+    syncs = {f"{site} {op}": n for (site, op), n in ops.items() if op in HOST_SYNC_OPS}
+    total = sum(by_site.values())
+    rows = [
+        {
+            "site": site,
+            "ops": n,
+            "by_op": dict(collections.Counter({op: c for (s, op), c in ops.items() if s == site}).most_common()),
+        }
+        for site, n in by_site.most_common()
+    ]
+    result = {
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "device": str(engine.params.embed.device),
+        "batch": args.batch,
+        "prompt_len": prompt_len,
+        "ops_per_step": total,
+        "triton_launches_per_step": sum(n for (s, _), n in ops.items() if s.startswith("triton:")),
+        "host_syncs": syncs,
+        "sites": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\n{total} ops in one decode step at batch {args.batch} "
+          f"({result['triton_launches_per_step']} Triton launches); host syncs: {syncs or 'none'}")
+    print("| ops | site | most frequent ops |")
+    print("|---:|---|---|")
+    for row in rows[: args.top]:
+        common = ", ".join(f"{op} {c}" for op, c in list(row["by_op"].items())[:4])
+        print(f"| {row['ops']} | {row['site']} | {common} |")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
