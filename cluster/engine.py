@@ -543,7 +543,10 @@ class Engine(EngineClient):
                     reset=SlotReset(position=0, history_token_ids=()) if first else None,
                     want_prompt_logits=True,
                 )
-                result = runner.execute(ScheduledBatch(step_id=-1, segments=(seg,)))
+                # The first batch also drops what the rank still holds of requests
+                # that finished since the scheduler's last batch (their slots).
+                released = self.scheduler.take_releases() if first else ()
+                result = runner.execute(ScheduledBatch(step_id=-1, segments=(seg,), released_request_ids=released))
                 rows.append(result.row_logits[PARITY_REQUEST_ID])
                 selections.append(result.row_selections[PARITY_REQUEST_ID])
                 start = end

@@ -139,6 +139,12 @@ class Scheduler:
         even one with no rows, tells it to drop them."""
         return bool(self._released)
 
+    def take_releases(self) -> tuple[str, ...]:
+        """The requests that left the rank since its last batch, which the caller's next
+        batch to the rank must release; the scheduler forgets them."""
+        released, self._released = tuple(self._released), []
+        return released
+
     # -- scheduling -------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
@@ -172,8 +178,7 @@ class Scheduler:
                 f"({self.block_manager.stats()}); the engine should have refused it"
             )
         segments = tuple(self._segment(request, count) for request, count in plans)
-        released, self._released = tuple(self._released), []
-        return ScheduledBatch(step_id=self._step_id, segments=segments, released_request_ids=released)
+        return ScheduledBatch(step_id=self._step_id, segments=segments, released_request_ids=self.take_releases())
 
     def _chunk(self, request: Request, budget: int) -> int:
         """The rows of ``request`` this step runs: its next prefill chunk, or its

@@ -80,6 +80,18 @@ def test_paged_logits_and_selections_equal_the_reference_at_every_chunking(tiny_
     _assert_parity(engine, _prompt(engine.config.vocab_size, 120, 7), EVERY_CHUNKING)
 
 
+def test_prompt_logits_after_served_requests_equal_the_reference(tiny_dir: Path) -> None:
+    """Once requests have been served and finished, the rank still holds their slots
+    until a batch releases them: prompt logits taken then release them first and equal
+    the dense forward's bit for bit (the stored-weights parity bench runs them after
+    generating)."""
+    engine = Engine.from_pretrained(tiny_dir, block_size=32, enable_prefix_caching=False, max_num_seqs=2)
+    vocab = engine.config.vocab_size
+    engine.generate([_prompt(vocab, 40, 1), _prompt(vocab, 33, 2)], SamplingParams(max_tokens=3, temperature=0.0))
+    _assert_parity(engine, _prompt(vocab, 50, 3), (None,))
+    _assert_parity(engine, _prompt(vocab, 50, 4), (None,))
+
+
 @pytest.mark.parametrize(("kv_cache_dtype", "index_cache_dtype"), [("fp4", "fp4"), ("fp4", "fp8"), ("bf16", "fp4")])
 def test_parity_holds_in_every_cache_format(tiny_dir: Path, kv_cache_dtype: str, index_cache_dtype: str) -> None:
     """The same bit-exact equality with the fp4 main pool and either index plane."""
