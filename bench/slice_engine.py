@@ -24,7 +24,7 @@ from dsv41.cluster.engine import Engine
 from dsv41.cluster.cuda_graphs import CUDAGRAPH_MODES
 from dsv41.cluster.options import EngineOptions, RankLayout
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
-from dsv41.model.loader import WEIGHT_STORAGE
+from dsv41.model.loader import WEIGHT_STORAGE, LoadedCheckpoint
 from dsv41.model.params import ModelParams
 from dsv41.model.reference_slice import (
     DENSE_FORMATS,
@@ -99,26 +99,16 @@ def prepare_device(args: argparse.Namespace) -> str:
     return device
 
 
-def build_slice_engine(
-    args: argparse.Namespace,
-    *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    tokens_per_request: int,
-    decoder_replay: bool = False,
-    graph_batch_sizes: tuple[int, ...] | None = None,
-) -> Engine:
-    """The slice (bf16 compute) in an in-process engine on ``args.device`` whose pools
-    hold ``max_num_seqs`` requests of ``tokens_per_request`` tokens each (its context
-    limit); prefix caching is off (random prompts share nothing); ``decoder_replay``:
-    the engine's decoder_swa_bounded_replay; under ``--cudagraph-mode full`` the batch
-    buckets captured are ``graph_batch_sizes`` (None: the engine's default)."""
-    device, backend = resolve_device(args)
+def generate_slice(args: argparse.Namespace, weight_storage: str | None = None) -> LoadedCheckpoint:
+    """The slice's weights made on ``args.device`` and post-load processed there, with
+    ``weight_storage`` (default: ``args.weight_storage``)."""
+    device, _ = resolve_device(args)
+    storage = weight_storage or args.weight_storage
     spec = SMALL_SLICE if args.small else REFERENCE_SLICE
     model = SliceModel.build(spec, V41Config.from_pretrained(FLASH, text_only=True), expert_format=args.experts)
     total = len(checkpoint_tensors(model.config))
     print(
-        f"generating {spec.name} ({args.experts} experts, {args.dense} dense weights, {args.weight_storage}, "
+        f"generating {spec.name} ({args.experts} experts, {args.dense} dense weights, {storage}, "
         f"seed {args.seed}) on {device}: {total} tensors",
         flush=True,
     )
@@ -128,11 +118,32 @@ def build_slice_engine(
         seed=args.seed,
         dtype=torch.bfloat16,
         device=device,
-        weight_storage=args.weight_storage,
+        weight_storage=storage,
         dense_format=args.dense,
         progress=_generation_reporter(total),
     )
     print(f"weights generated and post-load processed in {time.monotonic() - began:.1f} s", flush=True)
+    return checkpoint
+
+
+def build_slice_engine(
+    args: argparse.Namespace,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    tokens_per_request: int,
+    decoder_replay: bool = False,
+    graph_batch_sizes: tuple[int, ...] | None = None,
+    checkpoint: LoadedCheckpoint | None = None,
+) -> Engine:
+    """The slice (bf16 compute) in an in-process engine on ``args.device`` whose pools
+    hold ``max_num_seqs`` requests of ``tokens_per_request`` tokens each (its context
+    limit); prefix caching is off (random prompts share nothing); ``decoder_replay``:
+    the engine's decoder_swa_bounded_replay; under ``--cudagraph-mode full`` the batch
+    buckets captured are ``graph_batch_sizes`` (None: the engine's default);
+    ``checkpoint``: these weights (generate_slice's), not newly generated ones."""
+    device, backend = resolve_device(args)
+    checkpoint = checkpoint or generate_slice(args)
     params = ModelParams.from_checkpoint(checkpoint)
     options = EngineOptions(
         dtype=torch.bfloat16,
@@ -143,7 +154,7 @@ def build_slice_engine(
         long_prefill_token_threshold=0,
         block_size=args.block_size,
         enable_prefix_caching=False,
-        weight_storage=args.weight_storage,
+        weight_storage=checkpoint.weight_storage,
         kernel_backend=backend,
         device=device,
         batch_invariant=args.batch_invariant,
@@ -152,7 +163,7 @@ def build_slice_engine(
         cudagraph_mode=args.cudagraph_mode,
         cudagraph_batch_sizes=graph_batch_sizes if args.cudagraph_mode != "none" else None,
     )
-    geometry = RankLayout.build(model.config, options).geometry
+    geometry = RankLayout.build(params.config, options).geometry
     # One page more than the requests need: the sizing must never be what preempts.
     num_pages = max_num_seqs * -(-tokens_per_request // options.block_size) + 1
     budget = PoolSize(num_pages=num_pages, num_slots=max_num_seqs).nbytes(geometry)
