@@ -3,9 +3,10 @@
 Owns ``epilogue_kernel`` and its launch: after a site's GEMM, each row (a [T, H, D]
 projection's every head is a row of its own) is loaded once, RMS-normed, rotated by
 RoPE at its position (forward or inverse), rounded to FP8 E4M3 or MXFP4 in blocks of 32
-channels and stored in the output dtype. Unfused, these chains are some 1,350 of the
-2,551 torch ops of a small decode step (bench/op_census.py): a rounding alone is about
-30 ops, the pow2 scale's bit tricks most of them.
+channels and stored in the output dtype. Unfused, these chains were about 1,500 of the
+2,551 torch ops of a batch-1 decode step of the small slice (bench/op_census.py
+--small; a rounding alone is about 30 ops, the pow2 scale's bit tricks most of them);
+fused they are 39 launches.
 
 A row is held as its even and odd channels, [BLOCK_R, pairs] each, so RoPE's pairs
 (2i, 2i + 1) are the same lanes of the two halves and a block of 32 channels is 16
@@ -21,7 +22,8 @@ only through its mean of squares, a row reduction in the kernel's own order, and
 rounding after a norm can then land one grid step away where a value sits at a
 midpoint. Compiled, cos, sin and rsqrt are libdevice's (the functions torch's CUDA ops
 call); under the interpreter numpy's cos and sin and one over the correctly rounded
-square root (torch's CPU rsqrt).
+square root (torch's CPU rsqrt). Equality with the torch path on a GPU is not
+measured.
 A program reads and writes its own rows only, in an order fixed by the row width: a
 row's result does not depend on how many rows share the launch (the batch-invariant
 mode's requirement).
@@ -36,13 +38,13 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv41.model.epilogue import Epilogue, check_epilogue
-from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR
+from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR
 from dsv41.model.kernels.triton.decode import e2m1_to_f32, e4m3_to_f32
 from dsv41.model.kernels.triton.mhc import _libdevice, _out_rows, _rsqrt, _store_rounded, rows_per_program
 from dsv41.model.kernels.triton.store import f32_to_e2m1, f32_to_e4m3, pow2_exponent, pow2_from_exponent
 
-# Pairs of channels in one scale block of 32.
-BLOCK_PAIRS = 16
+# Pairs of channels in one scale block of 32 channels (FP8's and MXFP4's alike).
+BLOCK_PAIRS = tl.constexpr(FP8_BLOCK // 2)
 
 
 @triton.jit
@@ -123,8 +125,8 @@ def epilogue_kernel(
             tl.where(rotated, even * sin + odd * cos, odd),
         )
     if FP8 or MXFP4:
-        blocks = (BLOCK_R, PAIRS // 16, 16)
-        even3, odd3 = tl.reshape(even, blocks), tl.reshape(odd, blocks)
+        even3 = tl.reshape(even, (BLOCK_R, PAIRS // BLOCK_PAIRS, BLOCK_PAIRS))
+        odd3 = tl.reshape(odd, (BLOCK_R, PAIRS // BLOCK_PAIRS, BLOCK_PAIRS))
         amax = tl.maximum(tl.max(tl.abs(even3), axis=2), tl.max(tl.abs(odd3), axis=2))
         if FP8:
             exponent = pow2_exponent(amax, FP8_MAX, FP8_FLOOR)
@@ -172,7 +174,7 @@ def fused_epilogue(
         stored.stride(0),
         spec.eps,
         WIDTH=width,
-        PAIRS=max(BLOCK_PAIRS, triton.next_power_of_2(width // 2)),
+        PAIRS=max(BLOCK_PAIRS.value, triton.next_power_of_2(width // 2)),
         ROPE_PAIRS=0 if rope is None else rope.rope_dim // 2,
         NORM=spec.norm is not None,
         ROPE=rope is not None,
