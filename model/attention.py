@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv41.model.formats import round_fp8
+from dsv41.model.epilogue import TORCH_EPILOGUE, Epilogue, EpilogueKernels
 from dsv41.model.linalg import batched_matmul, grouped_linear, linear, softmax
-from dsv41.model.norm import rms_norm
 from dsv41.model.rope import Rope
 from dsv41.model.stored_weights import Weight
 
@@ -33,25 +32,38 @@ class AttentionWeights:
     attn_sink: torch.Tensor  # [heads] fp32
 
 
-def query_latent(x: torch.Tensor, w: AttentionWeights, eps: float) -> torch.Tensor:
+def query_latent(
+    x: torch.Tensor, w: AttentionWeights, eps: float, kernels: EpilogueKernels = TORCH_EPILOGUE
+) -> torch.Tensor:
     """q_norm(wq_a(x)) [T, q_lora]: shared by the attention query and the index query."""
-    return rms_norm(linear(x, w.wq_a), w.q_norm, eps)
+    return kernels.epilogue(linear(x, w.wq_a), Epilogue(x.dtype, norm=w.q_norm, eps=eps))
 
 
 def project_query(
-    q_latent: torch.Tensor, w: AttentionWeights, heads: int, rope: Rope, positions: torch.Tensor
+    q_latent: torch.Tensor,
+    w: AttentionWeights,
+    heads: int,
+    rope: Rope,
+    positions: torch.Tensor,
+    kernels: EpilogueKernels = TORCH_EPILOGUE,
 ) -> torch.Tensor:
     """rope(wq_b(q_latent)) as [T, heads, head_dim]; V4.1 has no per-head q norm."""
     q = linear(q_latent, w.wq_b).reshape(q_latent.shape[0], heads, -1)
-    return rope.apply(q, positions)
+    return kernels.epilogue(q, Epilogue(q.dtype, rope=rope), positions)
 
 
 def project_window_kv(
-    x: torch.Tensor, w: AttentionWeights, eps: float, rope: Rope, positions: torch.Tensor
+    x: torch.Tensor,
+    w: AttentionWeights,
+    eps: float,
+    rope: Rope,
+    positions: torch.Tensor,
+    kernels: EpilogueKernels = TORCH_EPILOGUE,
 ) -> torch.Tensor:
-    """FP8(rope(kv_norm(wkv(x)))) [T, head_dim]: one latent is both key and value."""
-    kv = rms_norm(linear(x, w.wkv), w.kv_norm, eps, out_dtype=torch.float32)
-    return round_fp8(rope.apply(kv, positions)).to(x.dtype)
+    """FP8(rope(kv_norm(wkv(x)))) [T, head_dim] (fp32 up to the rounding, then x's
+    dtype): one latent is both key and value."""
+    spec = Epilogue(x.dtype, norm=w.kv_norm, eps=eps, rope=rope, round_to="fp8")
+    return kernels.epilogue(linear(x, w.wkv), spec, positions)
 
 
 def sparse_attention(
@@ -73,9 +85,14 @@ def sparse_attention(
 
 
 def output_projection(
-    o: torch.Tensor, w: AttentionWeights, o_groups: int, rope: Rope, positions: torch.Tensor
+    o: torch.Tensor,
+    w: AttentionWeights,
+    o_groups: int,
+    rope: Rope,
+    positions: torch.Tensor,
+    kernels: EpilogueKernels = TORCH_EPILOGUE,
 ) -> torch.Tensor:
     """Inverse RoPE at the query position, then ``wo_a`` per head group and ``wo_b``."""
     tokens = o.shape[0]
-    o = rope.apply(o, positions, inverse=True).reshape(tokens, o_groups, -1)
+    o = kernels.epilogue(o, Epilogue(o.dtype, rope=rope, inverse=True), positions).reshape(tokens, o_groups, -1)
     return linear(grouped_linear(o, w.wo_a).reshape(tokens, -1), w.wo_b)

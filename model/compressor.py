@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv41.model.formats import round_mxfp4, round_nvfp4
+from dsv41.model.epilogue import TORCH_EPILOGUE, Epilogue, EpilogueKernels
+from dsv41.model.formats import round_nvfp4
 from dsv41.model.linalg import linear, small_sum
-from dsv41.model.norm import rms_norm
 from dsv41.model.rope import Rope
 
 
@@ -69,12 +69,17 @@ def finish_entries(
     rope: Rope,
     entry_positions: torch.Tensor,
     dtype: torch.dtype,
+    kernels: EpilogueKernels = TORCH_EPILOGUE,
 ) -> CompressedEntries:
     """norm -> (NVFP4(rope(latent)) as KV, MXFP4(rope(k_norm(wk(latent)))) as index keys).
 
     ``entry_positions`` are the RoPE positions: a group's first token (2j at ratio 2, j
-    at ratio 1)."""
-    latent = rms_norm(pooled, w.norm, eps, out_dtype=torch.float32)
-    key = rms_norm(linear(latent.to(dtype), w.index_wk), w.index_k_norm, eps, out_dtype=torch.float32)
-    index_keys = round_mxfp4(rope.apply(key, entry_positions)).to(dtype)
-    return CompressedEntries(kv_unrounded=rope.apply(latent, entry_positions), index_keys=index_keys, dtype=dtype)
+    at ratio 1). The fp32 latent is normed twice, into ``dtype`` for the index keys'
+    projection and through the rope into the KV: the same bits both times."""
+    latent = kernels.epilogue(pooled, Epilogue(dtype, norm=w.norm, eps=eps))
+    key_spec = Epilogue(dtype, norm=w.index_k_norm, eps=eps, rope=rope, round_to="mxfp4")
+    index_keys = kernels.epilogue(linear(latent, w.index_wk), key_spec, entry_positions)
+    kv_spec = Epilogue(torch.float32, norm=w.norm, eps=eps, rope=rope)
+    return CompressedEntries(
+        kv_unrounded=kernels.epilogue(pooled, kv_spec, entry_positions), index_keys=index_keys, dtype=dtype
+    )

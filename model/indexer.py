@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.model.config import LayerTopology, V41Config
-from dsv41.model.formats import round_mxfp4
+from dsv41.model.epilogue import TORCH_EPILOGUE, Epilogue, EpilogueKernels
 from dsv41.model.linalg import linear, ordered_sum, tiled_dots
 from dsv41.model.rope import Rope
 from dsv41.model.stored_weights import Weight
@@ -36,10 +36,11 @@ def index_query(
     n_heads: int,
     rope: Rope,
     positions: torch.Tensor,
+    kernels: EpilogueKernels = TORCH_EPILOGUE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(MXFP4(rope(wq_b(q_latent))) [T, Hi, Di] fp32, head weights [T, Hi] fp32)."""
     q = linear(q_latent, w.wq_b).reshape(q_latent.shape[0], n_heads, -1)
-    q = round_mxfp4(rope.apply(q.float(), positions))
+    q = kernels.epilogue(q, Epilogue(torch.float32, rope=rope, round_to="mxfp4"), positions)
     head_dim = q.shape[-1]
     weights = linear(x, w.weights_proj).float() * (head_dim**-0.5 * n_heads**-0.5)
     return q, weights

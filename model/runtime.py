@@ -14,6 +14,9 @@ provides both (the addresses as plain tensors, the storage with its formats), an
 ``cluster/`` joins them. The arithmetic is model/'s own modules, shared with
 model/reference.py. The routed experts run through the kernels backend too: each
 layer's held experts are arranged once into that backend's bank (``ExpertBanks``).
+So do the mHC site steps and each projection's epilogue (model/epilogue.py: the
+RMSNorm, RoPE and rounding after the q, kv, index-query, compressor and before the
+output projections), which the dense reference runs as model/'s torch composition.
 
 Under decoder SWA bounded replay (model/bounded_replay.py) a step also names the rows
 its decoder runs (``DecoderPlan``): every row runs the encoder and the KV source's
@@ -471,7 +474,7 @@ class PagedRuntime:
         Returns the queries' streams and pre."""
         cfg = self.config
         h_kv = site_input(streams, pre, layer.attn_norm, cfg.rms_norm_eps, self.kernels)
-        kv = project_window_kv(h_kv, layer.attn, cfg.rms_norm_eps, layer.rope, plan.positions)
+        kv = project_window_kv(h_kv, layer.attn, cfg.rms_norm_eps, layer.rope, plan.positions, self.kernels)
         if queries.numel() == 0:
             # A step whose decoder rows all precede the prompts' last rows: the ring
             # keeps their KV, and nothing reaches the head.
@@ -531,7 +534,9 @@ class PagedRuntime:
                 store.stage_tails(owner, plan.staged_slots, plan.staged_tail_rows, v[rows], g[rows])
         else:
             pooled = ratio1_latent(h[plan.second_rows], w)
-        entries = finish_entries(pooled, w, cfg.rms_norm_eps, layer.rope, plan.entry_positions, self.dtype)
+        entries = finish_entries(
+            pooled, w, cfg.rms_norm_eps, layer.rope, plan.entry_positions, self.dtype, self.kernels
+        )
         self.kernels.write_rows(store.main_plane(owner), plan.dst, entries.kv_unrounded, round_to="nvfp4")
         self.kernels.write_rows(store.index_plane(owner), plan.dst, entries.index_keys)
 
@@ -552,16 +557,16 @@ class PagedRuntime:
         topo = layer.topology
         positions = plan.positions
         win = plan.window
-        q_lat = query_latent(h, layer.attn, cfg.rms_norm_eps)
-        q = project_query(q_lat, layer.attn, cfg.num_attention_heads, layer.rope, positions)
+        q_lat = query_latent(h, layer.attn, cfg.rms_norm_eps, self.kernels)
+        q = project_query(q_lat, layer.attn, cfg.num_attention_heads, layer.rope, positions, self.kernels)
         if kv is None:
-            kv = project_window_kv(h, layer.attn, cfg.rms_norm_eps, layer.rope, positions)
+            kv = project_window_kv(h, layer.attn, cfg.rms_norm_eps, layer.rope, positions, self.kernels)
         entry_rows = None
         main = None
         if topo.mode is not LayerMode.WINDOW:
             tile = plan.tiles[topo.ratio]
             if layer.indexer is not None:
-                iq, iw = index_query(q_lat, h, layer.indexer, cfg.index_n_heads, layer.rope, positions)
+                iq, iw = index_query(q_lat, h, layer.indexer, cfg.index_n_heads, layer.rope, positions, self.kernels)
                 scores = self.kernels.score(
                     iq, iw, tile.entry_rows, plan.row_segments, store.index_plane(topo.index_owner)
                 )
@@ -584,7 +589,7 @@ class PagedRuntime:
             cfg.head_dim**-0.5,
         )
         self._write_window(layer, plan, kv, store)
-        return output_projection(o, layer.attn, cfg.o_groups, layer.rope, positions)
+        return output_projection(o, layer.attn, cfg.o_groups, layer.rope, positions, self.kernels)
 
     def _write_window(self, layer: LayerParams, plan: StepPlan, kv: torch.Tensor, store: PagedStore) -> None:
         """Stores the plan's ring writes of the layer's window KV (after its attention

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from dsv41.model import attention, compressor, indexer
+from dsv41.model import compressor, epilogue
 from dsv41.model.config import V41Config
 from dsv41.model.dspark import (
     ReferenceDrafter,
@@ -125,7 +125,7 @@ def _straight_through(rounding: Callable[..., torch.Tensor]) -> Callable[..., to
 
 
 # Every fake-quantisation rounding of activations, by the module that applies it.
-_ROUNDINGS = ((attention, "round_fp8"), (compressor, "round_nvfp4"), (compressor, "round_mxfp4"), (indexer, "round_mxfp4"))
+_ROUNDINGS = ((epilogue, "round_fp8"), (epilogue, "round_mxfp4"), (compressor, "round_nvfp4"))
 
 
 @contextmanager

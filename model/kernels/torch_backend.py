@@ -7,7 +7,8 @@ its routed expert slots are model/moe.routed_expert_slots over the params' own e
 (an FP4 checkpoint's experts decoded at load time, whatever the bank's weight format);
 its ratio-2 pooling is model/compressor.pool_pairs and its row stores are
 model/formats.py's quantisers, so they define the bytes every backend stores; its mHC
-site steps are model/mhc.TorchHc's.
+site steps are model/mhc.TorchHc's and its projections' epilogues
+model/epilogue.TorchEpilogue's.
 Runs anywhere. Must not import: cache, cluster, actors, deploy, ray, triton.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from dsv41.model.attention import sparse_attention
 from dsv41.model.compressor import pool_pairs
+from dsv41.model.epilogue import TorchEpilogue
 from dsv41.model.formats import (
     dequantize_fp8,
     dequantize_mxfp4,
@@ -69,7 +71,7 @@ class TorchExpertBank:
         return tuple(sorted(self.experts))
 
 
-class TorchKernels(TorchHc):
+class TorchKernels(TorchHc, TorchEpilogue):
     name = "torch"
 
     def attend(

@@ -8,7 +8,8 @@ that fill the GPU, and the logits memory budget that bounds how many query rows 
 scorer launch covers. The routed experts' grouped GEMMs are
 model/kernels/triton/moe.py's (bank, alignment and launches). The compression path's
 launches (pair pooling and tail stores, quantised row stores) are in their own block,
-and the mHC site steps are model/kernels/triton/mhc.py's fused launches.
+the mHC site steps are model/kernels/triton/mhc.py's fused launches, and a
+projection's epilogue (RMSNorm, RoPE, rounding) is model/kernels/triton/epilogue.py's.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -24,6 +25,7 @@ import torch
 import triton
 
 from dsv41.model.config import V41Config
+from dsv41.model.epilogue import Epilogue
 from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
 from dsv41.model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresses, PlaneView, check_row_write
 from dsv41.model.kernels.triton.attention import (
@@ -37,6 +39,7 @@ from dsv41.model.kernels.triton.attention import (
     sparse_attention_kernel,
 )
 from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
+from dsv41.model.kernels.triton.epilogue import fused_epilogue
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
 from dsv41.model.kernels.triton.mhc import fused_collapse_norm, fused_expand, fused_hc_mix
@@ -352,6 +355,11 @@ class TritonKernels:
 
     def hc_expand(self, streams: torch.Tensor, y: torch.Tensor, mix: HcMix) -> torch.Tensor:
         return fused_expand(streams, y, mix)
+
+    # -- a projection's epilogue (epilogue.py) ------------------------------------------
+
+    def epilogue(self, x: torch.Tensor, spec: Epilogue, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return fused_epilogue(x, spec, positions)
 
     # -- ratio-2 compression and the quantised stores (compress.py, store.py) ----------
 
