@@ -15,7 +15,7 @@ keeping the weights stored costs on top).
 For each of ``--prompts`` random prompts the engine (stored weights, the chosen
 kernels, cudagraph mode and batch-invariance) generates ``--new-tokens`` greedy
 tokens; then over prompt + generated tokens the engine's paged logits of every
-position (Engine.prompt_logits) and model/reference.py's dense forward over the
+position (Engine.prompt_logits, in ``--chunk-size`` chunks) and model/reference.py's dense forward over the
 decoded weights are compared: the largest |difference|, and at every generated
 position whether the engine's token is the reference's argmax and, where not, the
 reference's margin (top-1 minus top-2 logit). A disagreement is a near-tie when that
@@ -60,6 +60,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=None, help="default 512 (small: 64)")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--chunk-size", type=int, default=64,
+        help="prompt logits are prefilled in chunks of this many tokens: under linalg.DECODED_GEMM_ROWS a "
+        "projection reads the stored FP8 bytes itself (at or above it, it decodes them for cuBLAS)",
+    )
     parser.add_argument("--out", default="bench/results/stored_parity.json")
     args = parser.parse_args()
     if args.dense == "bf16" and args.experts == "bf16":
@@ -88,8 +93,9 @@ def main() -> None:
     rows = []
     for i, (prompt, generated) in enumerate(zip(prompts, outputs)):
         sequence = list(prompt) + generated[:-1]
-        paged = engine.prompt_logits(sequence).logits.float()
-        baseline = engines["decoded"].prompt_logits(sequence).logits.float()
+        chunks = (args.chunk_size,)
+        paged = engine.prompt_logits(sequence, chunk_sizes=chunks).logits.float()
+        baseline = engines["decoded"].prompt_logits(sequence, chunk_sizes=chunks).logits.float()
         want = reference.forward(sequence).logits.float().cpu()
         diff = (paged - want).abs()
         # Row prompt_len - 1 + j predicts generated token j.
@@ -131,6 +137,7 @@ def main() -> None:
         **environment(args, engine, ceilings(device)),
         "prompt_len": prompt_len,
         "new_tokens": args.new_tokens,
+        "chunk_size": args.chunk_size,
         "bound_max_abs_diff": bound,
         "greedy_tokens": total,
         "greedy_tokens_differing": differing,

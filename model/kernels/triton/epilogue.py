@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 from dsv41.model.epilogue import Epilogue, check_epilogue
 from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR
 from dsv41.model.kernels.triton.decode import e2m1_to_f32, e4m3_to_f32
-from dsv41.model.kernels.triton.mhc import _libdevice, _out_rows, _rsqrt, _store_rounded, rows_per_program
+from dsv41.model.kernels.triton.mhc import out_rows, rows_per_program, rsqrt_as_torch, store_rounded, uses_libdevice
 from dsv41.model.kernels.triton.store import f32_to_e2m1, f32_to_e4m3, pow2_exponent, pow2_from_exponent
 
 # Pairs of channels in one scale block of 32 channels (FP8's and MXFP4's alike).
@@ -109,7 +109,7 @@ def epilogue_kernel(
     odd = tl.load(even_at + 1, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         mean = tl.math.div_rn(tl.sum(even * even + odd * odd, axis=1), WIDTH)
-        inv_rms = _rsqrt(mean + eps, LIBDEVICE)[:, None]
+        inv_rms = rsqrt_as_torch(mean + eps, LIBDEVICE)[:, None]
         even = (even * inv_rms) * tl.load(norm_ptr + 2 * p, mask=channel, other=0.0).to(tl.float32)
         odd = (odd * inv_rms) * tl.load(norm_ptr + 2 * p + 1, mask=channel, other=0.0).to(tl.float32)
     if ROPE:
@@ -136,8 +136,8 @@ def epilogue_kernel(
         even = tl.reshape(_round_to_grid(even3, scale, FP8), (BLOCK_R, PAIRS))
         odd = tl.reshape(_round_to_grid(odd3, scale, FP8), (BLOCK_R, PAIRS))
     out_at = out_ptr + r[:, None] * stride_out + 2 * p
-    _store_rounded(out_at, even, mask, OUT_BF16)
-    _store_rounded(out_at + 1, odd, mask, OUT_BF16)
+    store_rounded(out_at, even, mask, OUT_BF16)
+    store_rounded(out_at + 1, odd, mask, OUT_BF16)
 
 
 def fused_epilogue(
@@ -153,7 +153,7 @@ def fused_epilogue(
     rows = flat.shape[0]
     if rows == 0:
         return out
-    stored = _out_rows(out).view(rows, width)
+    stored = out_rows(out).view(rows, width)
     norm = spec.norm.contiguous() if spec.norm is not None else flat
     rope = spec.rope
     if rope is not None:
@@ -183,7 +183,7 @@ def fused_epilogue(
         MXFP4=spec.round_to == "mxfp4",
         OUT_BF16=spec.out_dtype == torch.bfloat16,
         BLOCK_R=block_r,
-        LIBDEVICE=_libdevice(x.device),
+        LIBDEVICE=uses_libdevice(x.device),
         FP8_MAX=FP8_E4M3_MAX,
         FP8_FLOOR=FP8_AMAX_FLOOR,
         GRID_MAX=E2M1_MAX,

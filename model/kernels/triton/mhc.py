@@ -59,7 +59,7 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _rsqrt(x, LIBDEVICE: tl.constexpr):
+def rsqrt_as_torch(x, LIBDEVICE: tl.constexpr):
     if LIBDEVICE:
         # rsqrtf, the function torch's CUDA rsqrt calls.
         return libdevice.rsqrt(x)
@@ -75,7 +75,7 @@ def _sigmoid(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _store_rounded(ptr, x, mask, OUT_BF16: tl.constexpr):
+def store_rounded(ptr, x, mask, OUT_BF16: tl.constexpr):
     """Stores fp32 ``x``, or its bf16 rounding (nearest even) as int16 bit patterns:
     the interpreter's own fp32 -> bf16 conversion truncates."""
     if OUT_BF16:
@@ -141,7 +141,7 @@ def hc_mix_kernel(
         mask = live[:, None] & (offsets < COLS)[None, :]
         x = tl.load(flat_ptr + t[:, None] * stride_flat + offsets[None, :], mask=mask, other=0.0)
         acc += x * x
-    inv_rms = _rsqrt(tl.math.div_rn(tl.sum(acc, axis=1), COLS) + norm_eps, LIBDEVICE)[:, None]
+    inv_rms = rsqrt_as_torch(tl.math.div_rn(tl.sum(acc, axis=1), COLS) + norm_eps, LIBDEVICE)[:, None]
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
@@ -223,13 +223,13 @@ def collapse_norm_kernel(
         offsets = c0 + tl.arange(0, BLOCK)[None, :]
         x = _collapsed(streams_rows, pre_rows, live, offsets, live[:, None] & (offsets < HIDDEN), stride_stream, HC)
         acc += x * x
-    inv_rms = _rsqrt(tl.math.div_rn(tl.sum(acc, axis=1), HIDDEN) + eps, LIBDEVICE)[:, None]
+    inv_rms = rsqrt_as_torch(tl.math.div_rn(tl.sum(acc, axis=1), HIDDEN) + eps, LIBDEVICE)[:, None]
     for c0 in range(0, HIDDEN, BLOCK):
         offsets = c0 + tl.arange(0, BLOCK)[None, :]
         mask = live[:, None] & (offsets < HIDDEN)
         x = _collapsed(streams_rows, pre_rows, live, offsets, mask, stride_stream, HC)
         y = (x * inv_rms) * tl.load(norm_ptr + offsets, mask=offsets < HIDDEN, other=0.0).to(tl.float32)
-        _store_rounded(out_ptr + t[:, None] * stride_out + offsets, y, mask, OUT_BF16)
+        store_rounded(out_ptr + t[:, None] * stride_out + offsets, y, mask, OUT_BF16)
 
 
 @triton.jit
@@ -270,10 +270,10 @@ def expand_kernel(
         stream = tl.load(streams_rows + i * stride_stream + channels, mask=cmask, other=0.0).to(tl.float32)
         mixed = mixed + tl.load(comb_rows + i * HC + outs, mask=omask, other=0.0) * stream
     out = out + mixed
-    _store_rounded(out_ptr + t3 * stride_row + outs * stride_stream + channels, out, omask & cmask, OUT_BF16)
+    store_rounded(out_ptr + t3 * stride_row + outs * stride_stream + channels, out, omask & cmask, OUT_BF16)
 
 
-def _libdevice(device: torch.device) -> bool:
+def uses_libdevice(device: torch.device) -> bool:
     # libdevice is compiled-only: the interpreter cannot call it.
     return device.type == "cuda"
 
@@ -289,7 +289,7 @@ def rows_per_program(device: torch.device) -> int:
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _out_rows(out: torch.Tensor) -> torch.Tensor:
+def out_rows(out: torch.Tensor) -> torch.Tensor:
     """What a kernel stores into: fp32 rows, or bf16 rows as int16 bit patterns."""
     if out.dtype not in OUT_DTYPES:
         raise ValueError(f"out dtype: {out.dtype} (allowed: {', '.join(map(str, OUT_DTYPES))})")
@@ -328,7 +328,7 @@ def fused_hc_mix(streams: torch.Tensor, site: HcSite, config: V41Config, block_t
             ITERS=config.hc_sinkhorn_iters,
             BLOCK=min(BLOCK, triton.next_power_of_2(hc * hidden)),
             BLOCK_T=block_t,
-            LIBDEVICE=_libdevice(streams.device),
+            LIBDEVICE=uses_libdevice(streams.device),
             enable_fp_fusion=False,
         )
     return HcMix(pre=pre, post=post, comb=comb)
@@ -352,7 +352,7 @@ def fused_collapse_norm(
             streams,
             pre,
             norm,
-            _out_rows(out),
+            out_rows(out),
             tokens,
             streams.stride(0),
             streams.stride(1),
@@ -364,7 +364,7 @@ def fused_collapse_norm(
             BLOCK=min(BLOCK, triton.next_power_of_2(hidden)),
             BLOCK_T=block_t,
             OUT_BF16=out_dtype == torch.bfloat16,
-            LIBDEVICE=_libdevice(streams.device),
+            LIBDEVICE=uses_libdevice(streams.device),
             enable_fp_fusion=False,
         )
     return out
@@ -383,7 +383,7 @@ def fused_expand(streams: torch.Tensor, y: torch.Tensor, mix: HcMix, block_t: in
             y,
             mix.post.contiguous(),
             mix.comb.contiguous(),
-            _out_rows(out),
+            out_rows(out),
             tokens,
             streams.stride(0),
             streams.stride(1),
