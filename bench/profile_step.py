@@ -16,6 +16,7 @@ Prints a table and writes JSON. On the GPU machine, from the repo root:
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import statistics
@@ -57,6 +58,16 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
+def _issuing_op(event: object) -> str:
+    """The innermost aten op above a launch call, or the call's own name."""
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return parent.name
+        parent = parent.cpu_parent
+    return event.name  # type: ignore[attr-defined]
+
+
 def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top_kernels: int) -> dict[str, object]:
     """One batch size: prefill, warm-up, then ``steps`` profiled decode steps; the
     ``top_kernels`` device ops that take the most time."""
@@ -81,7 +92,9 @@ def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top
     for rid in ids:
         engine.abort(rid)
     events = prof.events()
-    launches = sum(1 for e in events if e.device_type == DeviceType.CPU and e.name in LAUNCH_CALLS)
+    launch_events = [e for e in events if e.device_type == DeviceType.CPU and e.name in LAUNCH_CALLS]
+    launches = len(launch_events)
+    launch_ops: collections.Counter[str] = collections.Counter(_issuing_op(e) for e in launch_events)
     graph_launches = sum(1 for e in events if e.device_type == DeviceType.CPU and e.name == "cudaGraphLaunch")
     device_events = [e for e in events if e.device_type == DeviceType.CUDA]
     busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in device_events])
@@ -106,6 +119,9 @@ def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top
             {"name": name[:120], "per_step": len(times) / steps, "ms_per_step": sum(times) / steps / 1e3}
             for name, times in top
         ],
+        # The host launches by the torch op that issued each (the graph's replay alone
+        # is not under one): what is left to move into the graph or fuse.
+        "launches_by_op": {op: n / steps for op, n in launch_ops.most_common()},
         # The device ops launched most often: where fusion removes the most launches.
         "frequent_device_ops": [
             {"name": name[:120], "per_step": len(times) / steps, "ms_per_step": sum(times) / steps / 1e3}
@@ -152,6 +168,9 @@ def main() -> None:
             f"| {r['batch']} | {r['step_ms']:.2f} | {r['launches_per_step']:.0f} | {r['graph_launches_per_step']:.0f} "
             f"| {r['device_ops_per_step']:.0f} | {r['device_busy_ms_per_step']:.2f} | {r['gpu_busy_fraction']:.0%} |"
         )
+    for r in rows:
+        print(f"\nbatch {r['batch']}: host launches per step by the op that issued them")
+        print(", ".join(f"{op} {n:g}" for op, n in r["launches_by_op"].items()))
     for r in rows:
         for key, title in (("top_device_ops", "by time"), ("frequent_device_ops", "by count")):
             print(f"\nbatch {r['batch']}: device ops {title} per step")

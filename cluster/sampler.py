@@ -86,7 +86,9 @@ def gumbel_noise(seeds: torch.Tensor, output_indices: torch.Tensor, vocab_size: 
 class SamplingMetadata:
     """Per-row sampling parameters of one step, as tensors on the logits' device.
 
-    ``temperature`` 0 marks a greedy row; ``top_k`` -1 is off; ``output_indices`` is the
+    ``temperature`` 0 marks a greedy row, and ``random_rows`` [N] int64 lists the
+    others (known on the host, so a step need not ask the device which they are);
+    ``top_k`` -1 is off; ``output_indices`` is the
     index, among the request's generated tokens, of the token each row samples.
     ``num_logprobs`` is the request's ``params.logprobs`` per row. ``min_p_log`` is
     log(min_p) per row (-inf: off). The sparse tensors name (row, token) pairs:
@@ -101,6 +103,7 @@ class SamplingMetadata:
     top_p: torch.Tensor  # [R] float32
     seeds: torch.Tensor  # [R] int64
     output_indices: torch.Tensor  # [R] int64
+    random_rows: torch.Tensor  # [N] int64
     num_logprobs: tuple[int | None, ...]
     min_p_log: torch.Tensor | None = None  # [R] float32
     repetition_penalty: torch.Tensor | None = None  # [R] float32
@@ -136,6 +139,11 @@ class SamplingMetadata:
                     f"{name}: must be a {dtype} tensor of shape ({rows},), "
                     f"got {value.dtype} {tuple(value.shape)}"
                 )
+        if self.random_rows.dtype != torch.int64 or self.random_rows.dim() != 1:
+            raise SamplerError(
+                f"random_rows: must be a one-dimensional int64 tensor, got {self.random_rows.dtype} "
+                f"{tuple(self.random_rows.shape)}"
+            )
         for group, dtypes in (
             ("bias", (torch.int64, torch.int64, torch.float32)),
             ("penalty", (torch.int64, torch.int64, torch.int32)),
@@ -234,6 +242,7 @@ class SamplingMetadata:
             top_p=row_tensor([p.top_p for p in params], torch.float32),
             seeds=row_tensor([_as_int64(s) for s in seeds], torch.int64),
             output_indices=row_tensor(list(output_indices), torch.int64),
+            random_rows=row_tensor([row for row, p in enumerate(params) if p.temperature > 0], torch.int64),
         )
         fields = _moved_rows(fields, device)
         if masked:
@@ -274,7 +283,7 @@ class SamplerOutput:
     """One step's samples: a token id per row and, where the row asked, its logprobs
     (``{token_id: logprob}`` of the chosen token and the top ``num_logprobs``)."""
 
-    token_ids: torch.Tensor  # [R] int64, on the logits' device
+    token_ids: torch.Tensor  # [R] int64, on the host (the step's one copy back)
     logprobs: tuple[dict[int, float] | None, ...]
 
 
@@ -300,15 +309,21 @@ class Sampler:
         self.vocab_size = vocab_size
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        _check_logits(logits, self.vocab_size, metadata.num_rows)
+        _check_logits_shape(logits, self.vocab_size, metadata.num_rows)
+        raw = logits
         if metadata.allowed_rows is not None:
             allowed = unpack_token_mask(metadata.allowed_tokens, self.vocab_size)
             masked = logits.index_select(0, metadata.allowed_rows).masked_fill(~allowed, float("-inf"))
             logits = logits.index_copy(0, metadata.allowed_rows, masked)
         reported = logits
         logits = _apply_penalties(_apply_bias(logits, metadata), metadata)
-        token_ids = logits.argmax(dim=-1)
-        random_rows = torch.nonzero(metadata.temperature > 0).squeeze(1)
+        if logits is raw:
+            # Nothing changed the logits: one reduction gives the greedy tokens and the
+            # maxima the check below reads.
+            raw_max, token_ids = logits.max(dim=-1)
+        else:
+            raw_max, token_ids = raw.amax(dim=-1), logits.argmax(dim=-1)
+        random_rows = metadata.random_rows
         if random_rows.numel() > 0:
             temperature = metadata.temperature.index_select(0, random_rows).unsqueeze(1)
             scaled = logits.index_select(0, random_rows) / temperature
@@ -326,7 +341,12 @@ class Sampler:
             )
             sampled = (filtered.to(torch.float64) + noise).argmax(dim=-1)
             token_ids = token_ids.index_copy(0, random_rows, sampled)
-        return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(reported, token_ids, metadata.num_logprobs))
+        # A row whose max is not finite is marked -1 and refused once the tokens are on
+        # the host: the step's one copy back, with no sync before it.
+        marked = torch.where(torch.isfinite(raw_max), token_ids, -1)
+        host_ids = marked.cpu()
+        _refuse_rows((host_ids < 0).nonzero().squeeze(1).tolist())
+        return SamplerOutput(token_ids=host_ids, logprobs=_row_logprobs(reported, token_ids, metadata.num_logprobs))
 
 
 def _apply_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -372,7 +392,7 @@ def prompt_logprobs(
     token's logprob and the top ``num_logprobs`` of the raw log-softmax."""
     if logits.dim() != 2:
         raise SamplerError(f"logits: must be [L, vocab], got shape {tuple(logits.shape)}")
-    _check_logits(logits, logits.shape[1], logits.shape[0])
+    _refuse_rows(torch.nonzero(~torch.isfinite(logits.amax(dim=-1))).squeeze(1).tolist())
     targets = torch.as_tensor(next_token_ids, dtype=torch.int64, device=logits.device)
     if tuple(targets.shape) != (logits.shape[0],):
         raise SamplerError(
@@ -383,19 +403,19 @@ def prompt_logprobs(
     return _logprob_entries(torch.log_softmax(logits, dim=-1), targets, [num_logprobs] * logits.shape[0])
 
 
-def _check_logits(logits: torch.Tensor, vocab_size: int, num_rows: int) -> None:
+def _check_logits_shape(logits: torch.Tensor, vocab_size: int, num_rows: int) -> None:
     if logits.dtype != torch.float32 or tuple(logits.shape) != (num_rows, vocab_size):
         raise SamplerError(
             f"logits: must be float32 of shape ({num_rows}, {vocab_size}), "
             f"got {logits.dtype} {tuple(logits.shape)}"
         )
-    if num_rows == 0:
-        return
-    # A NaN or +inf anywhere, or a row of -inf, makes the row's max non-finite: such a
-    # row has no distribution to sample, and the model that produced it is broken.
-    bad_rows = torch.nonzero(~torch.isfinite(logits.amax(dim=-1))).squeeze(1)
-    if bad_rows.numel() > 0:
-        raise SamplerError(f"logits: rows {bad_rows.tolist()} hold NaN, +inf or only -inf")
+
+
+def _refuse_rows(bad_rows: list[int]) -> None:
+    """A NaN or +inf anywhere, or a row of -inf, makes the row's max non-finite: such a
+    row has no distribution to sample or score, and the model that produced it is broken."""
+    if bad_rows:
+        raise SamplerError(f"logits: rows {bad_rows} hold NaN, +inf or only -inf")
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
