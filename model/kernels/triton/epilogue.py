@@ -40,7 +40,14 @@ from triton.language.extra import libdevice
 from dsv41.model.epilogue import Epilogue, check_epilogue
 from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR
 from dsv41.model.kernels.triton.decode import e2m1_to_f32, e4m3_to_f32
-from dsv41.model.kernels.triton.mhc import out_rows, rows_per_program, rsqrt_as_torch, store_rounded, uses_libdevice
+from dsv41.model.kernels.triton.mhc import (
+    mean_as_torch,
+    out_rows,
+    rows_per_program,
+    rsqrt_as_torch,
+    store_rounded,
+    uses_libdevice,
+)
 from dsv41.model.kernels.triton.store import f32_to_e2m1, f32_to_e4m3, pow2_exponent, pow2_from_exponent
 
 # Pairs of channels in one scale block of 32 channels (FP8's and MXFP4's alike).
@@ -108,7 +115,7 @@ def epilogue_kernel(
     even = tl.load(even_at, mask=mask, other=0.0).to(tl.float32)
     odd = tl.load(even_at + 1, mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        mean = tl.math.div_rn(tl.sum(even * even + odd * odd, axis=1), WIDTH)
+        mean = mean_as_torch(tl.sum(even * even + odd * odd, axis=1), WIDTH, LIBDEVICE)
         inv_rms = rsqrt_as_torch(mean + eps, LIBDEVICE)[:, None]
         even = (even * inv_rms) * tl.load(norm_ptr + 2 * p, mask=channel, other=0.0).to(tl.float32)
         odd = (odd * inv_rms) * tl.load(norm_ptr + 2 * p + 1, mask=channel, other=0.0).to(tl.float32)

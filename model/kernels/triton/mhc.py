@@ -59,6 +59,17 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def mean_as_torch(total, count: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``total / count`` as torch's mean rounds it: on a GPU the sum times the float32
+    reciprocal of the count (torch's CUDA mean, and its division by a Python number,
+    multiply by 1/count), on the CPU one IEEE division."""
+    if LIBDEVICE:
+        return total * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.full([], count, tl.float32))
+    else:
+        return tl.math.div_rn(total, count)
+
+
+@triton.jit
 def rsqrt_as_torch(x, LIBDEVICE: tl.constexpr):
     if LIBDEVICE:
         # rsqrtf, the function torch's CUDA rsqrt calls.
@@ -141,7 +152,7 @@ def hc_mix_kernel(
         mask = live[:, None] & (offsets < COLS)[None, :]
         x = tl.load(flat_ptr + t[:, None] * stride_flat + offsets[None, :], mask=mask, other=0.0)
         acc += x * x
-    inv_rms = rsqrt_as_torch(tl.math.div_rn(tl.sum(acc, axis=1), COLS) + norm_eps, LIBDEVICE)[:, None]
+    inv_rms = rsqrt_as_torch(mean_as_torch(tl.sum(acc, axis=1), COLS, LIBDEVICE) + norm_eps, LIBDEVICE)[:, None]
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
@@ -223,7 +234,7 @@ def collapse_norm_kernel(
         offsets = c0 + tl.arange(0, BLOCK)[None, :]
         x = _collapsed(streams_rows, pre_rows, live, offsets, live[:, None] & (offsets < HIDDEN), stride_stream, HC)
         acc += x * x
-    inv_rms = rsqrt_as_torch(tl.math.div_rn(tl.sum(acc, axis=1), HIDDEN) + eps, LIBDEVICE)[:, None]
+    inv_rms = rsqrt_as_torch(mean_as_torch(tl.sum(acc, axis=1), HIDDEN, LIBDEVICE) + eps, LIBDEVICE)[:, None]
     for c0 in range(0, HIDDEN, BLOCK):
         offsets = c0 + tl.arange(0, BLOCK)[None, :]
         mask = live[:, None] & (offsets < HIDDEN)
