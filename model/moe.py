@@ -7,13 +7,16 @@ depend on which experts sit in which call or on which rank: ``routed_expert_slot
 gives each (row, slot) the contribution of the experts a rank holds (zero where the
 slot's expert is elsewhere), so expert-parallel ranks can exchange whole slots and
 combine them in the same order as one rank holding every expert.
+The router runs through ``MoeKernels`` in the runtime: a kernels backend may fuse it
+into a launch of its own, computing ``route``; ``TorchMoe`` is ``route`` itself (the
+torch backend's).
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +89,22 @@ def combine_slots(slots: torch.Tensor) -> torch.Tensor:
 def routed_experts(x: torch.Tensor, routing: Routing, experts: Mapping[int, ExpertWeights], limit: float) -> torch.Tensor:
     """The held experts' routed sum [T, hidden] fp32."""
     return combine_slots(routed_expert_slots(x, routing, experts, limit))
+
+
+class MoeKernels(Protocol):
+    """The router as a kernels backend runs it. Computes, for every row alone, the
+    function of this module it names."""
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
+        """``route(x, gate, bias, top_k, scaling)``."""
+        ...
+
+
+class TorchMoe:
+    """``MoeKernels`` as this module's own arithmetic."""
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
+        return route(x, gate, bias, top_k, scaling)
 
 
 def moe_forward(x: torch.Tensor, w: MoEWeights, top_k: int, scaling: float, limit: float) -> torch.Tensor:

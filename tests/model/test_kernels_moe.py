@@ -353,12 +353,16 @@ def test_mxfp4_bank_refuses_weights_off_the_grid() -> None:
 class _OneLaunchAtATime(TritonKernels):
     """Triton's interpreter patches triton.language module-wide while it runs a launch,
     so two threads cannot interpret kernels at once (seen with triton 3.9.0: "Did you
-    forget to add @triton.jit ?"); the ranks' threads take turns at the expert GEMMs.
-    Compiled kernels need no turns; the lock changes nothing else."""
+    forget to add @triton.jit ?"); the ranks' threads take turns at the router and the
+    expert GEMMs. Compiled kernels need no turns; the lock changes nothing else."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lock = threading.Lock()
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
+        with self.lock:
+            return super().route(x, gate, bias, top_k, scaling)
 
     def routed_expert_slots(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
         with self.lock:

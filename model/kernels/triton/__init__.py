@@ -8,7 +8,8 @@ that fill the GPU, and the logits memory budget that bounds how many query rows 
 scorer launch covers. The routed experts' grouped GEMMs are
 model/kernels/triton/moe.py's (bank, alignment and launches). The compression path's
 launches (pair pooling and tail stores, quantised row stores) are in their own block,
-and the mHC site steps are model/kernels/triton/mhc.py's fused launches.
+the mHC site steps are model/kernels/triton/mhc.py's fused launches and the router
+model/kernels/triton/route.py's.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -42,6 +43,7 @@ from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_ke
 from dsv41.model.kernels.triton.mhc import fused_collapse_norm, fused_expand, fused_hc_mix
 from dsv41.model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
 from dsv41.model.kernels.triton.reduce import row_sum
+from dsv41.model.kernels.triton.route import fused_route
 from dsv41.model.kernels.triton.store import store_rows_kernel
 from dsv41.model.linalg import GpuKernels, batch_invariant_enabled, register_gpu_kernels
 from dsv41.model.mhc import HcMix, HcSite
@@ -339,6 +341,9 @@ class TritonKernels:
         if not isinstance(bank, TritonExpertBank):
             raise TypeError(f"bank: {type(bank).__name__} (allowed: a TritonExpertBank from TritonKernels.expert_bank)")
         return grouped_expert_slots(x, routing, bank, limit, bf16_dot=x.dtype == torch.bfloat16 and not INTERPRETED)
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
+        return fused_route(x, gate, bias, top_k, scaling)
 
     # -- the mHC site steps (mhc.py) ----------------------------------------------------
 
