@@ -7,9 +7,10 @@ depend on which experts sit in which call or on which rank: ``routed_expert_slot
 gives each (row, slot) the contribution of the experts a rank holds (zero where the
 slot's expert is elsewhere), so expert-parallel ranks can exchange whole slots and
 combine them in the same order as one rank holding every expert.
-The router runs through ``MoeKernels`` in the runtime: a kernels backend may fuse it
-into a launch of its own, computing ``route``; ``TorchMoe`` is ``route`` itself (the
-torch backend's).
+The runtime runs the router, the shared expert and the layer's output through
+``MoeKernels``: a kernels backend may fuse each step's pointwise work into a launch of
+its own, computing this module's function; ``TorchMoe`` is this module's arithmetic
+itself (the torch backend's).
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -92,11 +93,21 @@ def routed_experts(x: torch.Tensor, routing: Routing, experts: Mapping[int, Expe
 
 
 class MoeKernels(Protocol):
-    """The router as a kernels backend runs it. Computes, for every row alone, the
-    function of this module it names."""
+    """The layer's steps around the routed experts as a kernels backend runs them. Each
+    computes, for every row alone, the function of this module it names."""
 
     def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
         """``route(x, gate, bias, top_k, scaling)``."""
+        ...
+
+    def shared_expert(self, x: torch.Tensor, w: ExpertWeights, limit: float) -> torch.Tensor:
+        """``expert_ffn(x, w, limit)``'s values, in fp32 or in x's dtype (its last
+        projection comes out in x's dtype; expert_ffn widens it exactly)."""
+        ...
+
+    def moe_output(self, slots: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """``(combine_slots(slots) + shared).to(dtype)``: ``shared`` [T, hidden] added as
+        its fp32 values, or nothing where None."""
         ...
 
 
@@ -105,6 +116,15 @@ class TorchMoe:
 
     def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
         return route(x, gate, bias, top_k, scaling)
+
+    def shared_expert(self, x: torch.Tensor, w: ExpertWeights, limit: float) -> torch.Tensor:
+        return expert_ffn(x, w, limit)
+
+    def moe_output(self, slots: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        out = combine_slots(slots)
+        if shared is not None:
+            out = out + shared.float()
+        return out.to(dtype)
 
 
 def moe_forward(x: torch.Tensor, w: MoEWeights, top_k: int, scaling: float, limit: float) -> torch.Tensor:

@@ -10,7 +10,8 @@ ratio-2 entries, which pair starts on a STATE tail) for ``PagedKernels.pool_rati
 and ``PagedKernels.write_rows``, which stores rows into a plane in its format, with
 ``check_row_write``, the one statement of what such a write accepts.
 ``PagedKernels`` is also model/mhc.HcKernels: a site's mHC mix, collapse + RMSNorm
-and expand; and model/moe.MoeKernels: the router.
+and expand; and model/moe.MoeKernels: the router, the shared expert and the MoE
+layer's output.
 Every backend computes the same function; the torch backend is the reference.
 Must not import: cache, cluster, actors, deploy, ray, triton.
 """

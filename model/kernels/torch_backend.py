@@ -7,7 +7,8 @@ its routed expert slots are model/moe.routed_expert_slots over the params' own e
 (an FP4 checkpoint's experts decoded at load time, whatever the bank's weight format);
 its ratio-2 pooling is model/compressor.pool_pairs and its row stores are
 model/formats.py's quantisers, so they define the bytes every backend stores; its mHC
-site steps are model/mhc.TorchHc's and its router model/moe.TorchMoe's.
+site steps are model/mhc.TorchHc's and its MoE steps around the routed experts
+model/moe.TorchMoe's.
 Runs anywhere. Must not import: cache, cluster, actors, deploy, ray, triton.
 """
 

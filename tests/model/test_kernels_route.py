@@ -1,6 +1,11 @@
-"""The fused router (model/kernels/triton/route.py) computes model/moe.route: compiled on
-a GPU when one is present, else under TRITON_INTERPRET=1 on the CPU (tests/conftest.py
-sets it). The torch reference is model/moe.route on the same device.
+"""The fused MoE steps (model/kernels/triton/route.py) compute model/moe.py's route, the
+shared expert (expert_ffn) and the layer's output: compiled on a GPU when one is
+present, else under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it). The
+torch reference is model/moe.py on the same device.
+
+The output (slots added in slot order, plus the shared expert's) is torch's bit for
+bit. The shared expert's SwiGLU differs from torch's only through exp's last bit
+(the SwiGLU within ``SWIGLU_ULPS``), which the rounding to bf16 hides on these tests' inputs.
 
 Its projection is model/linalg.linear, the reference's own call, so the logits are the
 same bits. The kernel picks the same experts in the same slot order (under the
@@ -16,14 +21,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dsv41.model.linalg import batch_invariant
-from dsv41.model.moe import Routing, route
+from dsv41.model.moe import ExpertWeights, Routing, TorchMoe, expert_ffn, route
 
 pytest.importorskip("triton")
 
 from dsv41.model.kernels.triton import TritonKernels  # noqa: E402  (needs triton)
-from dsv41.model.kernels.triton.route import fused_route  # noqa: E402
+from dsv41.model.kernels.triton.moe import TL_DTYPES  # noqa: E402
+from dsv41.model.kernels.triton.route import fused_moe_output, fused_route, swiglu_kernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The worst weight difference measured (CPU, interpreter, 2026-12-02) over 180,000 rows:
@@ -34,6 +41,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # apart (rows left out of the weights' bound). These tests' inputs have none.
 WEIGHT_ULPS = 6
 SHAPES = ((384, 6), (16, 4), (8, 2), (64, 8))
+# The worst SwiGLU difference measured (CPU, interpreter, 2026-12-02) over 10^6 pairs
+# of normal values (times 1 and 3), limit 1.5: 4 ulps (96.4% of values equal), from
+# numpy's float64 exp rounded once against torch's vectorised (Sleef) expf in silu.
+SWIGLU_ULPS = 4
+LIMIT = 1.5  # small enough that both clamps bind on some values
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -100,3 +112,52 @@ def test_a_rows_routing_does_not_depend_on_the_other_rows() -> None:
     assert isinstance(empty, Routing) and empty.weights.shape == empty.expert_ids.shape == (0, 6)
     with pytest.raises(ValueError, match="top_k: 385"):
         fused_route(x, gate, bias, 385, 1.5)
+
+
+def test_the_swiglu_is_torchs_within_the_silu_bound() -> None:
+    """fp32: silu(min(g, limit)) * clamp(u, -limit, limit) within SWIGLU_ULPS of torch's;
+    the clamps are exact."""
+    g = torch.Generator().manual_seed(4)
+    gate, up = (torch.randn(2, 5000, generator=g) * 3).to(DEVICE).unbind(0)
+    h = torch.empty_like(gate)
+    swiglu_kernel[(5,)](gate, up, h, h.numel(), LIMIT, ACT=TL_DTYPES[torch.float32], BLOCK=1024,
+                        LIBDEVICE=h.is_cuda, enable_fp_fusion=False)  # fmt: skip
+    want = F.silu(gate.clamp(max=LIMIT)) * up.clamp(-LIMIT, LIMIT)
+    assert (gate > LIMIT).any() and (up.abs() > LIMIT).any()
+    assert _ulps(h, want) <= SWIGLU_ULPS
+
+
+@pytest.mark.parametrize("batch_invariant_mode", [False, True])
+def test_the_bf16_shared_expert_is_expert_ffn_bit_for_bit(batch_invariant_mode: bool) -> None:
+    """bf16 rows and weights: the three projections are model/linalg.linear's and the
+    SwiGLU rounds to bf16 where expert_ffn does; the values are expert_ffn's."""
+    g = torch.Generator().manual_seed(6)
+    hidden, inter = 64, 96
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * cols**-0.5 * 3).to(torch.bfloat16).to(DEVICE)
+
+    w = ExpertWeights(w1=weight(inter, hidden), w2=weight(hidden, inter), w3=weight(inter, hidden))
+    x = torch.randn(100, hidden, generator=g).to(torch.bfloat16).to(DEVICE)
+    with batch_invariant(batch_invariant_mode):
+        got = TritonKernels().shared_expert(x, w, LIMIT)
+        want = expert_ffn(x, w, LIMIT)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.float(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("top_k", [1, 6])
+def test_the_output_is_the_torch_sum_bit_for_bit(top_k: int, dtype: torch.dtype) -> None:
+    """The slots added first to last, then the shared output (bf16 or fp32, or none),
+    rounded to the activations' dtype: TorchMoe.moe_output's bits, with the default rows
+    per program and with one; no rows, no output."""
+    g = torch.Generator().manual_seed(top_k)
+    slots = torch.randn(37, top_k, 300, generator=g).to(DEVICE)
+    others = (torch.randn(37, 300, generator=g).to(DEVICE), torch.randn(37, 300, generator=g).to(dtype).to(DEVICE))
+    for shared in (None, *others):
+        want = TorchMoe().moe_output(slots, shared, dtype)
+        for block_t in (None, 1):
+            got = fused_moe_output(slots, shared, dtype, block_t=block_t)
+            assert got.dtype == dtype and torch.equal(got, want)
+    assert fused_moe_output(slots[:0], None, dtype).shape == (0, 300)

@@ -416,7 +416,8 @@ def place_pairs_kernel(
     filled = tl.where(owned, filled, 0)
     r = tl.arange(0, BLOCK_M)
     empty = (r[None, :] >= filled[:, None]) & (block < num_blocks)[:, None]
-    tl.store(slot_pair_ptr + block[:, None] * BLOCK_M + r[None, :], tl.full((BLOCKS, BLOCK_M), -1, tl.int32), mask=empty)
+    padding = tl.full((BLOCKS, BLOCK_M), -1, tl.int32)
+    tl.store(slot_pair_ptr + block[:, None] * BLOCK_M + r[None, :], padding, mask=empty)
 
 
 def align_pairs(

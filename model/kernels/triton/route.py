@@ -1,12 +1,21 @@
-"""The MoE router (model/moe.py ``route``) as one Triton launch after its projection.
+"""The MoE layer's pointwise work around its GEMMs, one Triton launch each: the router
+(model/moe.py ``route``) after its projection (``route_kernel``), the shared expert's
+clamped SwiGLU between its projections (``swiglu_kernel``), and the layer's output, the
+routed slots added in slot order plus the shared expert's output, in the activations'
+dtype (``moe_output_kernel``). Unfused they are about nine, seven and eight torch ops a
+layer, each a launch on a GPU.
 
-Owns ``route_kernel`` and its launch: from the router logits (model/linalg.linear of
-the fp32 rows and gate, the torch path's own call, so its bits) to the routing, one
-program per token row (BLOCK_T rows under the interpreter): s = sqrt(softplus(logits)),
-the top-k of s + bias, the chosen s over their sum, times the scaling. Unfused that is
-about nine torch ops a layer (softplus, sqrt, the bias add, topk, gather, sum, the
-epsilon, the division, the scaling), each a launch on a GPU.
+The output is exact: fp32 adds in torch's order, then the rounding to bf16 (nearest
+even). The SwiGLU is exact but for exp: clamps, silu as torch's x / (1 + exp(-x)) with
+IEEE division, the product, the rounding; its exp is libdevice's expf compiled, and
+under the interpreter float64's rounded once (the correctly rounded expf; torch's CPU
+one is Sleef's, whose last bit differs at times: silu within a few ulps, before the
+rounding to bf16).
 
+The router: from the logits (model/linalg.linear of the fp32 rows and gate, the torch
+path's own call, so its bits) to the routing, one program per token row (BLOCK_T rows
+under the interpreter): s = sqrt(softplus(logits)), the top-k of s + bias, the chosen s
+over their sum, times the scaling.
 The arithmetic follows route's order in float32: softplus is x above torch's threshold
 20, else log1p(exp(x)); the square root is IEEE's (``sqrt_rn``); the weights are
 (picked / (sum + 1e-20)) * scaling with IEEE division and no multiply-add fusion.
@@ -29,8 +38,9 @@ Where the two differ from torch:
   random rows chose other experts or another slot order (two values of s + bias within
   an ulp), and the weights of the others differ by up to 6 ulps
   (tests/model/test_kernels_route.py).
-A program reads and writes its own rows only and its shape is fixed by the device: a
-row's routing does not depend on the other rows of the call.
+A program of any of the three reads and writes its own rows (or values) only and its
+shape is fixed by the device: a row's result does not depend on the other rows of the
+call.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -42,13 +52,17 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv41.model.kernels.triton.mhc import rows_per_program
+from dsv41.model.kernels.triton.moe import TL_DTYPES, round_to_activation
 from dsv41.model.linalg import linear
-from dsv41.model.moe import Routing
+from dsv41.model.moe import ExpertWeights, Routing
 
 # torch's softplus threshold (beta 1): above it softplus(x) is x.
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 # The epsilon of route's normalisation.
 WEIGHT_EPS = tl.constexpr(1e-20)
+# Values one SwiGLU program computes; hidden channels one output program adds.
+SWIGLU_BLOCK = 1024
+OUTPUT_BLOCK = 256
 
 
 @triton.jit
@@ -85,7 +99,8 @@ def route_kernel(
     live = t < tokens
     e = tl.arange(0, E_P)
     real = e < experts
-    logits = tl.load(logits_ptr + t[:, None] * stride_logits + e[None, :], mask=live[:, None] & real[None, :], other=0.0)
+    rows = logits_ptr + t[:, None] * stride_logits + e[None, :]
+    logits = tl.load(rows, mask=live[:, None] & real[None, :], other=0.0)
     scores = _sqrt_softplus(logits, LIBDEVICE)
     bias = tl.load(bias_ptr + e, mask=real, other=0.0)
     choice = tl.where(real[None, :], scores + bias[None, :], float("-inf"))
@@ -136,3 +151,116 @@ def fused_route(
             enable_fp_fusion=False,
         )
     return Routing(weights=weights, expert_ids=expert_ids)
+
+
+@triton.jit
+def swiglu_kernel(
+    gate_ptr, up_ptr, out_ptr, count, limit, ACT: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr
+):
+    """out = silu(min(gate, limit)) * clamp(up, -limit, limit) over BLOCK values of the
+    projections (the activations' dtype), in fp32, rounded to that dtype."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < count
+    gate = tl.minimum(tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32), limit)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    if LIBDEVICE:
+        decay = libdevice.exp(-gate)
+    else:
+        # expf correctly rounded (from float64); numpy's float32 exp is not.
+        decay = tl.exp(-gate.to(tl.float64)).to(tl.float32)
+    h = tl.math.div_rn(gate, 1.0 + decay) * up
+    tl.store(out_ptr + offsets, round_to_activation(h, ACT).to(ACT), mask=mask)
+
+
+@triton.jit
+def moe_output_kernel(
+    slots_ptr,
+    shared_ptr,
+    out_ptr,
+    tokens,
+    hidden,
+    stride_row,
+    stride_slot,
+    stride_shared,
+    stride_out,
+    TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """BLOCK_T rows, BLOCK_H channels: the k slots (fp32) added first to last, then the
+    shared output (as fp32), rounded to the activations' dtype."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (t < tokens)[:, None] & (c < hidden)[None, :]
+    rows = slots_ptr + t[:, None] * stride_row + c[None, :]
+    total = tl.load(rows, mask=mask, other=0.0)
+    for slot in tl.static_range(1, TOP_K):
+        total = total + tl.load(rows + slot * stride_slot, mask=mask, other=0.0)
+    if SHARED:
+        total = total + tl.load(shared_ptr + t[:, None] * stride_shared + c[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+    tl.store(out_ptr + t[:, None] * stride_out + c[None, :], round_to_activation(total, ACT).to(ACT), mask=mask)
+
+
+def fused_shared_expert(x: torch.Tensor, w: ExpertWeights, limit: float) -> torch.Tensor:
+    """model/moe.expert_ffn without a routing weight, in x's dtype (expert_ffn's value
+    before its exact widening to fp32): the three projections through
+    model/linalg.linear, the SwiGLU between them one launch."""
+    gate = linear(x, w.w1).contiguous()
+    up = linear(x, w.w3).contiguous()
+    if x.dtype not in TL_DTYPES:
+        raise ValueError(f"x: {x.dtype} (allowed: {', '.join(map(str, TL_DTYPES))})")
+    h = torch.empty_like(gate)
+    if h.numel():
+        swiglu_kernel[(triton.cdiv(h.numel(), SWIGLU_BLOCK),)](
+            gate,
+            up,
+            h,
+            h.numel(),
+            float(limit),
+            ACT=TL_DTYPES[x.dtype],
+            BLOCK=SWIGLU_BLOCK,
+            LIBDEVICE=x.device.type == "cuda",
+            enable_fp_fusion=False,
+        )
+    return linear(h, w.w2)
+
+
+def fused_moe_output(
+    slots: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype, block_t: int | None = None
+) -> torch.Tensor:
+    """(model/moe.combine_slots(slots) + shared).to(dtype) in one launch: ``slots`` [T,
+    k, hidden] fp32, ``shared`` [T, hidden] (any float dtype, added as its fp32 values)
+    or None."""
+    if slots.dtype != torch.float32 or slots.stride(-1) != 1:
+        raise ValueError(f"slots: {slots.dtype}, strides {slots.stride()} (allowed: float32, contiguous channels)")
+    if dtype not in TL_DTYPES:
+        raise ValueError(f"dtype: {dtype} (allowed: {', '.join(map(str, TL_DTYPES))})")
+    tokens, top_k, hidden = slots.shape
+    out = torch.empty(tokens, hidden, dtype=dtype, device=slots.device)
+    if shared is not None:
+        shared = shared.contiguous()
+    block_t = block_t or rows_per_program(slots.device)
+    block_h = min(OUTPUT_BLOCK, triton.next_power_of_2(hidden))
+    if tokens:
+        moe_output_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_h))](
+            slots,
+            shared if shared is not None else out,
+            out,
+            tokens,
+            hidden,
+            slots.stride(0),
+            slots.stride(1),
+            shared.stride(0) if shared is not None else 0,
+            out.stride(0),
+            TOP_K=top_k,
+            SHARED=shared is not None,
+            ACT=TL_DTYPES[dtype],
+            BLOCK_T=block_t,
+            BLOCK_H=block_h,
+        )
+    return out
