@@ -42,7 +42,7 @@ from dsv41.model.kernels.interface import PagedKernels
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.linalg import ordered_sum
 from dsv41.model.microbatch import MoESteps, Steps, run_steps
-from dsv41.model.moe import combine_slots, expert_ffn, route
+from dsv41.model.moe import combine_slots, expert_ffn
 from dsv41.model.params import LayerParams
 from dsv41.model.runtime import ExpertBanks
 
@@ -216,7 +216,9 @@ class DPExpertExchange:
         gather.wait()
         valid = torch.cat([torch.arange(r * pad, r * pad + n, device=h.device) for r, n in enumerate(counts)])
         rows = padded[valid]
-        routing = route(rows, layer.moe.gate, layer.moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        routing = self.experts.kernels.route(
+            rows, layer.moe.gate, layer.moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        )
         slots = self.experts.slots(layer, rows, routing)
         if not self.batch_invariant:
             partial = torch.zeros(self.world * pad, h.shape[1], dtype=torch.float32, device=h.device)

@@ -7,13 +7,17 @@ depend on which experts sit in which call or on which rank: ``routed_expert_slot
 gives each (row, slot) the contribution of the experts a rank holds (zero where the
 slot's expert is elsewhere), so expert-parallel ranks can exchange whole slots and
 combine them in the same order as one rank holding every expert.
+The runtime runs the router, the shared expert and the layer's output through
+``MoeKernels``: a kernels backend may fuse each step's pointwise work into a launch of
+its own, computing this module's function; ``TorchMoe`` is this module's arithmetic
+itself (the torch backend's).
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +90,41 @@ def combine_slots(slots: torch.Tensor) -> torch.Tensor:
 def routed_experts(x: torch.Tensor, routing: Routing, experts: Mapping[int, ExpertWeights], limit: float) -> torch.Tensor:
     """The held experts' routed sum [T, hidden] fp32."""
     return combine_slots(routed_expert_slots(x, routing, experts, limit))
+
+
+class MoeKernels(Protocol):
+    """The layer's steps around the routed experts as a kernels backend runs them. Each
+    computes, for every row alone, the function of this module it names."""
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
+        """``route(x, gate, bias, top_k, scaling)``."""
+        ...
+
+    def shared_expert(self, x: torch.Tensor, w: ExpertWeights, limit: float) -> torch.Tensor:
+        """``expert_ffn(x, w, limit)``'s values, in fp32 or in x's dtype (its last
+        projection comes out in x's dtype; expert_ffn widens it exactly)."""
+        ...
+
+    def moe_output(self, slots: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """``(combine_slots(slots) + shared).to(dtype)``: ``shared`` [T, hidden] added as
+        its fp32 values, or nothing where None."""
+        ...
+
+
+class TorchMoe:
+    """``MoeKernels`` as this module's own arithmetic."""
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
+        return route(x, gate, bias, top_k, scaling)
+
+    def shared_expert(self, x: torch.Tensor, w: ExpertWeights, limit: float) -> torch.Tensor:
+        return expert_ffn(x, w, limit)
+
+    def moe_output(self, slots: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        out = combine_slots(slots)
+        if shared is not None:
+            out = out + shared.float()
+        return out.to(dtype)
 
 
 def moe_forward(x: torch.Tensor, w: MoEWeights, top_k: int, scaling: float, limit: float) -> torch.Tensor:

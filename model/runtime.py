@@ -49,7 +49,7 @@ from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.linalg import batch_invariant, linear
 from dsv41.model.mhc import final_hidden, first_pre, open_site, run_site, site_input
 from dsv41.model.microbatch import EngramRows, EngramSource, MoESteps, StagedEngramRows, Steps, interleave, run_steps
-from dsv41.model.moe import ExpertWeights, Routing, combine_slots, expert_ffn, route
+from dsv41.model.moe import ExpertWeights, Routing
 from dsv41.model.params import LayerParams, ModelParams
 
 
@@ -249,13 +249,16 @@ class PagedRuntime:
         self.experts = ExpertBanks(self.config, self.kernels)
 
     def _local_moe(self, layer: LayerParams, h: torch.Tensor) -> torch.Tensor:
-        """model/moe.moe_forward with the routed experts through the kernels."""
+        """model/moe.moe_forward with its steps through the kernels (router, routed and
+        shared experts, output)."""
         cfg = self.config
-        routing = route(h, layer.moe.gate, layer.moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-        out = combine_slots(self.experts.slots(layer, h, routing))
-        if layer.moe.shared is not None:
-            out = out + expert_ffn(h, layer.moe.shared, cfg.swiglu_limit)
-        return out.to(h.dtype)
+        routing = self.kernels.route(
+            h, layer.moe.gate, layer.moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        )
+        slots = self.experts.slots(layer, h, routing)
+        moe = layer.moe
+        shared = None if moe.shared is None else self.kernels.shared_expert(h, moe.shared, cfg.swiglu_limit)
+        return self.kernels.moe_output(slots, shared, h.dtype)
 
     @torch.no_grad()
     def forward(

@@ -10,8 +10,9 @@ ratio-2 entries, which pair starts on a STATE tail) for ``PagedKernels.pool_rati
 and ``PagedKernels.write_rows``, which stores rows into a plane in its format, with
 ``check_row_write``, the one statement of what such a write accepts.
 ``PagedKernels`` is also model/mhc.HcKernels: a site's mHC mix, collapse + RMSNorm
-and expand; and model/epilogue.EpilogueKernels: a projection's RMSNorm, RoPE and
-fake quantisation.
+and expand; model/epilogue.EpilogueKernels: a projection's RMSNorm, RoPE and fake
+quantisation; and model/moe.MoeKernels: the router, the shared expert and the MoE
+layer's output.
 Every backend computes the same function; the torch backend is the reference.
 Must not import: cache, cluster, actors, deploy, ray, triton.
 """
@@ -25,7 +26,7 @@ import torch
 from dsv41.model.epilogue import EpilogueKernels
 from dsv41.model.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
 from dsv41.model.mhc import HcKernels
-from dsv41.model.moe import ExpertWeights, Routing
+from dsv41.model.moe import ExpertWeights, MoeKernels, Routing
 
 PLANE_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 # The quantised grids a write can round to, and the channels one scale covers in each.
@@ -106,7 +107,7 @@ def check_row_write(plane: PlaneView, flat_rows: torch.Tensor, values: torch.Ten
             raise ValueError(f"plane.scales: a {plane.fmt} plane of width {width} needs {groups} scales a row")
 
 
-class PagedKernels(HcKernels, EpilogueKernels, Protocol):
+class PagedKernels(HcKernels, EpilogueKernels, MoeKernels, Protocol):
     name: str
 
     def attend(

@@ -7,8 +7,9 @@ its routed expert slots are model/moe.routed_expert_slots over the params' own e
 (an FP4 checkpoint's experts decoded at load time, whatever the bank's weight format);
 its ratio-2 pooling is model/compressor.pool_pairs and its row stores are
 model/formats.py's quantisers, so they define the bytes every backend stores; its mHC
-site steps are model/mhc.TorchHc's and its projections' epilogues
-model/epilogue.TorchEpilogue's.
+site steps are model/mhc.TorchHc's, its projections' epilogues
+model/epilogue.TorchEpilogue's and its MoE steps around the routed experts
+model/moe.TorchMoe's.
 Runs anywhere. Must not import: cache, cluster, actors, deploy, ray, triton.
 """
 
@@ -36,7 +37,7 @@ from dsv41.model.formats import (
 from dsv41.model.indexer import index_scores
 from dsv41.model.kernels.interface import EXPERT_WEIGHT_FORMATS, ExpertBank, PairAddresses, PlaneView, check_row_write
 from dsv41.model.mhc import TorchHc
-from dsv41.model.moe import ExpertWeights, Routing, routed_expert_slots
+from dsv41.model.moe import ExpertWeights, Routing, TorchMoe, routed_expert_slots
 
 
 QUANTIZERS = {"fp8": quantize_fp8, "nvfp4": quantize_nvfp4, "mxfp4": quantize_mxfp4}
@@ -71,7 +72,7 @@ class TorchExpertBank:
         return tuple(sorted(self.experts))
 
 
-class TorchKernels(TorchHc, TorchEpilogue):
+class TorchKernels(TorchHc, TorchEpilogue, TorchMoe):
     name = "torch"
 
     def attend(

@@ -275,36 +275,70 @@ def test_rows_without_held_experts_get_exact_zeros() -> None:
     assert kernels.routed_expert_slots(x[:0], empty, bank, LIMIT).shape == (0, 2, 64)
 
 
-@settings(max_examples=60, deadline=None)
+def _blocks_by_hand(expert_ids: torch.Tensor, held: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """What align_pairs must give, built one expert at a time: each held expert's pair
+    ids in ascending order, padded with -1 to whole blocks of block_m rows, the experts
+    in bank order; then -1 blocks up to align_pairs' bound on the block count."""
+    flat = expert_ids.flatten().tolist()
+    by_expert: dict[int, list[int]] = {}
+    for pair, expert in enumerate(flat):
+        by_expert.setdefault(expert, []).append(pair)
+    rows: list[int] = []
+    labels: list[int] = []
+    for position, expert in enumerate(held):
+        pairs = by_expert.get(expert, [])
+        blocks = -(-len(pairs) // block_m)
+        rows += pairs + [-1] * (blocks * block_m - len(pairs))
+        labels += [position] * blocks
+    bound = -(-(len(flat) + min(len(held), len(flat)) * (block_m - 1)) // block_m)
+    return rows + [-1] * ((bound - len(labels)) * block_m), labels + [-1] * (bound - len(labels))
+
+
+def _assert_aligned(expert_ids: torch.Tensor, held: list[int], block_m: int, step_rows: int | None = None) -> None:
+    blocks = align_pairs(expert_ids.to(DEVICE), torch.tensor(held, device=DEVICE), block_m, step_rows)
+    rows, labels = _blocks_by_hand(expert_ids, held, block_m)
+    assert blocks.slot_pairs.dtype == blocks.block_experts.dtype == torch.int32
+    assert blocks.slot_pairs.tolist() == rows
+    assert blocks.block_experts.tolist() == labels
+
+
+@settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, 40),
-    top_k=st.integers(1, 4),
-    held=st.sets(st.integers(0, 9), min_size=1),
+    rows=st.integers(0, 40),
+    top_k=st.integers(1, 8),
+    held=st.sets(st.integers(0, 40), min_size=1, max_size=20),
+    spread=st.integers(1, 41),
     block_m=st.sampled_from([16, 32, 64]),
     seed=st.integers(0, 2**16),
 )
-def test_alignment_gives_each_held_pair_one_row_of_its_experts_blocks(
-    rows: int, top_k: int, held: set[int], block_m: int, seed: int
+def test_alignment_is_the_by_hand_grouping(
+    rows: int, top_k: int, held: set[int], spread: int, block_m: int, seed: int
 ) -> None:
-    """Every pair routed to a held expert has exactly one row, in a block of that
-    expert; pairs of experts not held have none; a block's padding rows follow its
-    pairs; blocks past the last expert's are marked -1 and empty."""
-    expert_ids = torch.randint(0, 10, (rows, top_k), generator=torch.Generator().manual_seed(seed))
-    held_ids = torch.tensor(sorted(held))
-    blocks = align_pairs(expert_ids, held_ids, block_m)
-    slots = blocks.slot_pairs.view(blocks.num_blocks, block_m)
-    flat = expert_ids.flatten()
-    wanted = sorted(i for i in range(flat.numel()) if int(flat[i]) in held)
-    assert sorted(int(p) for p in blocks.slot_pairs if p >= 0) == wanted
-    for block, expert in enumerate(blocks.block_experts.tolist()):
-        pairs = slots[block]
-        if expert < 0:
-            assert bool((pairs < 0).all())
-            continue
-        present = pairs >= 0
-        assert bool(present[0]), "a block of an expert holds at least one pair"
-        assert bool((present[:-1] >= present[1:]).all()), "padding only after the pairs"
-        assert bool((flat[pairs[present].long()] == held_ids[expert]).all())
+    """align_pairs (two Triton launches) gives exactly the by-hand grouping of random
+    routings: ids drawn from the first ``spread`` experts (1: every pair on expert 0),
+    so the held set covers all, some or none of the routed experts."""
+    expert_ids = torch.randint(0, spread, (rows, top_k), generator=torch.Generator().manual_seed(seed))
+    _assert_aligned(expert_ids, sorted(held), block_m)
+
+
+@pytest.mark.parametrize(
+    ("rows", "top_k", "held", "block_m", "step_rows"),
+    [
+        (1, 6, list(range(384)), 16, None),  # a decode row among every expert of the config
+        (40, 6, [7], 16, None),  # every pair on the one held expert: 240 pairs, 15 blocks
+        (4096, 6, list(range(1, 384, 2)), 64, None),  # a prefill's pairs, half of them another rank's
+        (400, 6, list(range(0, 384, 5)), 32, 64),  # a GPU's steps: 16 one-hot steps per span
+    ],
+)
+def test_alignment_at_the_configs_sizes(
+    rows: int, top_k: int, held: list[int], block_m: int, step_rows: int | None
+) -> None:
+    """The same at the sizes a step meets: spans of several alignment programs (1024
+    pairs each), several one-hot steps per span, 384 experts (held: all, half, a fifth
+    or one)."""
+    g = torch.Generator().manual_seed(rows)
+    expert_ids = torch.full((rows, top_k), 7) if len(held) == 1 else torch.randint(0, 384, (rows, top_k), generator=g)
+    _assert_aligned(expert_ids, held, block_m, step_rows)
 
 
 def test_mxfp4_bank_refuses_weights_off_the_grid() -> None:
@@ -319,12 +353,16 @@ def test_mxfp4_bank_refuses_weights_off_the_grid() -> None:
 class _OneLaunchAtATime(TritonKernels):
     """Triton's interpreter patches triton.language module-wide while it runs a launch,
     so two threads cannot interpret kernels at once (seen with triton 3.9.0: "Did you
-    forget to add @triton.jit ?"); the ranks' threads take turns at the expert GEMMs.
-    Compiled kernels need no turns; the lock changes nothing else."""
+    forget to add @triton.jit ?"); the ranks' threads take turns at the router and the
+    expert GEMMs. Compiled kernels need no turns; the lock changes nothing else."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lock = threading.Lock()
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
+        with self.lock:
+            return super().route(x, gate, bias, top_k, scaling)
 
     def routed_expert_slots(self, x: torch.Tensor, routing: Routing, bank: ExpertBank, limit: float) -> torch.Tensor:
         with self.lock:

@@ -8,8 +8,9 @@ that fill the GPU, and the logits memory budget that bounds how many query rows 
 scorer launch covers. The routed experts' grouped GEMMs are
 model/kernels/triton/moe.py's (bank, alignment and launches). The compression path's
 launches (pair pooling and tail stores, quantised row stores) are in their own block,
-the mHC site steps are model/kernels/triton/mhc.py's fused launches, and a
-projection's epilogue (RMSNorm, RoPE, rounding) is model/kernels/triton/epilogue.py's.
+the mHC site steps are model/kernels/triton/mhc.py's fused launches, a projection's
+epilogue (RMSNorm, RoPE, rounding) is model/kernels/triton/epilogue.py's, and the MoE
+steps around the routed experts (router, shared SwiGLU, output) are route.py's.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -45,6 +46,7 @@ from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_ke
 from dsv41.model.kernels.triton.mhc import fused_collapse_norm, fused_expand, fused_hc_mix
 from dsv41.model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
 from dsv41.model.kernels.triton.reduce import row_sum
+from dsv41.model.kernels.triton.route import fused_moe_output, fused_route, fused_shared_expert
 from dsv41.model.kernels.triton.store import store_rows_kernel
 from dsv41.model.linalg import GpuKernels, batch_invariant_enabled, register_gpu_kernels
 from dsv41.model.mhc import HcMix, HcSite
@@ -342,6 +344,17 @@ class TritonKernels:
         if not isinstance(bank, TritonExpertBank):
             raise TypeError(f"bank: {type(bank).__name__} (allowed: a TritonExpertBank from TritonKernels.expert_bank)")
         return grouped_expert_slots(x, routing, bank, limit, bf16_dot=x.dtype == torch.bfloat16 and not INTERPRETED)
+
+    # -- the MoE steps around the routed experts (route.py) -------------------------------
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
+        return fused_route(x, gate, bias, top_k, scaling)
+
+    def shared_expert(self, x: torch.Tensor, w: ExpertWeights, limit: float) -> torch.Tensor:
+        return fused_shared_expert(x, w, limit)
+
+    def moe_output(self, slots: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return fused_moe_output(slots, shared, dtype)
 
     # -- the mHC site steps (mhc.py) ----------------------------------------------------
 

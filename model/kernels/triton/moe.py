@@ -5,7 +5,8 @@ a table of pointers to each held expert's weight, read in place: the params' own
 tensors for plain weights, or MXFP4 packs, E2M1 pairs along the input dim with an E8M0
 scale per 32), the alignment of a step's (token, slot) pairs into per-expert blocks of
 rows (on the device, no host sync: the grid is sized by an upper bound and unused
-blocks return at once), and two kernels, each one launch for all experts: w1/w3 with
+blocks return at once; two launches: each span of pairs counted per expert, then
+every pair placed and every block labelled), and two kernels, each one launch for all experts: w1/w3 with
 the clamped SwiGLU and the routing weight, then w2. The function is model/moe.py's
 ``routed_expert_slots``: fp32 accumulation, the matmul outputs and the SwiGLU rounded to
 the activations' dtype where that function rounds them, each (token, slot) pair's
@@ -318,37 +319,147 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
     return min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(per_expert)))
 
 
-def align_pairs(expert_ids: torch.Tensor, held_ids: torch.Tensor, block_m: int) -> PairBlocks:
-    """Sorts the pairs of ``expert_ids`` [T, k] (global ids) by held expert and pads
-    each expert's run to whole blocks; pairs routed to experts not held (another EP
-    rank's) get no row. Device ops only: the number of blocks is the bound
-    ceil((P + min(E, P) * (block_m - 1)) / block_m) over P pairs and E held experts."""
-    flat = expert_ids.reshape(-1).to(held_ids.dtype)
+# Pairs one alignment program ranks; on a GPU at most how many one-hot entries (pairs
+# x held experts) a step of its loop holds, in registers (under the interpreter, whose
+# cost is per operation, a step takes the whole span); blocks one program labels.
+ALIGN_SPAN = 1024
+ALIGN_ONE_HOT = 8192
+ALIGN_BLOCKS = 16
+
+
+@triton.jit
+def _held_one_hot(expert_ptr, held, experts, first, num_pairs, ROWS: tl.constexpr):
+    """Pairs first .. first + ROWS: their ids and [ROWS, E_P] int32, 1 where the pair's
+    expert is held expert e (bank positions ``experts``; no 1 in a row whose expert is
+    not held or that is past the last pair)."""
+    pair = first + tl.arange(0, ROWS)
+    live = pair < num_pairs
+    routed = tl.load(expert_ptr + pair, mask=live, other=0)
+    hot = (routed[:, None] == held[None, :]) & live[:, None] & (experts >= 0)[None, :]
+    return pair, hot.to(tl.int32)
+
+
+@triton.jit
+def count_pairs_kernel(
+    expert_ptr,
+    held_ptr,
+    counts_ptr,
+    num_pairs,
+    num_held,
+    E_P: tl.constexpr,
+    SPAN: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """counts[c, e]: pairs of span c (SPAN pairs) routed to held expert e."""
+    span = tl.program_id(0)
+    e = tl.arange(0, E_P)
+    experts = tl.where(e < num_held, e, -1)
+    held = tl.load(held_ptr + e, mask=e < num_held, other=0)
+    counts = tl.zeros((E_P,), dtype=tl.int32)
+    for first in range(span * SPAN, tl.minimum(span * SPAN + SPAN, num_pairs), ROWS):
+        _, hot = _held_one_hot(expert_ptr, held, experts, first, num_pairs, ROWS)
+        counts += tl.sum(hot, axis=0)
+    tl.store(counts_ptr + span * E_P + e, counts)
+
+
+@triton.jit
+def place_pairs_kernel(
+    expert_ptr,
+    held_ptr,
+    counts_ptr,
+    slot_pair_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_held,
+    num_spans,
+    num_blocks,
+    E_P: tl.constexpr,
+    SPAN: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """Program c writes the rows of span c's held pairs (an expert's pairs in pair
+    order, from its first block on) and labels blocks c * BLOCKS .. + BLOCKS: each
+    block's expert (-1 past the last expert's) and -1 in its rows that hold no pair.
+    Every row of slot_pairs is written once, by one of the two."""
+    program = tl.program_id(0)
+    e = tl.arange(0, E_P)
+    real = e < num_held
+    experts = tl.where(real, e, -1)
+    held = tl.load(held_ptr + e, mask=real, other=0)
+    totals = tl.zeros((E_P,), dtype=tl.int32)
+    before = tl.zeros((E_P,), dtype=tl.int32)
+    for span in range(0, num_spans):
+        counts = tl.load(counts_ptr + span * E_P + e)
+        totals += counts
+        before += tl.where(span < program, counts, 0)
+    blocks = (totals + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    block_start = block_end - blocks
+    # Row of the next pair of each expert in this span.
+    next_row = block_start * BLOCK_M + before
+    for first in range(program * SPAN, tl.minimum(program * SPAN + SPAN, num_pairs), ROWS):
+        pair, hot = _held_one_hot(expert_ptr, held, experts, first, num_pairs, ROWS)
+        # The pairs of the same expert ahead of each pair in this step, plus those before it.
+        ahead = tl.cumsum(hot, axis=0) - hot
+        row = tl.sum(hot * (next_row[None, :] + ahead), axis=1)
+        tl.store(slot_pair_ptr + row, pair.to(tl.int32), mask=tl.sum(hot, axis=1) > 0)
+        next_row += tl.sum(hot, axis=0)
+    block = program * BLOCKS + tl.arange(0, BLOCKS)
+    # searchsorted(block_end, block, right=True): the experts whose blocks end by it.
+    expert = tl.sum(((block_end[None, :] <= block[:, None]) & real[None, :]).to(tl.int32), axis=1)
+    owned = expert < num_held
+    tl.store(block_expert_ptr + block, tl.where(owned, expert, -1), mask=block < num_blocks)
+    mine = (e[None, :] == expert[:, None]).to(tl.int32)
+    filled = tl.sum(mine * totals[None, :], axis=1) - (block - tl.sum(mine * block_start[None, :], axis=1)) * BLOCK_M
+    filled = tl.where(owned, filled, 0)
+    r = tl.arange(0, BLOCK_M)
+    empty = (r[None, :] >= filled[:, None]) & (block < num_blocks)[:, None]
+    padding = tl.full((BLOCKS, BLOCK_M), -1, tl.int32)
+    tl.store(slot_pair_ptr + block[:, None] * BLOCK_M + r[None, :], padding, mask=empty)
+
+
+def align_pairs(
+    expert_ids: torch.Tensor, held_ids: torch.Tensor, block_m: int, step_rows: int | None = None
+) -> PairBlocks:
+    """Sorts the pairs of ``expert_ids`` [T, k] (global ids) by held expert, each
+    expert's in pair order, and pads each expert's run to whole blocks; pairs routed to
+    experts not held (another EP rank's) get no row. Two launches, no host sync: the
+    number of blocks is the bound ceil((P + min(E, P) * (block_m - 1)) / block_m) over
+    P pairs and E held experts (each expert wastes at most block_m - 1 rows), and
+    the blocks past the last expert's are marked -1. Integer arithmetic only.
+    ``step_rows``: pairs per one-hot step, a power of two (default: the device's)."""
+    flat = expert_ids.reshape(-1).to(held_ids.dtype).contiguous()
     num_pairs, num_held = flat.numel(), held_ids.numel()
     device = flat.device
-    position = torch.searchsorted(held_ids, flat)
-    local = torch.where(held_ids[position.clamp(max=num_held - 1)] == flat, position, num_held)
-    # A scatter, not bincount: bincount sizes its output from the data (a host sync,
-    # which a captured decode graph cannot hold).
-    counts = torch.zeros(num_held + 1, dtype=local.dtype, device=device).scatter_add_(0, local, torch.ones_like(local))
-    counts = counts[:num_held]
-    blocks = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
-    block_end = torch.cumsum(blocks, 0)
-    pair_start = torch.cumsum(counts, 0) - counts
     num_blocks = triton.cdiv(num_pairs + min(num_held, num_pairs) * (block_m - 1), block_m)
-    order = torch.argsort(local, stable=True)
-    sorted_local = local[order]
-    expert = sorted_local.clamp(max=num_held - 1)
-    rank = torch.arange(num_pairs, device=device) - pair_start[expert]
-    slot = (block_end[expert] - blocks[expert]) * block_m + rank
-    # Pairs of experts not held all land in one extra row, cut off below.
-    dump = num_blocks * block_m
-    slot = torch.where(sorted_local < num_held, slot, dump)
-    slot_pairs = torch.full((dump + 1,), -1, dtype=torch.int32, device=device)
-    slot_pairs.scatter_(0, slot, order.to(torch.int32))
-    block_experts = torch.searchsorted(block_end, torch.arange(num_blocks, device=device), right=True)
-    block_experts = torch.where(block_experts < num_held, block_experts, -1).to(torch.int32)
-    return PairBlocks(block_m=block_m, slot_pairs=slot_pairs[:dump], block_experts=block_experts)
+    slot_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    if num_blocks:
+        e_p = triton.next_power_of_2(num_held)
+        rows = step_rows or (min(ALIGN_SPAN, max(16, ALIGN_ONE_HOT // e_p)) if device.type == "cuda" else ALIGN_SPAN)
+        spans = triton.cdiv(num_pairs, ALIGN_SPAN)
+        counts = torch.empty(spans, e_p, dtype=torch.int32, device=device)
+        held = held_ids.contiguous()
+        count_pairs_kernel[(spans,)](flat, held, counts, num_pairs, num_held, E_P=e_p, SPAN=ALIGN_SPAN, ROWS=rows)
+        place_pairs_kernel[(max(spans, triton.cdiv(num_blocks, ALIGN_BLOCKS)),)](
+            flat,
+            held,
+            counts,
+            slot_pairs,
+            block_experts,
+            num_pairs,
+            num_held,
+            spans,
+            num_blocks,
+            E_P=e_p,
+            SPAN=ALIGN_SPAN,
+            ROWS=rows,
+            BLOCK_M=block_m,
+            BLOCKS=ALIGN_BLOCKS,
+        )
+    return PairBlocks(block_m=block_m, slot_pairs=slot_pairs, block_experts=block_experts)
 
 
 @dataclass(frozen=True)
