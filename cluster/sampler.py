@@ -343,7 +343,9 @@ class Sampler:
             token_ids = token_ids.index_copy(0, random_rows, sampled)
         # A row whose max is not finite is marked -1 and refused once the tokens are on
         # the host: the step's one copy back, with no sync before it.
-        marked = torch.where(torch.isfinite(raw_max), token_ids, -1)
+        # |max| < inf is false for NaN, +inf and a row of -inf alike, in two kernels
+        # (isfinite takes four).
+        marked = torch.where(raw_max.abs() < float("inf"), token_ids, -1)
         host_ids = marked.cpu()
         _refuse_rows((host_ids < 0).nonzero().squeeze(1).tolist())
         return SamplerOutput(token_ids=host_ids, logprobs=_row_logprobs(reported, token_ids, metadata.num_logprobs))
