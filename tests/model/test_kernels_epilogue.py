@@ -1,8 +1,8 @@
 """The fused Triton epilogue (model/kernels/triton/epilogue.py) computes
 model/epilogue.py's function at every site that uses it: compiled on a GPU when one is
 present, else under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it). The
-torch reference is taken on the CPU in the batch-invariant mode (the CPU path's
-arithmetic).
+torch reference runs in the batch-invariant mode on the kernels' device (model/formats.py's
+roundings, which are bit arithmetic, on the CPU).
 
 The RoPE rotation and the FP8 / MXFP4 roundings are the torch path's bits (compared as
 bit patterns, so -0 is not +0): the rope at both of V4.1's rope kinds (no YaRN, and
@@ -150,18 +150,25 @@ def _edge_rows(rows: int, width: int, g: torch.Generator) -> torch.Tensor:
     return torch.gather(cases, 0, pick)[0].reshape(rows, width)
 
 
+def _spec_on(spec: Epilogue, device: str) -> Epilogue:
+    norm = None if spec.norm is None else spec.norm.to(device)
+    rope = None if spec.rope is None else Rope(spec.rope.rope_dim, spec.rope.inv_freq.to(device))
+    return Epilogue(spec.out_dtype, norm=norm, eps=spec.eps, rope=rope, inverse=spec.inverse, round_to=spec.round_to)
+
+
+def _on(positions: torch.Tensor | None) -> torch.Tensor | None:
+    return None if positions is None else positions.to(DEVICE)
+
+
 def _torch(x: torch.Tensor, spec: Epilogue, positions: torch.Tensor | None) -> torch.Tensor:
+    """The torch path on the kernels' device: a GPU's cos, sin, rsqrt and mean round as
+    CUDA's do, not as the CPU's."""
     with batch_invariant(True):
-        return apply_epilogue(x, spec, positions)
+        return apply_epilogue(x.to(DEVICE), _spec_on(spec, DEVICE), _on(positions))
 
 
 def _fused(x: torch.Tensor, spec: Epilogue, positions: torch.Tensor | None, block_r: int | None = None) -> torch.Tensor:
-    on = None if positions is None else positions.to(DEVICE)
-    norm = None if spec.norm is None else spec.norm.to(DEVICE)
-    rope = None if spec.rope is None else Rope(spec.rope.rope_dim, spec.rope.inv_freq.to(DEVICE))
-    device_spec = Epilogue(spec.out_dtype, norm=norm, eps=spec.eps, rope=rope, inverse=spec.inverse,
-                           round_to=spec.round_to)
-    return fused_epilogue(x.to(DEVICE), device_spec, on, block_r=block_r)
+    return fused_epilogue(x.to(DEVICE), _spec_on(spec, DEVICE), _on(positions), block_r=block_r)
 
 
 @pytest.mark.parametrize("rope_kind", ROPE_KINDS)
