@@ -58,6 +58,13 @@ def _blocks(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def divide_exactly(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """fp32 ``x / divisor``, one IEEE division on every device: torch's CUDA division by
+    a Python number multiplies by its rounded reciprocal instead (another value in the
+    last bit), so the divisor goes as a one-element tensor of ``x``'s device."""
+    return x / _table((divisor,), x.device)
+
+
 def pow2_scale(amax: torch.Tensor, grid_max: float, floor: float) -> torch.Tensor:
     """2^ceil(log2(max(amax, floor) / grid_max)): the E8M0 scale of a block, with the
     log2 rounded to float32 before the ceiling (as the published model's torch.log2
@@ -69,7 +76,7 @@ def pow2_scale(amax: torch.Tensor, grid_max: float, floor: float) -> torch.Tenso
     that is f * 2^23 <= ln2 * 2^(g + 23) on f's grid of 2^-23 (never within 0.09 of an
     integer for the exponents a block scale reaches). model/kernels/triton/store.py's
     pow2_exponent is the same derivation in a kernel."""
-    y = amax.float().clamp_min(floor) / grid_max
+    y = divide_exactly(amax.float().clamp_min(floor), grid_max)
     bits = y.view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127
     f_bits = bits & 0x7FFFFF
@@ -222,7 +229,7 @@ def quantize_nvfp4(x: torch.Tensor, block: int = NVFP4_BLOCK) -> tuple[torch.Ten
     """Packed E2M1 bytes [..., D / 2] and E4M3 scale bytes [..., D / block]."""
     xb = _blocks(x, block, "quantize_nvfp4")
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(NVFP4_AMAX_FLOOR)
-    scale = _to_e4m3(amax / E2M1_MAX)
+    scale = _to_e4m3(divide_exactly(amax, E2M1_MAX))
     codes = e2m1_encode(xb / scale.float()).reshape(x.shape)
     return pack_nibbles(codes), scale.squeeze(-1).view(torch.uint8)
 

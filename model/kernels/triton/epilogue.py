@@ -126,11 +126,18 @@ def epilogue_kernel(
         freq = tl.load(inv_freq_ptr + freq_index, mask=rotated, other=0.0)
         cos, sin = _cos_sin(position[:, None] * freq, LIBDEVICE)
         if INVERSE:
-            sin = -sin
-        even, odd = (
-            tl.where(rotated, even * cos - odd * sin, even),
-            tl.where(rotated, even * sin + odd * cos, odd),
-        )
+            # rope.apply's rotation by -sin, written without negating sin: Triton's
+            # -x is 0 - x, which turns sin = +0 into +0, not -0 (a zero's sign then
+            # differs from torch's at position 0).
+            even, odd = (
+                tl.where(rotated, even * cos + odd * sin, even),
+                tl.where(rotated, odd * cos - even * sin, odd),
+            )
+        else:
+            even, odd = (
+                tl.where(rotated, even * cos - odd * sin, even),
+                tl.where(rotated, even * sin + odd * cos, odd),
+            )
     if FP8 or MXFP4:
         even3 = tl.reshape(even, (BLOCK_R, PAIRS // BLOCK_PAIRS, BLOCK_PAIRS))
         odd3 = tl.reshape(odd, (BLOCK_R, PAIRS // BLOCK_PAIRS, BLOCK_PAIRS))
