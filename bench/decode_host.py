@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from bench.slice_engine import random_prompts
+from bench.slice_engine import random_prompts, start_decoding
 from dsv41.cache.pools import PoolSize
 from dsv41.cluster import cuda_graphs
 from dsv41.cluster.cuda_graphs import DecodeBuckets, DecodeGraphs, StaticDecodeStep, page_buckets
@@ -159,13 +159,7 @@ def measure(engine: Engine, batch: int, prompt_len: int, warmup: int, steps: int
     params = SamplingParams(max_tokens=output_tokens(batch, warmup, steps), temperature=0.0, ignore_eos=True)
     ids = [f"b{batch}-{repeat}-{i}" for i in range(batch)]
     prompts = random_prompts(batch, prompt_len, engine.config.vocab_size, seed=batch + 1000 * repeat)
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        engine.step()
-    for _ in range(warmup):
-        engine.step()
+    start_decoding(engine, dict(zip(ids, prompts)), params, warmup)
     timer = PhaseTimer()
     graphs = engine.runner.graphs
     assert graphs is not None

@@ -40,6 +40,7 @@ from bench.slice_engine import (
     environment,
     prepare_device,
     random_prompts,
+    start_decoding,
 )
 from dsv41.cache.geometry import PlaneKind, PlaneSpec, V41PoolGeometry
 from dsv41.cluster.engine import Engine
@@ -169,18 +170,15 @@ def decode_case(
     device = engine.params.embed.device
     params = SamplingParams(max_tokens=workload.max_tokens(batch), temperature=0.0, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, random_prompts(batch, workload.prompt_len, config.vocab_size, seed=batch)):
-        engine.add_request(rid, prompt, params)
     began = time.perf_counter()
     total_prompt = batch * workload.prompt_len
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        engine.step()
-        done = sum(min(r.num_computed_tokens, r.num_prompt_tokens) for r in engine.scheduler.running)
+
+    def report(done: int) -> None:
         print(f"  batch {batch}: prefilled {done}/{total_prompt} prompt tokens, {time.perf_counter() - began:.1f} s",
               flush=True)
-    for _ in range(workload.warmup_steps):
-        engine.step()
+
+    prompts = random_prompts(batch, workload.prompt_len, config.vocab_size, seed=batch)
+    start_decoding(engine, dict(zip(ids, prompts)), params, workload.warmup_steps, on_prefill_step=report)
     positions = [engine.request(rid).num_tokens - 1 for rid in ids]
     step_s = []
     for _ in range(workload.timed_steps):

@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.decode_step import FULL_WORKLOAD, SMALL_WORKLOAD
-from bench.slice_engine import add_slice_options, build_slice_engine, prepare_device, random_prompts
+from bench.slice_engine import add_slice_options, build_slice_engine, prepare_device, random_prompts, start_decoding
 from dsv41.cluster.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,13 +113,8 @@ def _count_triton_launches(census: OpCensus) -> list[object]:
 def census_step(engine, batch: int, prompt_len: int, warmup: int, depth: int) -> collections.Counter[tuple[str, str]]:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=warmup + 4, temperature=0.0, ignore_eos=True)
     ids = [f"c{batch}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, random_prompts(batch, prompt_len, engine.config.vocab_size, seed=batch)):
-        engine.add_request(rid, prompt, params)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        engine.step()
-    for _ in range(warmup):
-        engine.step()
+    start_decoding(engine, dict(zip(ids, random_prompts(batch, prompt_len, engine.config.vocab_size, seed=batch))),
+                   params, warmup)
     census = OpCensus(depth)
     restore = _count_triton_launches(census)
     try:

@@ -28,7 +28,14 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from bench.decode_step import FULL_WORKLOAD, SMALL_WORKLOAD, Workload
-from bench.slice_engine import add_slice_options, build_slice_engine, environment, prepare_device, random_prompts
+from bench.slice_engine import (
+    add_slice_options,
+    build_slice_engine,
+    environment,
+    prepare_device,
+    random_prompts,
+    start_decoding,
+)
 from bench.ceilings import ceilings
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.sampling_params import SamplingParams
@@ -73,13 +80,8 @@ def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top
     ``top_kernels`` device ops that take the most time."""
     params = SamplingParams(max_tokens=workload.max_tokens(batch) + steps, temperature=0.0, ignore_eos=True)
     ids = [f"p{batch}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, random_prompts(batch, workload.prompt_len, engine.config.vocab_size, seed=batch)):
-        engine.add_request(rid, prompt, params)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        engine.step()
-    for _ in range(workload.warmup_steps + 2):
-        engine.step()
+    prompts = random_prompts(batch, workload.prompt_len, engine.config.vocab_size, seed=batch)
+    start_decoding(engine, dict(zip(ids, prompts)), params, workload.warmup_steps + 2)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         began = time.perf_counter()

@@ -23,6 +23,7 @@ from dsv41.cache.pools import PoolSize
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.cuda_graphs import CUDAGRAPH_MODES
 from dsv41.cluster.options import EngineOptions, RankLayout
+from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.loader import WEIGHT_STORAGE, LoadedCheckpoint
 from dsv41.model.params import ModelParams
@@ -200,6 +201,27 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     """Token ids drawn uniformly past the special tokens."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(16, vocab_size, (count, length), generator=g).tolist()
+
+
+def start_decoding(
+    engine: Engine,
+    prompts: dict[str, list[int]],
+    params: SamplingParams,
+    warmup: int,
+    on_prefill_step: Callable[[int], None] | None = None,
+) -> None:
+    """Adds ``prompts`` (request id -> token ids), steps until every prompt is
+    prefilled (``on_prefill_step``: called after each step with the prompt tokens done),
+    then ``warmup`` decode steps: the engine is then decoding all of them."""
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+        if on_prefill_step is not None:
+            on_prefill_step(sum(min(r.num_computed_tokens, r.num_prompt_tokens) for r in scheduler.running))
+    for _ in range(warmup):
+        engine.step()
 
 
 def environment(args: argparse.Namespace, engine: Engine, ceilings: dict[str, float]) -> dict[str, object]:
