@@ -22,8 +22,9 @@ only through its mean of squares, a row reduction in the kernel's own order, and
 rounding after a norm can then land one grid step away where a value sits at a
 midpoint. Compiled, cos, sin and rsqrt are libdevice's (the functions torch's CUDA ops
 call); under the interpreter numpy's cos and sin and one over the correctly rounded
-square root (torch's CPU rsqrt). Equality with the torch path on a GPU is not
-measured.
+square root (torch's CPU rsqrt); the mean of squares is divided as torch's mean is on
+the device (mhc.mean_as_torch). tests/model/test_kernels_epilogue.py passes on an H200
+(2026-12-02) against the torch path on the same device.
 A program reads and writes its own rows only, in an order fixed by the row width: a
 row's result does not depend on how many rows share the launch (the batch-invariant
 mode's requirement).

@@ -20,7 +20,7 @@ The arithmetic follows route's order in float32: softplus is x above torch's thr
 20, else log1p(exp(x)); the square root is IEEE's (``sqrt_rn``); the weights are
 (picked / (sum + 1e-20)) * scaling with IEEE division and no multiply-add fusion.
 Compiled, exp and log1p are libdevice's expf and log1pf, the functions torch's CUDA
-softplus calls (equality with torch on a GPU is not measured); the interpreter cannot
+softplus calls (tests/model/test_kernels_route.py passed on an H200, 2026-12-02); the interpreter cannot
 call libdevice, so there log1p(exp(x)) is computed in float64 (log(1 + u) * u / ((1 +
 u) - 1), accurate where 1 + u rounds) and rounded once: the correctly rounded value,
 from which torch's CPU softplus (Sleef's 1-ulp log1p and exp) differs by one ulp at
