@@ -343,9 +343,7 @@ class Sampler:
             token_ids = token_ids.index_copy(0, random_rows, sampled)
         # A row whose max is not finite is marked -1 and refused once the tokens are on
         # the host: the step's one copy back, with no sync before it.
-        # |max| < inf is false for NaN, +inf and a row of -inf alike, in two kernels
-        # (isfinite takes four).
-        marked = torch.where(raw_max.abs() < float("inf"), token_ids, -1)
+        marked = torch.where(_has_distribution(raw_max), token_ids, -1)
         host_ids = marked.cpu()
         _refuse_rows((host_ids < 0).nonzero().squeeze(1).tolist())
         return SamplerOutput(token_ids=host_ids, logprobs=_row_logprobs(reported, token_ids, metadata.num_logprobs))
@@ -394,7 +392,8 @@ def prompt_logprobs(
     token's logprob and the top ``num_logprobs`` of the raw log-softmax."""
     if logits.dim() != 2:
         raise SamplerError(f"logits: must be [L, vocab], got shape {tuple(logits.shape)}")
-    _refuse_rows(torch.nonzero(~torch.isfinite(logits.amax(dim=-1))).squeeze(1).tolist())
+    _check_logits_shape(logits, logits.shape[1], logits.shape[0])
+    _refuse_rows(torch.nonzero(~_has_distribution(logits.amax(dim=-1))).squeeze(1).tolist())
     targets = torch.as_tensor(next_token_ids, dtype=torch.int64, device=logits.device)
     if tuple(targets.shape) != (logits.shape[0],):
         raise SamplerError(
@@ -411,6 +410,12 @@ def _check_logits_shape(logits: torch.Tensor, vocab_size: int, num_rows: int) ->
             f"logits: must be float32 of shape ({num_rows}, {vocab_size}), "
             f"got {logits.dtype} {tuple(logits.shape)}"
         )
+
+
+def _has_distribution(row_max: torch.Tensor) -> torch.Tensor:
+    """Rows whose max is finite: |max| < inf is false for NaN, +inf and a row of -inf
+    alike, in two kernels (isfinite takes four)."""
+    return row_max.abs() < float("inf")
 
 
 def _refuse_rows(bad_rows: list[int]) -> None:
