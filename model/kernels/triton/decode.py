@@ -23,9 +23,10 @@ import triton.language as tl
 # E2M1 nibbles meets an MMA as the compiler lays it out. Triton 3.6 (the H200's) traces
 # such an operand back to its byte loads and through the nibble interleave, takes it
 # for 4-bit data and gives it 8 values of K a thread (kWidth 8) on MMAv2, the mma.sync
-# path sm_90 takes for dots of fewer than 64 rows; that needs K >= 32 (4 threads x 8)
-# and at K 16 computes wrong sums (the all-heads attention on the H200, BENCHMARKS.md;
-# triton PR 11691 bounds kWidth by K upstream). Compiled for sm_90 by triton 3.6.0 on
+# path sm_90 takes for dots of fewer than 64 rows; that needs K >= 32 (4 threads x 8).
+# The all-heads attention's wrong outputs on the H200 (BENCHMARKS.md) are the launches
+# with such an operand in a dot of K 16, and triton PR 11691 fixes wrong small-K
+# upcast dots upstream by bounding kWidth by K. Compiled for sm_90 by triton 3.6.0 on
 # the CPU dev box (2026-12-03): kWidth 8 at K 16 in the attention kernels' NVFP4 dots,
 # kWidth 2 with the tile handed over through opaque_bf16, as load_row_span does below
 # this K; triton 3.9.0 picks kWidth 4 there on its own.
