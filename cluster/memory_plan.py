@@ -160,27 +160,29 @@ def _device_bytes(
     holding: "_Holding",
     dtype: torch.dtype,
     weight_storage: str,
+    on_device: bool,
 ) -> _Tally:
     """A rank's weights as its device holds them after the load (model/loader.py
-    post_load): FP32 kinds in float32; a quantised FP8 / FP4 weight as its stored
-    values and E8M0 scales under ``weight_storage="stored"``, else decoded; every other
-    tensor in the compute ``dtype``; Engram tables as stored, on the host. (With bf16 and
-    "stored" this is also the stored form of a model counted from its declarations.)"""
+    post_load): FP32 kinds (and ``on_device`` the ``held_fp32`` tensors) in float32; a
+    quantised FP8 / FP4 weight as its stored values and E8M0 scales under
+    ``weight_storage="stored"``, else decoded; every other tensor in the compute
+    ``dtype``; Engram tables as stored, on the host. (With bf16, "stored" and not
+    ``on_device`` this is the stored form of a model counted from its declarations.)"""
     tally = dict.fromkeys(_FIELDS, 0)
     compute_field = "bf16" if dtype == torch.bfloat16 else "fp32"
-    sizes: dict[tuple[TensorKind, tuple[int, ...], int | None, bool], tuple[str, int, int]] = {}
+    sizes: dict[tuple[TensorKind, bool, tuple[int, ...], int | None, bool], tuple[str, int, int]] = {}
     for name, spec in specs.items():
         holds, axis = holding(name)
         if not holds:
             continue
         quantized = spec.kind.quantizable and stored_quantized(spec)
-        key = (spec.kind, spec.shape, axis, quantized)
+        key = (spec.kind, spec.held_fp32, spec.shape, axis, quantized)
         if key not in sizes:
             held = dataclasses.replace(spec, shape=_held_shape(spec.shape, axis, holding.shard))
             elements = math.prod(held.shape)
             if quantized and (spec.kind is TensorKind.ENGRAM_TABLE or weight_storage == "stored"):
                 sizes[key] = (_quantized_field(spec), math.prod(held.quantized_shape), math.prod(held.scale_shape))
-            elif spec.kind is TensorKind.FP32:
+            elif spec.kind is TensorKind.FP32 or (on_device and spec.held_fp32):
                 sizes[key] = ("fp32", elements * _PLAIN_ITEMSIZE["F32"], 0)
             elif spec.kind is TensorKind.ENGRAM_TABLE:
                 sizes[key] = ("engram_host", elements * _PLAIN_ITEMSIZE["BF16"], 0)
@@ -207,7 +209,14 @@ def rank_device_bytes(
         stored_quantized = _declared_quantized(source, config)
     return [
         WeightBytes(
-            **_device_bytes(specs, stored_quantized, _Holding.of(config, shard), options.dtype, options.weight_storage)
+            **_device_bytes(
+                specs,
+                stored_quantized,
+                _Holding.of(config, shard),
+                options.dtype,
+                options.weight_storage,
+                on_device=True,
+            )
         )
         for shard in shards
     ]
@@ -276,7 +285,11 @@ def rank_weight_bytes(
     stored_quantized = _declared_quantized(source, config)
     # Declared plain tensors are stored BF16, FP32 kinds FP32 (as make_tiny writes them).
     return [
-        WeightBytes(**_device_bytes(specs, stored_quantized, _Holding.of(config, shard), torch.bfloat16, "stored"))
+        WeightBytes(
+            **_device_bytes(
+                specs, stored_quantized, _Holding.of(config, shard), torch.bfloat16, "stored", on_device=False
+            )
+        )
         for shard in shards
     ]
 

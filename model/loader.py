@@ -235,7 +235,8 @@ class LoadedCheckpoint:
     def post_load(self) -> None:
         """Decodes quantised weights exactly (or, under ``weight_storage="stored"``,
         keeps FP8 and FP4 weights as stored), casts the rest to the compute dtype (FP32
-        kinds stay float32) and builds the Engram compressed-token map. Runs once: decoding twice
+        kinds stay float32; a ``held_fp32`` tensor's compute-dtype values are held in
+        float32) and builds the Engram compressed-token map. Runs once: decoding twice
         would re-cast already-cast weights, so a second call is a bug and raises."""
         if self.post_load_runs:
             raise RuntimeError("LoadedCheckpoint.post_load: already ran; post-load processing runs exactly once")
@@ -251,7 +252,8 @@ class LoadedCheckpoint:
         for name, stored in self._stored.items():
             target = torch.float32 if stored.spec.kind is TensorKind.FP32 else self.dtype
             if stored.scale is None:
-                self.tensors[name] = stored.values.to(target)
+                values = stored.values.to(target)
+                self.tensors[name] = values.float() if stored.spec.held_fp32 else values
             elif self.weight_storage == "stored":
                 self.tensors[name] = _resident(stored, self.dtype)
             else:

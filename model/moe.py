@@ -35,10 +35,13 @@ class ExpertWeights:
 
 @dataclass(frozen=True)
 class MoEWeights:
-    gate: torch.Tensor  # [n_experts, hidden]
+    gate: torch.Tensor  # [n_experts, hidden] fp32 (check_gate)
     bias: torch.Tensor  # [n_experts] fp32 correction bias (selection only)
     experts: Mapping[int, ExpertWeights]  # the experts this rank holds, by global id
     shared: ExpertWeights | None
+
+    def __post_init__(self) -> None:
+        check_gate(self.gate, "MoEWeights.gate")
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,21 @@ class Routing:
     expert_ids: torch.Tensor  # [T, k] int64
 
 
+def check_gate(gate: torch.Tensor, name: str = "gate") -> None:
+    """Raises unless the router's gate is float32. Its logits are fp32, so every step
+    reads the gate in fp32: a layer holds it so from its load (model/weights.py declares
+    ``ffn.gate.weight`` held_fp32, the compute dtype's values in float32) instead of
+    copying a bf16 gate to fp32 in every call."""
+    if gate.dtype != torch.float32:
+        raise ValueError(f"{name}: {gate.dtype} (allowed: torch.float32, the router's logits' dtype)")
+
+
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> Routing:
-    """s = sqrt(softplus(x @ gate^T)) in fp32; choose top-k of s + bias; weights are
-    s at the chosen experts over their sum, times ``scaling``."""
-    scores = torch.sqrt(pointwise(F.softplus, linear(x.float(), gate.float())))
+    """s = sqrt(softplus(x @ gate^T)) in fp32 (``gate`` float32: check_gate); choose
+    top-k of s + bias; weights are s at the chosen experts over their sum, times
+    ``scaling``."""
+    check_gate(gate)
+    scores = torch.sqrt(pointwise(F.softplus, linear(x.float(), gate)))
     chosen = torch.topk(scores + bias.float(), top_k, dim=-1).indices
     picked = torch.gather(scores, 1, chosen)
     weights = picked / (small_sum(picked, -1) + 1e-20) * scaling

@@ -63,12 +63,16 @@ _ROW_SCALE_GROUP = {TensorKind.FP4_EXPERT: formats.MXFP4_BLOCK, TensorKind.ENGRA
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One declared tensor: official name, logical (decoded) shape, kind, group."""
+    """One declared tensor: official name, logical (decoded) shape, kind, group.
+    ``held_fp32``: a BF16 tensor whose compute-dtype values the device holds in float32,
+    for arithmetic that reads it in fp32 every step (the router gate: its logits are
+    fp32, MODEL_FACTS section 5), so no step copies it."""
 
     name: str
     shape: tuple[int, ...]
     kind: TensorKind
     group: str
+    held_fp32: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or self.name.endswith(SCALE_SUFFIX):
@@ -79,6 +83,10 @@ class TensorSpec:
             raise ValueError(f"TensorSpec.group of {self.name}: {self.group!r} (allowed: {', '.join(GROUPS)})")
         if not self.shape or any(not isinstance(d, int) or d <= 0 for d in self.shape):
             raise ValueError(f"TensorSpec.shape of {self.name}: {self.shape} (allowed: positive integer dims)")
+        if self.held_fp32 and self.kind is not TensorKind.BF16:
+            raise ValueError(
+                f"TensorSpec.held_fp32 of {self.name}: True with kind {self.kind.name} (allowed: True only with BF16)"
+            )
         if self.kind.quantizable:
             if len(self.shape) != 2 or not self.name.endswith(WEIGHT_SUFFIX):
                 raise ValueError(
@@ -212,10 +220,12 @@ class _Declarations:
     def __init__(self) -> None:
         self.by_name: dict[str, TensorSpec] = {}
 
-    def add(self, name: str, shape: tuple[int, ...], kind: TensorKind, group: str = "core") -> None:
+    def add(
+        self, name: str, shape: tuple[int, ...], kind: TensorKind, group: str = "core", held_fp32: bool = False
+    ) -> None:
         if name in self.by_name:
             raise ValueError(f"checkpoint_tensors: {name} declared twice")
-        self.by_name[name] = TensorSpec(name=name, shape=shape, kind=kind, group=group)
+        self.by_name[name] = TensorSpec(name=name, shape=shape, kind=kind, group=group, held_fp32=held_fp32)
 
 
 def _declare_block(specs: _Declarations, config: V41Config, prefix: str, group: str, n_experts: int) -> None:
@@ -240,7 +250,7 @@ def _declare_block(specs: _Declarations, config: V41Config, prefix: str, group: 
     specs.add(attn + "wo_b.weight", (hidden, config.o_groups * config.o_lora_rank), TensorKind.FP8_WEIGHT, group)
     specs.add(attn + "attn_sink", (heads,), TensorKind.FP32, group)
     ffn = prefix + "ffn."
-    specs.add(ffn + "gate.weight", (n_experts, hidden), TensorKind.BF16, group)
+    specs.add(ffn + "gate.weight", (n_experts, hidden), TensorKind.BF16, group, held_fp32=True)
     specs.add(ffn + "gate.bias", (n_experts,), TensorKind.FP32, group)
     specs.add(ffn + "gate.bias_vl", (n_experts,), TensorKind.FP32, group)
     inter = config.moe_intermediate_size

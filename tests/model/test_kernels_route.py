@@ -57,7 +57,8 @@ def _router(experts: int, rows: int, dtype: torch.dtype, scale: float, seed: int
     g = torch.Generator().manual_seed(seed)
     hidden = 64
     x = (torch.randn(rows, hidden, generator=g) * scale).to(dtype).to(DEVICE)
-    gate = (torch.randn(experts, hidden, generator=g) * hidden**-0.5 * 2).to(dtype).to(DEVICE)
+    # A ``dtype`` model's gate as its layer holds it: the dtype's values in float32.
+    gate = (torch.randn(experts, hidden, generator=g) * hidden**-0.5 * 2).to(dtype).float().to(DEVICE)
     bias = (torch.randn(experts, generator=g) * 0.1).to(DEVICE)
     return x, gate, bias
 
@@ -112,6 +113,15 @@ def test_a_rows_routing_does_not_depend_on_the_other_rows() -> None:
     assert isinstance(empty, Routing) and empty.weights.shape == empty.expert_ids.shape == (0, 6)
     with pytest.raises(ValueError, match="top_k: 385"):
         fused_route(x, gate, bias, 385, 1.5)
+
+
+def test_the_router_takes_its_gate_in_fp32_only() -> None:
+    """A bf16 gate is refused by both routers (a layer holds its gate in float32, so no
+    step copies it to the logits' dtype)."""
+    x, gate, bias = _router(16, 4, torch.bfloat16, 1.0, seed=9)
+    for router in (route, fused_route):
+        with pytest.raises(ValueError, match="gate: torch.bfloat16"):
+            router(x, gate.bfloat16(), bias, 2, 1.0)
 
 
 def test_the_swiglu_is_torchs_within_the_silu_bound() -> None:

@@ -136,10 +136,12 @@ def test_attention_matches_torch_on_a_ragged_batch(tiny_dir: Path, ring_kv: str,
 
 
 @pytest.mark.parametrize("tiling", ["split-per-tile", "split-two-tiles"])
-@pytest.mark.parametrize(("kv", "dtype"), [("fp4", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize(("kv", "dtype"), [("fp4", torch.float32), ("bf16", torch.bfloat16), ("fp4", torch.bfloat16)])
 def test_attention_split_over_keys_matches_torch(tiny_dir: Path, kv: str, dtype: torch.dtype, tiling: str) -> None:
     """The key axis split over programs (spans of one or two 16-key tiles, window and
-    main spans apart) and merged with the sink afterwards: the torch backend's output."""
+    main spans apart) and merged with the sink afterwards: the torch backend's output.
+    With bf16 queries on a GPU the NVFP4 main tiles meet bf16 dots of K 16 (p . v over
+    16 keys), the dots decode.NIBBLE_DOT_MIN_K is about."""
     config = V41Config.from_pretrained(tiny_dir)
     store = _store(config, kv, "fp8", seed=4)
     args = _attention_case(config, store, store, rows=3, heads=20, topk=24, dtype=dtype, seed=5)
@@ -165,13 +167,16 @@ def test_attention_without_main_keys(tiny_dir: Path) -> None:
         ("fp4", "fp4", torch.float32),
         ("bf16", "fp4", torch.bfloat16),
         ("fp4", "bf16", torch.bfloat16),
+        ("fp4", "fp4", torch.bfloat16),
     ],
 )
 def test_mla_attention_matches_torch(tiny_alt_dir: Path, ring_kv: str, main_kv: str, dtype: torch.dtype,
                                      tiling: str) -> None:
     """The all-heads kernel, every cut of MLA_TILINGS, on bf16 or FP8 rings with bf16 or
     NVFP4 main rows (NO_ROW entries, invalid window keys, a row with no valid key):
-    the torch backend's output at the unfused kernel's tolerances."""
+    the torch backend's output at the unfused kernel's tolerances. Every cut's tiles
+    are 16 keys, so with bf16 queries on a GPU the NVFP4 tiles meet bf16 dots of K 16
+    (decode.NIBBLE_DOT_MIN_K), and with 32-channel spans dots of K 32."""
     config = V41Config.from_pretrained(tiny_alt_dir)
     ring_store = _store(config, ring_kv, "fp8", seed=13, block_size=64)
     main_store = _store(config, main_kv, "fp8", seed=14, block_size=64)

@@ -132,6 +132,16 @@ def test_row_scaled_kinds_declare_one_scale_per_started_group(width: int) -> Non
         assert expert.scale_shape == (7, width // 32)
 
 
+def test_only_router_gates_are_held_in_fp32_and_only_bf16_tensors_may_be() -> None:
+    """The Flash declarations hold exactly the router gates (every layer's and DSpark
+    stage's ``ffn.gate.weight``) in float32; held_fp32 on any other kind is refused."""
+    specs = checkpoint_tensors(V41Config.from_pretrained(FLASH_CONFIG_DIR, text_only=True))
+    held = {name for name, spec in specs.items() if spec.held_fp32}
+    assert held == {name for name in specs if name.endswith(".ffn.gate.weight")} and held
+    with pytest.raises(ValueError, match="held_fp32 .* kind FP32"):
+        TensorSpec("layers.0.attn.attn_sink", (4,), TensorKind.FP32, "core", held_fp32=True)
+
+
 # -- round trip ----------------------------------------------------------------------------
 
 
@@ -161,12 +171,17 @@ def test_every_declared_tensor_is_loaded_with_its_shape(fixture: str, request: p
 
 def test_compute_dtype_casts_all_but_fp32_kinds(tiny_dir: Path, full_plain: LoadedCheckpoint) -> None:
     """dtype=bfloat16 gives the float32 load cast to bf16, except FP32 kinds, which stay
-    float32 and unchanged."""
+    float32 and unchanged, and the held_fp32 tensors (the router gates), which hold
+    the bf16 cast's values in float32."""
     half = load_checkpoint(tiny_dir, dtype=torch.bfloat16)
     specs = _specs(tiny_dir)
+    assert any(spec.held_fp32 for spec in specs.values())
     for name, tensor in half.tensors.items():
         if specs[name].kind is TensorKind.FP32:
             assert tensor.dtype == torch.float32 and torch.equal(tensor, full_plain.tensors[name]), name
+        elif specs[name].held_fp32:
+            want = full_plain.tensors[name].to(torch.bfloat16).float()
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, want), name
         else:
             assert torch.equal(tensor, full_plain.tensors[name].to(torch.bfloat16)), name
     with pytest.raises(ValueError, match="dtype"):

@@ -9,7 +9,8 @@ compute dtype, value for value model/formats.py's dequantizers: bf16 rows, FP8 E
 E8M0 per 32 (the hardware E4M3 conversion), NVFP4 (E2M1 pairs + E4M3 per 16) and MXFP4
 (E2M1 pairs + E8M0 per 32). A row is loaded as [rows, groups, group] so each group's
 scale is one load per row, broadcast in registers; a span of a row's channels (whole
-scale groups) is read the same way.
+scale groups) is read the same way. A small bf16 tile decoded from nibbles is handed
+over so that the compiler lays it out for a dot as bf16 data (NIBBLE_DOT_MIN_K).
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -17,6 +18,19 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# The smallest dot K (a tile's rows or its channels) at which a bf16 tile decoded from
+# E2M1 nibbles meets an MMA as the compiler lays it out. Triton 3.6 (the H200's) traces
+# such an operand back to its byte loads and through the nibble interleave, takes it
+# for 4-bit data and gives it 8 values of K a thread (kWidth 8) on MMAv2, the mma.sync
+# path sm_90 takes for dots of fewer than 64 rows; that needs K >= 32 (4 threads x 8).
+# The all-heads attention's wrong outputs on the H200 (BENCHMARKS.md) are the launches
+# with such an operand in a dot of K 16, and triton PR 11691 fixes wrong small-K
+# upcast dots upstream by bounding kWidth by K. Compiled for sm_90 by triton 3.6.0 on
+# the CPU dev box (2026-12-03): kWidth 8 at K 16 in the attention kernels' NVFP4 dots,
+# kWidth 2 with the tile handed over through opaque_bf16, as load_row_span does below
+# this K; triton 3.9.0 picks kWidth 4 there on its own.
+NIBBLE_DOT_MIN_K = tl.constexpr(32)
 
 
 @triton.jit
@@ -115,7 +129,8 @@ def load_row_span(
 ):
     """Channels [first, first + WIDTH) of rows of a plane as OUT_DTYPE [N, WIDTH], as
     load_rows reads them; ``first`` and WIDTH are multiples of GROUP (whole scale
-    groups, and whole bytes of packed nibbles)."""
+    groups, and whole bytes of packed nibbles). A bf16 NVFP4 / MXFP4 tile with fewer
+    than NIBBLE_DOT_MIN_K rows or channels leaves through opaque_bf16."""
     offsets = row_offsets(flat_rows, ROWS, values_stride_unit, values_stride_row)
     if FMT == 0:
         dims = tl.arange(0, WIDTH)
@@ -152,4 +167,17 @@ def load_row_span(
             # The even channel is the low nibble (model/formats.pack_nibbles).
             decoded = tl.interleave(e2m1_to_f32(packed & 0xF), e2m1_to_f32(packed >> 4))
         out = tl.reshape(decoded * scale[:, :, None], (flat_rows.shape[0], WIDTH)).to(OUT_DTYPE)
+        if FMT >= 2 and OUT_DTYPE == tl.bfloat16:
+            # Either axis may be a dot's K: the channels for q . k, the rows for p . v.
+            if flat_rows.shape[0] < NIBBLE_DOT_MIN_K or WIDTH < NIBBLE_DOT_MIN_K:
+                out = opaque_bf16(out)
     return out
+
+
+@triton.jit
+def opaque_bf16(x):
+    """bf16 values unchanged, through an instruction the compiler cannot see through (an
+    asm with side effects, so no pass treats it as pure): a dot operand's width heuristic
+    stops there and takes the operand for 16-bit data. Compiled kernels only: the
+    interpreter runs no asm."""
+    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [x], dtype=tl.bfloat16, is_pure=False, pack=1)

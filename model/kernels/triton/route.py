@@ -12,10 +12,10 @@ under the interpreter float64's rounded once (the correctly rounded expf; torch'
 one is Sleef's, whose last bit differs at times: silu within a few ulps, before the
 rounding to bf16).
 
-The router: from the logits (model/linalg.linear of the fp32 rows and gate, the torch
-path's own call, so its bits) to the routing, one program per token row (BLOCK_T rows
-under the interpreter): s = sqrt(softplus(logits)), the top-k of s + bias, the chosen s
-over their sum, times the scaling.
+The router: from the logits (model/linalg.linear of the fp32 rows and the fp32 gate,
+the torch path's own call, so its bits) to the routing, one program per token row
+(BLOCK_T rows under the interpreter): s = sqrt(softplus(logits)), the top-k of s +
+bias, the chosen s over their sum, times the scaling.
 The arithmetic follows route's order in float32: softplus is x above torch's threshold
 20, else log1p(exp(x)); the square root is IEEE's (``sqrt_rn``); the weights are
 (picked / (sum + 1e-20)) * scaling with IEEE division and no multiply-add fusion.
@@ -54,7 +54,7 @@ from triton.language.extra import libdevice
 from dsv41.model.kernels.triton.mhc import rows_per_program
 from dsv41.model.kernels.triton.moe import TL_DTYPES, round_to_activation
 from dsv41.model.linalg import linear
-from dsv41.model.moe import ExpertWeights, Routing
+from dsv41.model.moe import ExpertWeights, Routing, check_gate
 
 # torch's softplus threshold (beta 1): above it softplus(x) is x.
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
@@ -129,7 +129,8 @@ def fused_route(
     tokens, experts = x.shape[0], gate.shape[0]
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k: {top_k} (allowed: 1..{experts}, the gate's experts)")
-    logits = linear(x.float(), gate.float()).contiguous()
+    check_gate(gate)
+    logits = linear(x.float(), gate).contiguous()
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     expert_ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
     block_t = block_t or rows_per_program(x.device)
