@@ -133,12 +133,14 @@ def _body(prompt: list[int], max_tokens: int, *, stream: bool) -> bytes:
     return json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body).encode()
 
 
-def _post(base_url: str, prompt: list[int], max_tokens: int) -> tuple[int, dict[str, Any]]:
+def _post(
+    base_url: str, prompt: list[int], max_tokens: int, timeout_s: float = REQUEST_TIMEOUT_S
+) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(
         f"{base_url}/v1/completions", data=_body(prompt, max_tokens, stream=False), headers={"Content-Type": "application/json"}
     )
     try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -227,7 +229,11 @@ def _served_again(base_url: str, greedy: Callable[[list[int], int], str], since:
     """Polls a greedy completion until it answers 200 with the greedy text; returns
     the time since ``since``."""
     while True:
-        status, body = _post(base_url, PROMPTS[0], CHECK_TOKENS)
+        # Serve holds a request sent while the replacement replica starts until it can
+        # take it, so one request may wait for the whole start (over a minute on a
+        # loaded 2-core box): the bound is the recovery's, not one request's.
+        remaining = RECOVERY_TIMEOUT_S - (time.monotonic() - since)
+        status, body = _post(base_url, PROMPTS[0], CHECK_TOKENS, timeout_s=max(remaining, 1.0))
         if status == 200:
             assert body["choices"][0]["text"] == greedy(PROMPTS[0], CHECK_TOKENS)
             return time.monotonic() - since
