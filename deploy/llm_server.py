@@ -268,8 +268,7 @@ class LLMServer:
             yield error_for(exc, request_id)
             return
         writer = CompletionWriter(request, prompts, _response_id("cmpl"), self.model_name, now(), self.tokenizer)
-        choices = len(prompts) * params.n
-        async for events in _stream_events(first, outputs, writer.events, writer.closing, choices, request_id):
+        async for events in _stream_events(first, outputs, writer.events, writer.closing, request_id):
             yield events
 
     async def generate_stream(
@@ -329,7 +328,7 @@ class LLMServer:
         writer = ChatStreamWriter(request, _response_id("chatcmpl"), self.model_name, now(), self.tokenizer)
         closing = functools.partial(writer.closing, len(prompt))
         opening = "".join(writer.opening())
-        async for events in _stream_events(first, outputs, writer.events, closing, params.n, request_id, opening):
+        async for events in _stream_events(first, outputs, writer.events, closing, request_id, opening):
             yield events
 
     # -- internals --------------------------------------------------------------------
@@ -421,30 +420,24 @@ async def _stream_events(
     outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     events: Callable[[int, RequestOutput], Iterable[str]],
     closing: Callable[[], Iterable[str]],
-    choices: int,
     request_id: str | None,
     opening: str = "",
 ) -> AsyncIterator[str]:
     """A started stream's events, those of one output in one item (each item is a
     message through Ray and a chunk through the ingress and the proxy): ``opening``
-    and the first output's first, the closing ones in the item of the output that
-    finishes the last of ``choices``; a request that fails midway ends it with its
-    error as an event and ``[DONE]`` (the status line is already sent)."""
-    finished = 0
+    and the first output's first, then the closing ones in one; a request that fails
+    midway ends it with its error as an event and ``[DONE]`` (the status line is
+    already sent)."""
     try:
         async for index, output in _starting_with(first, outputs):
             item = opening + "".join(events(index, output))
             opening = ""
-            finished += output.finished
-            if finished == choices:
-                item += "".join(closing())
             if item:
                 yield item
     except REFUSALS as exc:
         yield sse(error_for(exc, request_id).body()) + SSE_DONE
         return
-    if finished != choices:
-        raise RuntimeError(f"request {request_id}: its outputs ended with {finished} of {choices} choices finished")
+    yield "".join(closing())
 
 
 def _response_id(prefix: str) -> str:

@@ -152,8 +152,7 @@ def _events(items: list[str]) -> list[Any]:
 @pytest.mark.parametrize("consumer", ["prompt", "late"])
 def test_a_streamed_completion_carries_the_whole_answer_coalesced_or_not(server: Any, consumer: str) -> None:
     """A streamed completion's chunks, whether read as they come or left queued until
-    the request finished (then joined into one item with the usage chunk and
-    ``[DONE]``), add up to the non-streamed answer: its text, finish reason and usage."""
+    the request finished (then joined into one item), add up to the non-streamed answer: its text, finish reason and usage."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     whole = asyncio.run(server.completions(body))
 
@@ -171,9 +170,9 @@ def test_a_streamed_completion_carries_the_whole_answer_coalesced_or_not(server:
     assert [c["finish_reason"] for c in choices][-1] == whole["choices"][0]["finish_reason"]
     assert all(c["finish_reason"] is None for c in choices[:-1])
     if consumer == "late":
-        assert len(items) == 2  # the first chunk; then the rest, the usage and [DONE] in one
+        assert len(items) == 3  # the first chunk; the rest in one; the usage and [DONE]
     else:
-        assert len(items) > 2
+        assert len(items) > 3
 
 
 def test_a_late_chat_stream_carries_the_whole_message(server: Any) -> None:
