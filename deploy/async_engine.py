@@ -4,7 +4,9 @@ Owns :class:`AsyncEngine`: the only thread that ever calls the wrapped engine (a
 ``EngineClient``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
 ``request``), the thread-safe command queue that carries adds and aborts to it, and
 the per-request asyncio queues its ``RequestOutput`` deltas (what each sample gained in a
-step) are delivered to with ``loop.call_soon_threadsafe``. A consumer that stops early (cancellation, a client
+step) are delivered to with ``loop.call_soon_threadsafe``; the deltas of a sample that
+queued up while its consumer was busy reach it joined into one (:func:`coalesced`:
+the same tokens and text, fewer chunks to stream). A consumer that stops early (cancellation, a client
 disconnect, ``aclose``) aborts its request, which frees its PAGEs and STATE slot. An
 exception from ``step`` ends every in-flight request with :class:`EngineDeadError` and
 marks the engine dead for good (a replica's health check then fails and Serve replaces
@@ -14,7 +16,8 @@ serves on. Either is counted as a failed request, never as a finished one. The
 messages of both are fit for a client: what went wrong inside is the error's
 ``__cause__`` and the log's. It also measures each sequence's TTFT, inter-token,
 decode and end-to-end latency (its queue and prefill times are the engine's,
-``RequestOutput.phase_times``).
+``RequestOutput.phase_times``), and records the engine's load (``_observe_load``:
+not on every step, which every token waits for).
 
 Must not import: ``ray``, ``torch``, ``model``, ``actors``, or the HTTP modules of
 ``deploy`` (``openai_api``, ``app``); from ``deploy`` only ``deploy.metrics``.
@@ -27,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
 from dsv41.cluster.interface import EngineClient
@@ -41,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 # Sample ids of an ``n`` > 1 request are ``{request_id}#{i}`` (EngineClient.add_request).
 SAMPLE_ID_SEPARATOR = "#"
+# While no request changes, the load gauges are recorded at most this often (scrapes
+# and Ray's export read them seconds apart).
+LOAD_REFRESH_S = 0.1
 
 
 class EngineDeadError(RuntimeError):
@@ -132,6 +138,40 @@ def _finished_sequence(output: RequestOutput, stream: _Stream, timing: _SampleTi
     )
 
 
+def _coalescible(output: RequestOutput) -> bool:
+    """Whether a delta may be joined with its neighbours: not one with logprobs (a
+    chunk's logprob entries and text offsets follow the engine's steps)."""
+    return output.logprobs is None and output.prompt_logprobs is None
+
+
+def coalesced(items: Sequence[RequestOutput | BaseException | _End]) -> list[RequestOutput | BaseException | _End]:
+    """``items`` (what queued up for one consumer, in order) with each run of
+    consecutive deltas of one sample joined into one delta: its tokens and text those
+    of the run in order, its finish fields and token count the run's last, its
+    ``phase_times`` the run's (only a first token's delta has them). Anything else, and
+    deltas with logprobs, stay as they are and where they are."""
+    joined: list[RequestOutput | BaseException | _End] = []
+    for item in items:
+        last = joined[-1] if joined else None
+        if (
+            isinstance(item, RequestOutput)
+            and isinstance(last, RequestOutput)
+            and last.request_id == item.request_id
+            and not last.finished
+            and _coalescible(last)
+            and _coalescible(item)
+        ):
+            joined[-1] = replace(
+                item,
+                token_ids=last.token_ids + item.token_ids,
+                text=last.text + item.text,
+                phase_times=last.phase_times if last.phase_times is not None else item.phase_times,
+            )
+        else:
+            joined.append(item)
+    return joined
+
+
 def parent_request_id(sample_id: str) -> str:
     """The request id a sample id belongs to (itself for ``n`` == 1)."""
     parent, separator, _ = sample_id.rpartition(SAMPLE_ID_SEPARATOR)
@@ -167,7 +207,8 @@ class AsyncEngine:
     """An EngineClient for asyncio callers (see the module docstring).
 
     ``generate`` yields the ``RequestOutput`` deltas of every sample of the request
-    (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished.
+    (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished,
+    consecutive deltas of a sample that were waiting together joined (:func:`coalesced`).
     A request the engine refuses raises its ``EngineError`` / ``SamplingParamsError``
     from the first iteration, with nothing queued."""
 
@@ -181,6 +222,7 @@ class AsyncEngine:
         # queued after the engine thread's final drain of the command queue.
         self._lock = threading.Lock()
         self._closed = False
+        self._next_load_record = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -207,14 +249,17 @@ class AsyncEngine:
         completed = False
         try:
             while True:
-                item = await outputs.get()
-                if isinstance(item, _End):
-                    completed = True
-                    return
-                if isinstance(item, BaseException):
-                    completed = True
-                    raise item
-                yield item
+                items = [await outputs.get()]
+                while not outputs.empty():
+                    items.append(outputs.get_nowait())
+                for item in coalesced(items):
+                    if isinstance(item, _End):
+                        completed = True
+                        return
+                    if isinstance(item, BaseException):
+                        completed = True
+                        raise item
+                    yield item
         finally:
             if not completed:
                 self._commands.put(_Abort(request_id))
@@ -233,7 +278,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                for command in self._take_commands(block=not self.engine.has_unfinished_requests()):
+                commands = self._take_commands(block=not self.engine.has_unfinished_requests())
+                for command in commands:
                     if isinstance(command, _Shutdown):
                         self._die("the engine was shut down", None)
                         return
@@ -241,12 +287,23 @@ class AsyncEngine:
                         self._add(command)
                     else:
                         self._abort(command.request_id)
+                ended = False
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step(), time.monotonic())
-                self.metrics.observe_load(engine_load(self.engine))
+                    ended = self._deliver(self.engine.step(), time.monotonic())
+                self._observe_load(changed=bool(commands) or ended)
         except BaseException as exc:  # noqa: BLE001 - any failure of the engine ends every request
             logger.exception("the engine step loop failed")
             self._die("the engine step loop failed", exc)
+
+    def _observe_load(self, *, changed: bool) -> None:
+        """Records the engine's load when its requests changed (added, aborted, ended),
+        when it is idle, and otherwise at most every LOAD_REFRESH_S: reading and
+        recording it is some 18 metric records, which a decode step that changes no
+        request would add to the time of every token."""
+        now = time.monotonic()
+        if changed or now >= self._next_load_record or not self.engine.has_unfinished_requests():
+            self.metrics.observe_load(engine_load(self.engine))
+            self._next_load_record = now + LOAD_REFRESH_S
 
     def _take_commands(self, *, block: bool) -> list[_Command]:
         """Every queued command; waits for the first one only when the engine is idle."""
@@ -271,7 +328,9 @@ class AsyncEngine:
             self.engine.abort(request_id)
             self.metrics.observe_aborted()
 
-    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> bool:
+        """Hands each output to its stream; True when a sample finished or failed."""
+        ended = False
         for output in outputs:
             request_id = parent_request_id(output.request_id)
             stream = self._streams.get(request_id)
@@ -290,6 +349,7 @@ class AsyncEngine:
                     timing.first_token_time = now
                     timing.phase_times = output.phase_times
                 timing.last_token_time = now
+            ended |= output.finished
             if output.finish_reason == FinishReason.ERROR:
                 self._fail(request_id, stream)
                 continue
@@ -301,6 +361,7 @@ class AsyncEngine:
             if output.finished and stream.num_finished == stream.num_samples:
                 del self._streams[request_id]
                 stream.deliver(_END)
+        return ended
 
     def _fail(self, request_id: str, stream: _Stream) -> None:
         """Ends a request one of whose samples the engine ended in error (any

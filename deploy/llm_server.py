@@ -106,9 +106,16 @@ def make_engine(args: AppArgs) -> EngineClient:
     return group.__enter__()
 
 
-async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The items of several streams as they come, tagged with the stream's index. When
-    the consumer stops, every stream is cancelled (which aborts its request)."""
+    the consumer stops, every stream is cancelled (which aborts its request). One
+    stream (one prompt) is read directly: no task and queue between it and the
+    consumer, whose every token would pay their hop."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
     items: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
@@ -261,8 +268,8 @@ class LLMServer:
             yield error_for(exc, request_id)
             return
         writer = CompletionWriter(request, prompts, _response_id("cmpl"), self.model_name, now(), self.tokenizer)
-        async for event in _stream_events(first, outputs, writer.events, writer.closing, request_id):
-            yield event
+        async for events in _stream_events(first, outputs, writer.events, writer.closing, request_id):
+            yield events
 
     async def generate_stream(
         self, body: dict[str, Any], request_id: str | None = None
@@ -319,11 +326,10 @@ class LLMServer:
             yield error_for(exc, request_id)
             return
         writer = ChatStreamWriter(request, _response_id("chatcmpl"), self.model_name, now(), self.tokenizer)
-        for event in writer.opening():
-            yield event
         closing = functools.partial(writer.closing, len(prompt))
-        async for event in _stream_events(first, outputs, writer.events, closing, request_id):
-            yield event
+        opening = "".join(writer.opening())
+        async for events in _stream_events(first, outputs, writer.events, closing, request_id, opening):
+            yield events
 
     # -- internals --------------------------------------------------------------------
 
@@ -415,20 +421,23 @@ async def _stream_events(
     events: Callable[[int, RequestOutput], Iterable[str]],
     closing: Callable[[], Iterable[str]],
     request_id: str | None,
+    opening: str = "",
 ) -> AsyncIterator[str]:
-    """A started stream's events: each output's, then the closing ones; a request that
-    fails midway ends it with its error as an event and ``[DONE]`` (the status line is
+    """A started stream's events, those of one output in one item (each item is a
+    message through Ray and a chunk through the ingress and the proxy): ``opening``
+    and the first output's first, then the closing ones in one; a request that fails
+    midway ends it with its error as an event and ``[DONE]`` (the status line is
     already sent)."""
     try:
         async for index, output in _starting_with(first, outputs):
-            for event in events(index, output):
-                yield event
+            item = opening + "".join(events(index, output))
+            opening = ""
+            if item:
+                yield item
     except REFUSALS as exc:
-        yield sse(error_for(exc, request_id).body())
-        yield SSE_DONE
+        yield sse(error_for(exc, request_id).body()) + SSE_DONE
         return
-    for event in closing():
-        yield event
+    yield "".join(closing())
 
 
 def _response_id(prefix: str) -> str:
