@@ -29,7 +29,8 @@ import triton.language as tl
 # upcast dots upstream by bounding kWidth by K. Compiled for sm_90 by triton 3.6.0 on
 # the CPU dev box (2026-12-03): kWidth 8 at K 16 in the attention kernels' NVFP4 dots,
 # kWidth 2 with the tile handed over through opaque_bf16, as load_row_span does below
-# this K; triton 3.9.0 picks kWidth 4 there on its own.
+# this K; triton 3.9.0 picks kWidth 4 there on its own. With it the attention tests
+# that had failed pass on the H200 (2026-12-03, BENCHMARKS.md).
 NIBBLE_DOT_MIN_K = tl.constexpr(32)
 
 
