@@ -2,7 +2,8 @@
 process and through ``dsv41 serve`` of the same config, and where the CPU went.
 
 Runs, one after the other (each holds the config's device alone): ``dsv41 bench
---in-process --config CONFIG``; then ``dsv41 serve --config CONFIG`` (its environment
+--in-process --config CONFIG`` with the torch threads Ray gives the config's LLM server
+replica; then ``dsv41 serve --config CONFIG`` (its environment
 this command's: ``RAY_SERVE_*`` variables set here reach its replicas), a warm-up
 request, and ``dsv41 bench`` against its endpoint with the same workload, reading the
 CPU time of every thread of Serve's HTTP proxy, the ingress replica and the LLM server
@@ -78,9 +79,9 @@ def _replicas(serve_pid: int) -> dict[str, int]:
     return found
 
 
-def _bench(args: list[str], out: Path) -> dict[str, Any]:
+def _bench(args: list[str], out: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     command = [sys.executable, "-m", "dsv41.deploy.cli", "bench", *args, "--out", str(out)]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=env)
     return json.loads(out.read_text())
 
 
@@ -108,7 +109,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/serve_tpot.json")
     args = parser.parse_args()
 
-    from dsv41.deploy.app_args import AppArgs, read_serve_config
+    from dsv41.deploy.app_args import SERVE_REPLICA_NUM_CPUS, AppArgs, read_serve_config
 
     serve_config, application = read_serve_config(args.config)
     app = AppArgs.from_dict(application.args or {})
@@ -119,8 +120,19 @@ def main() -> None:
         "--max-concurrency", "1", "--temperature", "0", "--seed", "0",
     ]
     scratch = Path(tempfile.mkdtemp(prefix="serve_tpot-"))
-    print(f"serve_tpot: in-process bench of {args.config} ...", file=sys.stderr, flush=True)
-    in_process = _bench(["--in-process", "--config", args.config, *workload], scratch / "in_process.json")
+    # Ray gives a replica OMP_NUM_THREADS = its num_cpus (at least 1) when the
+    # environment sets none; the in-process engine runs with the same, or the two sides
+    # differ in torch's host threads (with 16 on a 16-core host, the in-process step
+    # was 1.3x slower on the H200, 2026-12-03).
+    threads = os.environ.get("OMP_NUM_THREADS") or str(
+        max(1, int(app.llm_server_actor_options().get("num_cpus", SERVE_REPLICA_NUM_CPUS)))
+    )
+    print(f"serve_tpot: in-process bench of {args.config} ({threads} torch threads) ...", file=sys.stderr, flush=True)
+    in_process = _bench(
+        ["--in-process", "--config", args.config, *workload],
+        scratch / "in_process.json",
+        env={**os.environ, "OMP_NUM_THREADS": threads},
+    )
 
     serve_command = [sys.executable, "-m", "dsv41.deploy.cli", "serve", "--config", args.config, "--port", str(port)]
     log = (scratch / "serve.log").open("w")
@@ -149,6 +161,7 @@ def main() -> None:
     inproc_tpot, serve_tpot = in_process["summary"]["tpot"]["mean_ms"], served["summary"]["tpot"]["mean_ms"]
     report = {
         "config": args.config,
+        "in_process_omp_num_threads": int(threads),
         "in_process": in_process["summary"],
         "serve": served["summary"],
         "serve_over_in_process_mean_tpot": serve_tpot / inproc_tpot,
