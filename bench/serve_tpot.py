@@ -29,6 +29,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from dsv41.deploy.procfs import descendants, process_title
+
 REPLICA_NAMES = ("ProxyActor", "OpenAIIngress", "LLMServer")
 
 
@@ -45,33 +47,13 @@ def _thread_cpu_ms(pid: int) -> dict[int, float]:
     return times
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
-
-
 def _replicas(serve_pid: int) -> dict[str, int]:
     """The pid of each Serve process of ``dsv41 serve`` (pid ``serve_pid``) by name."""
     found = {}
-    for pid in _descendants(serve_pid):
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except FileNotFoundError:
-            continue
+    for pid in descendants(serve_pid):
+        title = process_title(pid) or ""
         for name in REPLICA_NAMES:
-            if command.startswith("ray::") and name in command:
+            if title.startswith("ray::") and name in title:
                 found[name] = pid
     missing = set(REPLICA_NAMES) - set(found)
     if missing:
