@@ -6,11 +6,13 @@ Runs, one after the other (each holds the config's device alone): ``dsv41 bench
 replica; then ``dsv41 serve --config CONFIG`` (its environment
 this command's: ``RAY_SERVE_*`` variables set here reach its replicas), a warm-up
 request, and ``dsv41 bench`` against its endpoint with the same workload, reading the
-CPU time of every thread of Serve's HTTP proxy, the ingress replica and the LLM server
-replica (/proc) before and after it. Prints both TPOTs and their ratio, and each
-process's CPU per output token: for the LLM server replica, its engine thread's (the
-thread that used the most) apart from all its others', which share the engine thread's
-GIL (their Python work in a step's host part delays the next step). Writes JSON.
+CPU time of every thread of Serve's HTTP proxy, the ingress replica, the LLM server
+replica and its engine process where it has one (``backend: process``) (/proc) before
+and after it. Prints both TPOTs and their ratio, and each process's CPU per output
+token: for an LLM server replica with the engine on a thread (``backend: local``), its
+engine thread's (the thread that used the most) apart from all its others', which share
+the engine thread's GIL (their Python work in a step's host part delays the next step).
+Writes JSON.
 
 Usage: python3 -m bench.serve_tpot --config deploy/configs/reference-slice-h200.yaml
        [--input-len 1024] [--output-len 64] [--num-prompts 8] [--out bench/results/serve_tpot.json]
@@ -32,6 +34,9 @@ from typing import Any
 from dsv41.deploy.procfs import descendants, process_title
 
 REPLICA_NAMES = ("ProxyActor", "OpenAIIngress", "LLMServer")
+# What the LLM server's engine process (backend: process) is called, where there is one.
+ENGINE_PROCESS = "EngineProcess"
+ENGINE_PROCESS_MODULE = "dsv41.deploy.engine_process"
 
 
 def _thread_cpu_ms(pid: int) -> dict[int, float]:
@@ -58,6 +63,9 @@ def _replicas(serve_pid: int) -> dict[str, int]:
     missing = set(REPLICA_NAMES) - set(found)
     if missing:
         raise SystemExit(f"serve_tpot: no process of {sorted(missing)} under dsv41 serve (pid {serve_pid})")
+    for pid in descendants(found["LLMServer"]):
+        if (process_title(pid) or "").endswith(f"-m {ENGINE_PROCESS_MODULE}"):
+            found[ENGINE_PROCESS] = pid
     return found
 
 
@@ -73,7 +81,7 @@ def _cpu_per_token(before: dict[str, dict[int, float]], after: dict[str, dict[in
         spent = {tid: ms - before[name].get(tid, 0.0) for tid, ms in threads.items()}
         total = sum(spent.values())
         entry: dict[str, Any] = {"all_threads_ms_per_token": total / tokens}
-        if name == "LLMServer":
+        if name == "LLMServer" and ENGINE_PROCESS not in after:
             engine = max(spent.values())
             entry["engine_thread_ms_per_token"] = engine / tokens
             entry["other_threads_ms_per_token"] = (total - engine) / tokens

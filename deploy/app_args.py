@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "process", "ray")
+# The backends whose one engine runs in a process the replica owns (no Ray actors).
+SINGLE_ENGINE_BACKENDS = ("local", "process")
 EXPERT_MODES = ("ep", "tp")
 DTYPES = ("float32", "bfloat16")
 TINY_MODEL_NAME = "dsv41-tiny"
@@ -64,8 +66,10 @@ class AppArgs:
 
     ``model``: checkpoint directory (None: the embedded tiny checkpoint, made on first
     use). ``engine``: EngineOptions fields (``dtype`` as ``"float32"``/``"bfloat16"``).
-    ``backend``: ``local`` (the replica's ranks in its own process) or ``ray`` (an
-    engine group of ``dp`` RankActors, experts split ``expert_mode``). Either
+    ``backend``: ``local`` (the engine on a thread of the replica's own process),
+    ``process`` (the engine in a child process the replica starts and owns, so its step
+    loop shares no GIL with the replica's Serve threads: deploy/engine_process.py) or
+    ``ray`` (an engine group of ``dp`` RankActors, experts split ``expert_mode``). Either
     ``num_replicas`` or ``autoscaling_config`` (Serve's) sizes the LLM servers.
     ``ray_actor_options`` are an LLM server replica's (Serve's defaults: one CPU);
     ``ingress_ray_actor_options`` the ingress's, ``num_cpus`` defaulting to
@@ -135,8 +139,8 @@ class AppArgs:
             raise ValueError(f"expert_mode: {self.expert_mode!r} (allowed: {', '.join(EXPERT_MODES)})")
         if not _is_count(self.dp):
             raise ValueError(f"dp: {self.dp!r} (allowed: an integer >= 1)")
-        if self.backend == "local" and self.dp != 1:
-            raise ValueError(f"dp: {self.dp} needs backend 'ray' (allowed with 'local': 1)")
+        if self.backend in SINGLE_ENGINE_BACKENDS and self.dp != 1:
+            raise ValueError(f"dp: {self.dp} needs backend 'ray' (allowed with {self.backend!r}: 1)")
         if not isinstance(self.engine, Mapping):
             raise ValueError(f"engine: {self.engine!r} (allowed: a mapping of EngineOptions fields)")
         dtype = self.engine.get("dtype", "float32")
@@ -202,10 +206,10 @@ class AppArgs:
             self.probe_options()
         # Refuse bad engine options here, before Serve starts a replica that would die on them.
         options = engine_options(self.engine_options())
-        if options.speculative_method is not None and self.backend != "local":
+        if options.speculative_method is not None and self.backend not in SINGLE_ENGINE_BACKENDS:
             raise ValueError(
                 f"engine.speculative_method: {options.speculative_method!r} with backend {self.backend!r} (allowed "
-                "with speculation: backend 'local'; the Ray engine group's wires carry no drafts yet)"
+                "with speculation: backend 'local' or 'process'; the Ray engine group's wires carry no drafts yet)"
             )
 
     @classmethod

@@ -1,8 +1,9 @@
 """The engine of one replica driven for asyncio: one step-loop thread, one stream per request.
 
-Owns :class:`AsyncEngine`: the only thread that ever calls the wrapped engine (an
-``EngineClient``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
-``request``), the thread-safe command queue that carries adds and aborts to it, and
+Owns :class:`AsyncEngine`: the only thread that ever calls the wrapped engine (a
+``SteppedEngine``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
+``stats``; the engine in this process, or one in a child process,
+deploy/engine_process.py, whose refusals of adds arrive from ``step``), the thread-safe command queue that carries adds and aborts to it, and
 the per-request asyncio queues its ``RequestOutput`` deltas (what each sample gained in a
 step) are delivered to with ``loop.call_soon_threadsafe``; the deltas of a sample that
 queued up while its consumer was busy reach it joined into one (:func:`coalesced`:
@@ -33,7 +34,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
-from dsv41.cluster.interface import EngineClient
+from dsv41.cluster.interface import RequestRefused, SteppedEngine
 
 from dsv41.cluster.options import EngineError
 from dsv41.cluster.request import FinishReason, PhaseTimes, RequestOutput
@@ -178,7 +179,7 @@ def parent_request_id(sample_id: str) -> str:
     return parent if separator else sample_id
 
 
-def engine_load(engine: EngineClient) -> EngineLoad:
+def engine_load(engine: SteppedEngine) -> EngineLoad:
     """What the engine holds now, summed over its DP ranks. Runs on the engine thread."""
     stats = engine.stats()
     ranks = stats.ranks
@@ -204,7 +205,7 @@ def engine_load(engine: EngineClient) -> EngineLoad:
 
 
 class AsyncEngine:
-    """An EngineClient for asyncio callers (see the module docstring).
+    """A SteppedEngine for asyncio callers (see the module docstring).
 
     ``generate`` yields the ``RequestOutput`` deltas of every sample of the request
     (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished,
@@ -212,7 +213,7 @@ class AsyncEngine:
     A request the engine refuses raises its ``EngineError`` / ``SamplingParamsError``
     from the first iteration, with nothing queued."""
 
-    def __init__(self, engine: EngineClient, metrics: ServingMetrics, *, name: str = "dsv41-engine") -> None:
+    def __init__(self, engine: SteppedEngine, metrics: ServingMetrics, *, name: str = "dsv41-engine") -> None:
         self.engine = engine
         self.metrics = metrics
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -289,7 +290,12 @@ class AsyncEngine:
                         self._abort(command.request_id)
                 ended = False
                 if self.engine.has_unfinished_requests():
-                    ended = self._deliver(self.engine.step(), time.monotonic())
+                    try:
+                        outputs = self.engine.step()
+                    except RequestRefused as refused:
+                        self._refuse(refused)
+                    else:
+                        ended = self._deliver(outputs, time.monotonic())
                 self._observe_load(changed=bool(commands) or ended)
         except BaseException as exc:  # noqa: BLE001 - any failure of the engine ends every request
             logger.exception("the engine step loop failed")
@@ -321,6 +327,12 @@ class AsyncEngine:
             command.stream.deliver(exc)
             return
         self._streams[command.request_id] = command.stream
+
+    def _refuse(self, refused: RequestRefused) -> None:
+        """Delivers the refusal of an add its engine answered late (nothing was queued)."""
+        stream = self._streams.pop(refused.request_id, None)
+        if stream is not None:
+            stream.deliver(refused.error)
 
     def _abort(self, request_id: str) -> None:
         # A request that finished (or was refused) before the abort arrived has no stream.

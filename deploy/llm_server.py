@@ -1,8 +1,9 @@
 """The LLM server deployment: one engine per replica, and how a replica builds it.
 
 Owns :func:`make_engine` (the one place a replica's engine is built: ``backend:
-local`` in process, ``backend: ray`` an ``actors`` engine group in the replica's own
-placement group, :func:`llm_server_placement`) and :class:`LLMServer` (the
+local`` in process, ``backend: process`` in a child process the replica owns
+(deploy/engine_process.py), ``backend: ray`` an ``actors`` engine group in the
+replica's own placement group, :func:`llm_server_placement`) and :class:`LLMServer` (the
 deployment whose every replica owns one engine, driven by an ``AsyncEngine``: the
 completion and chat calls the ingress makes, the token stream of the gRPC service
 and ``deploy.client``, the tokenizer endpoints, the replica's metrics and health
@@ -10,8 +11,10 @@ check). Ray Serve LLM's layering: this is its server; deploy/app.py is the ingre
 and the builder, deploy/app_args.py the configs.
 
 Faults: a replica is the unit Serve replaces. Its health check fails once its engine
-cannot serve (the step loop died, or a ``backend: ray`` group's SchedulerActor is
-gone), and Serve starts a new replica. A ``backend: ray`` replica runs its group in the
+cannot serve (the step loop died, a ``backend: process`` replica's engine process
+exited, or a ``backend: ray`` group's SchedulerActor is gone), and Serve starts a new
+replica. A ``backend: process`` replica stops its engine process when it stops; the
+child exits by itself when the replica dies (its socket closes). A ``backend: ray`` replica runs its group in the
 replica's own placement group (``placement_group_bundles``: the replica's resources,
 then one bundle per rank), which Serve creates with the replica and removes when the
 replica stops or dies; the group's actors are owned by the replica, so they die with it
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, 
 
 from ray import serve
 
-from dsv41.cluster.interface import EngineClient
+from dsv41.cluster.interface import SteppedEngine
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
 from dsv41.cluster.sampling_params import MAX_N, SamplingParams
 from dsv41.deploy.app_args import AppArgs, _replica_bundle
@@ -56,6 +59,7 @@ from dsv41.deploy.tokenizer_api import TokenizerEndpoints
 
 if TYPE_CHECKING:
     from dsv41.actors.engine_group import EngineGroup
+    from dsv41.deploy.engine_process import EngineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +77,9 @@ def llm_server_placement(args: AppArgs) -> dict[str, Any]:
     }
 
 
-def make_engine(args: AppArgs) -> EngineClient:
-    """The engine of this replica: ``local`` loads it in this process; ``ray`` (inside
+def make_engine(args: AppArgs) -> SteppedEngine:
+    """The engine of this replica: ``local`` loads it in this process; ``process`` in a
+    child process (loaded before this returns); ``ray`` (inside
     a Serve replica deployed with :func:`llm_server_placement`) starts an engine group
     in the replica's placement group, its actors named after the replica
     (``dsv41-{app}-{replica id}``), so that any number of replicas share a cluster."""
@@ -84,6 +89,10 @@ def make_engine(args: AppArgs) -> EngineClient:
         from dsv41.cluster.engine import Engine
 
         return Engine.from_pretrained(model_dir, **options)
+    if args.backend == "process":
+        from dsv41.deploy.engine_process import EngineProcess
+
+        return EngineProcess(model_dir, options)
     import ray
 
     from dsv41.actors.engine_group import EngineGroup
@@ -171,8 +180,10 @@ class LLMServer:
         self.args = args
         self.model_name = args.model_name
         engine = make_engine(args)
-        # An engine group (backend ray) has processes of its own to watch and release.
+        # An engine group (backend ray) and an engine process (backend process) have
+        # processes of their own to watch and release.
         self._group: "EngineGroup | None" = engine if args.backend == "ray" else None
+        self._engine_process: "EngineProcess | None" = engine if args.backend == "process" else None
         self.tokenizer = engine.tokenizer
         self.prompts = PromptEncoder(engine.tokenizer)
         added = {token.content: token_id for token_id, token in engine.tokenizer.get_added_tokens_decoder().items()}
@@ -202,6 +213,8 @@ class LLMServer:
         gone, or its ranks could not be started again), and Serve replaces the replica.
         A group that restarts after a rank failure is healthy: it recovers in place."""
         self.engine.check_health()
+        if self._engine_process is not None:
+            self._engine_process.check_alive()
         if self._group is not None:
             from dsv41.actors.group import RankGroupDead
 
@@ -211,7 +224,8 @@ class LLMServer:
                 raise EngineDeadError("the engine group cannot serve") from exc
 
     def __del__(self) -> None:
-        """Serve's shutdown hook: stops the heap trimmer and the step loop, then the engine group."""
+        """Serve's shutdown hook: stops the heap trimmer and the step loop, then the
+        engine process or group."""
         heap_trim = getattr(self, "_heap_trim", None)
         if heap_trim is not None:
             heap_trim.close()
@@ -220,6 +234,9 @@ class LLMServer:
             if engine is not None:
                 engine.shutdown()
         finally:
+            engine_process = getattr(self, "_engine_process", None)
+            if engine_process is not None:
+                engine_process.close()
             group = getattr(self, "_group", None)
             if group is not None:
                 group.close()

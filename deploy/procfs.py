@@ -62,7 +62,8 @@ def descendants(pid: int) -> set[int]:
 
 def process_title(pid: int) -> str | None:
     """A process's name: the title it gave itself (Ray's workers: ``ray::...``), else
-    its program's file name (with the script's, for a Python program)."""
+    its program's file name (with the script's, or ``-m`` and the module's, for a
+    Python program)."""
     try:
         argv = [part.decode(errors="replace") for part in (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")]
     except OSError:
@@ -70,6 +71,8 @@ def process_title(pid: int) -> str | None:
     if argv[0].startswith("ray::"):
         return argv[0]
     program = Path(argv[0]).name
+    if program.startswith("python") and len(argv) > 2 and argv[1] == "-m":
+        return f"{program} -m {argv[2]}"
     if program.startswith("python") and len(argv) > 1 and argv[1]:
         return f"{program} {Path(argv[1]).name}"
     return program

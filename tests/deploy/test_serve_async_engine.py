@@ -1,4 +1,6 @@
-"""AsyncEngine (no Ray): one step-loop thread driving a real tiny engine for asyncio callers."""
+"""AsyncEngine (no Ray): one step-loop thread driving a real tiny engine for asyncio
+callers, the engine on that thread or in a child process (deploy/engine_process.py):
+every property of the shared fixture's tests holds for both placements alike."""
 
 from __future__ import annotations
 
@@ -15,17 +17,27 @@ from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
 from dsv41.cluster.sampling_params import SamplingParams, SamplingParamsError
 from dsv41.deploy.async_engine import REQUEST_FAILED_MESSAGE, AsyncEngine, EngineDeadError, RequestFailedError
+from dsv41.deploy.engine_process import EngineProcess
 from dsv41.deploy.metrics import ServingMetrics
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 200, 17, 3], [40, 41, 42], list(range(60, 100))]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path) -> Iterator[AsyncEngine]:
-    async_engine = AsyncEngine(Engine.from_pretrained(tiny_dir, block_size=32, max_model_len=256), ServingMetrics("t", max_model_len=256))
+ENGINE_OPTIONS = {"block_size": 32, "max_model_len": 256}
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[AsyncEngine]:
+    if request.param == "thread":
+        stepped: Engine | EngineProcess = Engine.from_pretrained(tiny_dir, **ENGINE_OPTIONS)
+    else:
+        stepped = EngineProcess(tiny_dir, ENGINE_OPTIONS)
+    async_engine = AsyncEngine(stepped, ServingMetrics("t", max_model_len=256))
     yield async_engine
     async_engine.shutdown()
+    if isinstance(stepped, EngineProcess):
+        stepped.close()
 
 
 async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
@@ -36,7 +48,7 @@ async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int], para
 
 
 def _pages_used(engine: AsyncEngine) -> int:
-    return engine.engine.scheduler.block_manager.stats().pages_used
+    return sum(rank.pages_used for rank in engine.engine.stats().ranks)
 
 
 def _idle(engine: AsyncEngine) -> bool:
@@ -57,7 +69,7 @@ def test_concurrent_streams_are_in_order_and_equal_uninterrupted_runs(engine: As
         return await asyncio.gather(*(_collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
 
     streams = asyncio.run(run_all())
-    want = Engine.from_pretrained(tiny_dir, block_size=32, max_model_len=256).generate(PROMPTS, GREEDY)
+    want = Engine.from_pretrained(tiny_dir, **ENGINE_OPTIONS).generate(PROMPTS, GREEDY)
     for stream, expected in zip(streams, want):
         lengths = [len(o.token_ids) for o in stream]
         assert lengths[0] >= 1 and lengths[-1] == GREEDY.max_tokens
@@ -114,10 +126,11 @@ def test_consumer_exit_aborts_the_request_and_frees_its_pages(engine: AsyncEngin
 
 def test_refused_request_raises_from_the_stream_and_queues_nothing(engine: AsyncEngine) -> None:
     """A prompt beyond the context limit raises the engine's SamplingParamsError from
-    the first iteration; nothing stays queued."""
+    the first iteration; nothing stays queued, and the next request runs."""
     with pytest.raises(SamplingParamsError, match="max_model_len"):
         asyncio.run(_collect(engine, "long", list(range(1, 300)), GREEDY))
-    assert not engine.engine.has_unfinished_requests()
+    assert _idle(engine) and _pages_used(engine) == 0
+    assert asyncio.run(_collect(engine, "next", PROMPTS[1], GREEDY))[-1].finished
 
 
 class _DyingEngine(Engine):
