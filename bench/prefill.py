@@ -46,8 +46,9 @@ from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.bounded_replay import tail_start
 from dsv41.model.config import LayerMode, V41Config
 
-# The issue's target: prefill within 2x of its matmul floor.
-TARGET_X_FLOOR = 2.0
+# Issue 17's target: prefill 4096 within 3x of its bf16 matmul floor (issue 18's 2x is
+# against the FP8 matmul floor, with stored FP8 / FP4 weights).
+TARGET_X_FLOOR = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
