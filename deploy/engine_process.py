@@ -20,7 +20,9 @@ failed. An add is answered asynchronously, so many adds arriving together are ad
 in one turn: :meth:`EngineProcess.step` raises :class:`RequestRefused` for a refused
 one. Either side's death ends the other's reads: the child exits when its socket
 closes (the replica exited or was killed), and the replica's reads raise
-``EngineDeadError`` when the child's does.
+``EngineDeadError`` when the child's does. The replica's idle heap trim and memory
+probe (deploy/heap.py, deploy/memory_probe.py) cover the replica's process only, not the
+child's.
 
 Must not import: ``ray``, ``torch``, ``actors``, or the HTTP modules of ``deploy``; from
 ``model`` only its config, from ``deploy`` only ``deploy.async_engine``; the child
