@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from dsv41.cluster.interface import RequestRefused, SteppedEngine
 
@@ -211,11 +211,23 @@ class AsyncEngine:
     (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished,
     consecutive deltas of a sample that were waiting together joined (:func:`coalesced`).
     A request the engine refuses raises its ``EngineError`` / ``SamplingParamsError``
-    from the first iteration, with nothing queued."""
+    from the first iteration, with nothing queued.
 
-    def __init__(self, engine: SteppedEngine, metrics: ServingMetrics, *, name: str = "dsv41-engine") -> None:
+    ``interrupt_step``: for an engine whose ``step`` waits for another process
+    (``EngineProcess.interrupt_step``), called after each queued command, so the step
+    loop stops waiting and sends it before the engine's next step, not after it."""
+
+    def __init__(
+        self,
+        engine: SteppedEngine,
+        metrics: ServingMetrics,
+        *,
+        name: str = "dsv41-engine",
+        interrupt_step: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self._interrupt_step = interrupt_step
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._dead_reason: str | None = None
@@ -246,7 +258,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), outputs, params.n, time.monotonic(), len(prompt))
         with self._lock:
             self.check_health()
-            self._commands.put(_Add(request_id, prompt, params, stream))
+            self._command(_Add(request_id, prompt, params, stream))
         completed = False
         try:
             while True:
@@ -263,16 +275,21 @@ class AsyncEngine:
                     yield item
         finally:
             if not completed:
-                self._commands.put(_Abort(request_id))
+                self._command(_Abort(request_id))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stops the step loop; in-flight requests end with EngineDeadError."""
         if not self._closed:
             self._closed = True
-            self._commands.put(_Shutdown())
+            self._command(_Shutdown())
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise EngineDeadError(f"the engine thread did not stop within {timeout_s} s (a step is stuck)")
+
+    def _command(self, command: _Command) -> None:
+        self._commands.put(command)
+        if self._interrupt_step is not None:
+            self._interrupt_step()
 
     # -- the engine thread ------------------------------------------------------------
 

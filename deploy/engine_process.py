@@ -18,7 +18,9 @@ requests remain, the number of the last command taken, and the engine's ``stats`
 when they may have changed or ``LOAD_REFRESH_S`` passed), or ``_Died`` when the step
 failed. An add is answered asynchronously, so many adds arriving together are admitted
 in one turn: :meth:`EngineProcess.step` raises :class:`RequestRefused` for a refused
-one. Either side's death ends the other's reads: the child exits when its socket
+one. A command queued while the step loop waits for the child's turn interrupts the
+wait (:meth:`EngineProcess.interrupt_step`), so it is sent before the child's next step
+rather than after it. Either side's death ends the other's reads: the child exits when its socket
 closes (the replica exited or was killed), and the replica's reads raise
 ``EngineDeadError`` when the child's does. The replica's idle heap trim and memory
 probe (deploy/heap.py, deploy/memory_probe.py) cover the replica's process only, not the
@@ -39,7 +41,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -140,6 +142,11 @@ class EngineProcess:
                 [sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env
             )
         self._conn = Connection(ours.detach())
+        # Written by interrupt_step (any thread), read by step: a step loop waiting for
+        # the child's turn wakes to send what was queued meanwhile.
+        self._interrupt_reader, self._interrupt_writer = socket.socketpair()
+        self._interrupt_reader.setblocking(False)
+        self._interrupt_writer.setblocking(False)
         self._seq = 0
         self._last_seq = 0
         self._unfinished = False
@@ -195,9 +202,14 @@ class EngineProcess:
         return self._stats
 
     def step(self) -> list[RequestOutput]:
-        """The outputs of the child's next turn; raises :class:`RequestRefused` for
-        an add it refused (call again for the turn's outputs) and ``EngineDeadError``
-        once the child died."""
+        """The outputs of the child's next turn; nothing when :meth:`interrupt_step`
+        woke it first; raises :class:`RequestRefused` for an add the child refused (call
+        again for the turn's outputs) and ``EngineDeadError`` once the child died."""
+        ready = wait([self._conn, self._interrupt_reader])
+        if self._interrupt_reader in ready:
+            self._drain_interrupts()
+        if self._conn not in ready:
+            return []
         message = self._recv()
         if isinstance(message, _Refused):
             raise RequestRefused(message.request_id, message.error)
@@ -211,7 +223,23 @@ class EngineProcess:
         self._last_seq = message.last_seq
         return message.outputs
 
+    def _drain_interrupts(self) -> None:
+        try:
+            while self._interrupt_reader.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
     # -- any thread -------------------------------------------------------------------
+
+    def interrupt_step(self) -> None:
+        """Makes a :meth:`step` that waits for the child return at once, with nothing
+        (the AsyncEngine calls it after queueing a command, so the command reaches the
+        child before its next turn instead of after it)."""
+        try:
+            self._interrupt_writer.send(b"\0")
+        except BlockingIOError:
+            pass  # full: a wake-up is already pending
 
     def check_alive(self) -> None:
         """Raises EngineDeadError once the child has exited."""
@@ -236,6 +264,8 @@ class EngineProcess:
                 self._process.kill()
                 self._process.wait()
         self._conn.close()
+        self._interrupt_reader.close()
+        self._interrupt_writer.close()
 
     def _send(self, command: Any) -> None:
         self._seq += 1

@@ -192,7 +192,8 @@ class LLMServer:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.config.vocab_size
         self.metrics = replica_metrics(self.model_name, self.max_model_len, args.metrics_prefix, args.ray_metrics)
-        self.engine = AsyncEngine(engine, self.metrics)
+        interrupt = self._engine_process.interrupt_step if self._engine_process is not None else None
+        self.engine = AsyncEngine(engine, self.metrics, interrupt_step=interrupt)
         config = engine.config
         self.tokenizer_endpoints = TokenizerEndpoints(
             engine.tokenizer,

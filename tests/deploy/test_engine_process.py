@@ -153,13 +153,18 @@ def test_an_llm_server_over_an_engine_process_answers_as_one_in_process(tiny_dir
 
 
 def test_adds_arriving_together_are_admitted_in_one_turn(tiny_dir: Path) -> None:
-    """Adds sent while the child steps another request are all taken at its next turn
-    (an add is not a round trip): the first outputs that carry any of them carry a token
-    of each, and every request's tokens equal the engine's own greedy run."""
+    """An interrupted step returns at once; adds sent while the child steps another
+    request are all taken at its next turn (an add is not a round trip): the first
+    outputs that carry any of them carry a token of each, and every request's tokens
+    equal the engine's own greedy run."""
     from dsv41.cluster.engine import Engine
 
     process = EngineProcess(tiny_dir, ENGINE_OPTIONS)
     try:
+        # An interrupted wait returns at once with nothing, even with the child idle
+        # (no message is coming): what lets a step loop send a command it just queued.
+        process.interrupt_step()
+        assert process.step() == []
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         prompts = [[5, 9, 200], [40, 41], [7, 8, 9, 10]]
         ids = [f"r{i}" for i in range(len(prompts))]

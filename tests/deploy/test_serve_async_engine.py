@@ -31,9 +31,11 @@ ENGINE_OPTIONS = {"block_size": 32, "max_model_len": 256}
 def engine(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[AsyncEngine]:
     if request.param == "thread":
         stepped: Engine | EngineProcess = Engine.from_pretrained(tiny_dir, **ENGINE_OPTIONS)
+        interrupt = None
     else:
         stepped = EngineProcess(tiny_dir, ENGINE_OPTIONS)
-    async_engine = AsyncEngine(stepped, ServingMetrics("t", max_model_len=256))
+        interrupt = stepped.interrupt_step
+    async_engine = AsyncEngine(stepped, ServingMetrics("t", max_model_len=256), interrupt_step=interrupt)
     yield async_engine
     async_engine.shutdown()
     if isinstance(stepped, EngineProcess):
