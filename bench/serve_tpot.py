@@ -15,7 +15,8 @@ the engine thread's GIL (their Python work in a step's host part delays the next
 Writes JSON.
 
 Usage: python3 -m bench.serve_tpot --config deploy/configs/reference-slice-h200.yaml
-       [--input-len 1024] [--output-len 64] [--num-prompts 8] [--out bench/results/serve_tpot.json]
+       [--input-len 1024] [--output-len 64] [--num-prompts 8] [--max-concurrency 1]
+       [--out bench/results/serve_tpot.json]
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-concurrency", type=int, default=1, help="requests in flight (issue 17's target: 1)")
     parser.add_argument("--port", type=int, default=None, help="HTTP port of dsv41 serve (default: the config's)")
     parser.add_argument("--out", default="bench/results/serve_tpot.json")
     args = parser.parse_args()
@@ -107,7 +109,7 @@ def main() -> None:
     port = args.port if args.port is not None else serve_config.http_options.port
     workload = [
         "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-        "--max-concurrency", "1", "--temperature", "0", "--seed", "0",
+        "--max-concurrency", str(args.max_concurrency), "--temperature", "0", "--seed", "0",
     ]
     scratch = Path(tempfile.mkdtemp(prefix="serve_tpot-"))
     # Ray gives a replica OMP_NUM_THREADS = its num_cpus (at least 1) when the
@@ -151,6 +153,7 @@ def main() -> None:
     inproc_tpot, serve_tpot = in_process["summary"]["tpot"]["mean_ms"], served["summary"]["tpot"]["mean_ms"]
     report = {
         "config": args.config,
+        "max_concurrency": args.max_concurrency,
         "in_process_omp_num_threads": int(threads),
         "in_process": in_process["summary"],
         "serve": served["summary"],
