@@ -17,15 +17,23 @@ Properties, one test per fault, in the order they run on the module's applicatio
 - the replica process: every stream ends with a 503 ``replica_lost`` error event and
   ``[DONE]``, and the replacement serves the greedy tokens;
 - then the same application deployed again as two one-rank replicas (half the
-  resources each) runs both, each with its own actor names and placement group.
-After every fault, exactly one placement group per replica is held. Each test prints
+  resources each) runs both, each with its own actor names and placement group;
+- then deployed as one ``backend: process`` replica (the engine in a child process of
+  the replica): SIGKILL of the engine process ends every stream with a 503
+  ``engine_dead`` error event, ``/health`` answers 503 at once and Serve replaces the
+  replica; SIGKILL of the replica ends them with ``replica_lost`` and its engine
+  process exits by itself; each replacement serves the greedy tokens.
+After every fault of a ``backend: ray`` replica, exactly one placement group per
+replica is held. Each test prints
 its recovery time. Every wait has a deadline.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
 import time
 import urllib.error
@@ -43,6 +51,7 @@ from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.app import build_app, run_app
 from dsv41.deploy.app_args import AppArgs
 from dsv41.deploy.llm_server import llm_server_placement
+from dsv41.deploy.procfs import descendants, process_title
 
 APP_NAME = "faults"
 REQUEST_TIMEOUT_S = 60
@@ -397,3 +406,66 @@ def test_two_ray_replicas_run_side_by_side(base_url: str, tiny_dir: Path, greedy
         assert status == 200 and body["choices"][0]["text"] == greedy(prompt, CHECK_TOKENS), body
     assert serve.status().applications[APP_NAME].deployments["LLMServer"].replica_states.get("RUNNING") == 2
     print(f"\ntwo replicas: running and serving {time.monotonic() - started:.1f} s after the redeploy")
+
+
+def _engine_process(replica: str) -> int:
+    """The pid of the engine process of the live LLM server replica actor ``replica``."""
+    (pid,) = [a["Pid"] for a in state.actors().values() if a["Name"] == replica and a["State"] == "ALIVE"]
+    (child,) = [c for c in descendants(pid) if (process_title(c) or "").endswith("-m dsv41.deploy.engine_process")]
+    return child
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_dead_engine_process_fails_health_and_serve_replaces_the_replica(
+    base_url: str, tiny_dir: Path, greedy: Callable[[list[int], int], str]
+) -> None:
+    """The application deployed again as one ``backend: process`` replica; SIGKILL of
+    its engine process while four streams decode: each ends with a 503 engine_dead
+    error event and [DONE]; /health answers 503 at once; Serve replaces the replica,
+    whose own engine process serves the greedy text."""
+    serve.delete(APP_NAME)
+    process_args = {"served_model_name": "tiny", "backend": "process", "engine": ENGINE, "health_check_period_s": 1.0}
+    run_app(build_app({"model": str(tiny_dir), **process_args}), name=APP_NAME, route_prefix="/", timeout_s=RECOVERY_TIMEOUT_S)
+    (old,) = _replica_actors()
+    child = _engine_process(old)
+    streams = _streams_in_flight(base_url)
+    os.kill(child, signal.SIGKILL)
+    killed = time.monotonic()
+    ended = _join(streams, REQUEST_TIMEOUT_S)
+    assert {stream.error()["code"] for stream in streams} == {"engine_dead"}
+    assert _health(base_url) == 503
+    unhealthy = time.monotonic() - killed
+    recovered = _served_again(base_url, greedy, killed)
+    (new,) = _replica_actors()
+    assert new != old and _engine_process(new) != child
+    print(f"\nengine process SIGKILL: streams ended in {ended:.2f} s, /health 503 after {unhealthy:.2f} s; "
+          f"the replacement served after {recovered:.1f} s")
+
+
+def test_a_dead_process_replica_leaves_no_engine_process(
+    base_url: str, greedy: Callable[[list[int], int], str], sigkill_actor: Callable[[str], int]
+) -> None:
+    """SIGKILL of the ``backend: process`` replica while four streams decode: each ends
+    with a 503 replica_lost error event and [DONE]; its engine process exits by itself
+    (no shutdown hook ran: its socket closed), and the replacement serves the greedy
+    text."""
+    (old,) = _replica_actors()
+    child = _engine_process(old)
+    streams = _streams_in_flight(base_url)
+    sigkill_actor(old)
+    killed = time.monotonic()
+    ended = _join(streams, REQUEST_TIMEOUT_S)
+    assert {stream.error()["code"] for stream in streams} == {"replica_lost"}
+    assert _gone(child, REQUEST_TIMEOUT_S), "the engine process outlived its replica"
+    orphaned = time.monotonic() - killed
+    recovered = _served_again(base_url, greedy, killed)
+    print(f"\nprocess replica SIGKILL: streams ended in {ended:.2f} s, its engine process exited within "
+          f"{orphaned:.2f} s; the replacement served after {recovered:.1f} s")
