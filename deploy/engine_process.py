@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -328,6 +329,9 @@ def serve_engine(conn: Connection, engine: SteppedEngine) -> None:
 
 def _child_main(fd: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # A Ctrl-C meant for a terminal's foreground group is the replica's to act on: the
+    # child stops when the replica tells it or its socket closes, never half-way.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     try:
         model, options = conn.recv()
