@@ -3,19 +3,20 @@
 Owns :class:`AsyncEngine`: the only thread that ever calls the wrapped engine (a
 ``SteppedEngine``: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests``,
 ``stats``; the engine in this process, or one in a child process,
-deploy/engine_process.py, whose refusals of adds arrive from ``step``), the thread-safe command queue that carries adds and aborts to it, and
-the per-request asyncio queues its ``RequestOutput`` deltas (what each sample gained in a
-step) are delivered to with ``loop.call_soon_threadsafe``; the deltas of a sample that
-queued up while its consumer was busy reach it joined into one (:func:`coalesced`:
-the same tokens and text, fewer chunks to stream). A consumer that stops early (cancellation, a client
-disconnect, ``aclose``) aborts its request, which frees its PAGEs and STATE slot. An
-exception from ``step`` ends every in-flight request with :class:`EngineDeadError` and
-marks the engine dead for good (a replica's health check then fails and Serve replaces
-it). A request the engine itself ends in error (finish reason ``error``: its group lost
-a rank and restarts) raises :class:`RequestFailedError` from its stream, and the engine
-serves on. Either is counted as a failed request, never as a finished one. The
-messages of both are fit for a client: what went wrong inside is the error's
-``__cause__`` and the log's. It also measures each sequence's TTFT, inter-token,
+deploy/engine_process.py, whose refusals of adds arrive from ``step``), the thread-safe
+command queue that carries adds and aborts to it, and the per-request asyncio queues its
+``RequestOutput`` deltas (what each sample gained in a step) are delivered to with
+``loop.call_soon_threadsafe``; the deltas of a sample that queued up while its consumer
+was busy reach it joined into one (:func:`coalesced`: the same tokens and text, fewer
+chunks to stream). A consumer that stops early (cancellation, a client disconnect,
+``aclose``) aborts its request, which frees its PAGEs and STATE slot. An exception from
+``step`` ends every in-flight request with :class:`EngineDeadError` and marks the engine
+dead for good (a replica's health check then fails and Serve replaces it). A request the
+engine itself ends in error (finish reason ``error``: its group lost a rank and
+restarts) raises :class:`RequestFailedError` from its stream, and the engine serves on.
+Either is counted as a failed request, never as a finished one. The messages of both are
+fit for a client: what went wrong inside is the error's ``__cause__`` and the log's.
+It also measures each sequence's TTFT, inter-token,
 decode and end-to-end latency (its queue and prefill times are the engine's,
 ``RequestOutput.phase_times``), and records the engine's load (``_observe_load``:
 not on every step, which every token waits for).
@@ -205,7 +206,7 @@ def engine_load(engine: SteppedEngine) -> EngineLoad:
 
 
 class AsyncEngine:
-    """A SteppedEngine for asyncio callers (see the module docstring).
+    """A SteppedEngine driven for asyncio callers (see the module docstring).
 
     ``generate`` yields the ``RequestOutput`` deltas of every sample of the request
     (ids ``{request_id}#{i}`` when ``params.n`` > 1) until all have finished,

@@ -14,11 +14,12 @@ Faults: a replica is the unit Serve replaces. Its health check fails once its en
 cannot serve (the step loop died, a ``backend: process`` replica's engine process
 exited, or a ``backend: ray`` group's SchedulerActor is gone), and Serve starts a new
 replica. A ``backend: process`` replica stops its engine process when it stops; the
-child exits by itself when the replica dies (its socket closes). A ``backend: ray`` replica runs its group in the
-replica's own placement group (``placement_group_bundles``: the replica's resources,
-then one bundle per rank), which Serve creates with the replica and removes when the
-replica stops or dies; the group's actors are owned by the replica, so they die with it
-too, and its actor names carry the replica's id.
+child exits by itself when the replica dies (its socket closes). A ``backend: ray``
+replica runs its group in the replica's own placement group
+(``placement_group_bundles``: the replica's resources, then one bundle per rank), which
+Serve creates with the replica and removes when the replica stops or dies; the group's
+actors are owned by the replica, so they die with it too, and its actor names carry the
+replica's id.
 
 Must not import at module level: ``torch`` or ``actors`` (``make_engine`` imports the
 backend it builds). Must not be imported by ``model``, ``cache``, ``cluster``, ``actors``.
