@@ -10,20 +10,20 @@ holds unfinished requests, taking the commands that arrived between steps, and a
 every turn sends one message with the step's delta outputs. The replica's threads (the
 streams, the metrics, Serve's own) run while the child computes the next step.
 
-The wire, each message one pickled object (``multiprocessing.connection``): to the
-child ``_Add`` / ``_Abort`` / ``_Shutdown``, each numbered; from it ``_Ready`` once,
-then per turn any ``_Refused`` (an add the engine would not queue: its
-``EngineError`` / ``SamplingParamsError``) and one ``_Stepped`` (the outputs, whether
-requests remain, the number of the last command taken, and the engine's ``stats``
-when they may have changed or ``LOAD_REFRESH_S`` passed), or ``_Died`` when the step
-failed. An add is answered asynchronously, so many adds arriving together are admitted
-in one turn: :meth:`EngineProcess.step` raises :class:`RequestRefused` for a refused
-one. A command queued while the step loop waits for the child's turn interrupts the
-wait (:meth:`EngineProcess.interrupt_step`), so it is sent before the child's next step
-rather than after it. Either side's death ends the other's reads: the child exits when its socket
-closes (the replica exited or was killed), and the replica's reads raise
-``EngineDeadError`` when the child's does. The replica's idle heap trim and memory
-probe (deploy/heap.py, deploy/memory_probe.py) cover the replica's process only, not the
+The wire, each message one pickled object (``multiprocessing.connection``): to the child
+``_Add`` / ``_Abort`` / ``_Shutdown``, each numbered; from it ``_Ready`` once, then per
+turn any ``_Refused`` (an add the engine would not queue: its ``EngineError`` /
+``SamplingParamsError``) and one ``_Stepped`` (the outputs, whether requests remain, the
+number of the last command taken, and the engine's ``stats`` when they may have changed
+or ``LOAD_REFRESH_S`` passed), or ``_Died`` when the step failed. An add is answered
+asynchronously, so many adds arriving together are admitted in one turn:
+:meth:`EngineProcess.step` raises :class:`RequestRefused` for a refused one. A command
+queued while the step loop waits for the child's turn interrupts the wait
+(:meth:`EngineProcess.interrupt_step`), so it is sent before the child's next step
+rather than after it. Either side's death ends the other's reads: the child exits when
+its socket closes (the replica exited or was killed), and the replica's reads raise
+``EngineDeadError`` when the child's does. The replica's idle heap trim and memory probe
+(deploy/heap.py, deploy/memory_probe.py) cover the replica's process only, not the
 child's.
 
 Must not import: ``ray``, ``torch``, ``actors``, or the HTTP modules of ``deploy``; from
