@@ -1,5 +1,5 @@
-"""Helpers shared by the serving tests, as fixtures: a free TCP port for a server to
-listen on, this machine's address other than loopback, a metric's value read from
+"""Helpers shared by the serving tests, as fixtures: calls made at once, a free TCP port
+for a server to listen on, this machine's address other than loopback, a metric's value read from
 Prometheus text or from a live ``/metrics``, live applications on this package's one
 shared local Ray cluster (the tiny application several modules serve alike among them),
 and a live application on a local Ray cluster of its own.
@@ -20,6 +20,7 @@ import re
 import socket
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -228,6 +229,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     reordered = [item for path in order for item in modules[path]]
     for i, item in zip(slots, reordered):
         items[i] = item
+
+
+def _concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each call's result, in order, the calls made at once: requests to a replica,
+    which decodes them in one batch (a seeded or greedy request's tokens do not depend
+    on its batch), and an in-process reference run beside them."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
+@pytest.fixture(name="concurrently", scope="session")
+def concurrently_fixture() -> Callable[[list[Callable[[], Any]]], list[Any]]:
+    """``concurrently(calls)``: each call's result, in order, the calls made at once."""
+    return _concurrently
 
 
 @pytest.fixture(name="free_port", scope="session")

@@ -9,9 +9,10 @@ from the tokenizer itself."""
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import openai
 import pytest
@@ -150,29 +151,41 @@ def _sampled_ids(engine: Engine, prompt: list[int]) -> list[int]:
     return list(output.token_ids)
 
 
-def test_skip_special_tokens_on_completions(client: openai.OpenAI, engine: Engine, tokenizer: Tokenizer) -> None:
+
+def test_skip_special_tokens_on_completions(
+    client: openai.OpenAI, engine: Engine, tokenizer: Tokenizer, concurrently: Callable[[list[Callable[[], Any]]], list[Any]]
+) -> None:
     """A completion's text is the tokenizer's decode of its tokens with special tokens
     skipped by default (vLLM's), kept with skip_special_tokens false; streamed, the
     chunks join to it, no chunk holding part of a character (the run splits some);
     spaces_between_special_tokens either way gives the same text (ByteLevel decoding)."""
-    ids = _sampled_ids(engine, _ids(tokenizer, PROMPT))
+    kwargs = {"model": "tiny", "prompt": PROMPT, **SAMPLED}
+    flags = [(skip, spaces) for skip in (True, False) for spaces in (True, False)]
+
+    def text(skip: bool, spaces: bool) -> str:
+        body = {"ignore_eos": True, "skip_special_tokens": skip, "spaces_between_special_tokens": spaces}
+        return client.completions.create(**kwargs, extra_body=body).choices[0].text
+
+    def default() -> str:
+        return client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
+
+    def chunks() -> str:
+        stream = client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in stream)
+
+    calls: list[Callable[[], Any]] = [lambda skip=skip, spaces=spaces: text(skip, spaces) for skip, spaces in flags]
+    reference = functools.partial(_sampled_ids, engine, _ids(tokenizer, PROMPT))
+    *answers, default_text, streamed, ids = concurrently([*calls, default, chunks, reference])
+    texts = dict(zip(flags, answers))
     assert set(ids) & set(_specials(tokenizer)), "the sampled run holds no special token"
     assert any(tokenizer.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids))), "no token splits a character"
-    kwargs = {"model": "tiny", "prompt": PROMPT, **SAMPLED}
-    texts = {}
-    for skip in (True, False):
-        for spaces in (True, False):
-            body = {"ignore_eos": True, "skip_special_tokens": skip, "spaces_between_special_tokens": spaces}
-            texts[skip, spaces] = client.completions.create(**kwargs, extra_body=body).choices[0].text
     assert texts[True, True] == texts[True, False] == tokenizer.decode(ids, skip_special_tokens=True)
     assert texts[False, True] == texts[False, False] == tokenizer.decode(ids, skip_special_tokens=False)
-    default = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
-    chunks = [c.choices[0].text for c in client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True})]
-    assert default == "".join(chunks) == texts[True, True]
+    assert default_text == streamed == texts[True, True]
 
 
 def test_chat_skips_special_tokens_but_the_parsers_markers(
-    client: openai.OpenAI, engine: Engine, tokenizer: Tokenizer
+    client: openai.OpenAI, engine: Engine, tokenizer: Tokenizer, concurrently: Callable[[list[Callable[[], Any]]], list[Any]]
 ) -> None:
     """A chat answer's content holds no special token by default but the markers its
     parser reads (they are not special text to it: </think> ends reasoning); with
@@ -181,16 +194,19 @@ def test_chat_skips_special_tokens_but_the_parsers_markers(
     each token's own bytes: joined they decode to the tokenizer's decode of the ids."""
     messages = [{"role": "user", "content": "hi"}]
     prompt = PromptEncoder(tokenizer).encode_pieces(render_pieces(messages))
-    ids = _sampled_ids(engine, prompt)
+    kwargs = {"model": "tiny", "messages": messages, **SAMPLED, "logprobs": True, "top_logprobs": 1}
+    bodies = [
+        {"ignore_eos": True},
+        {"ignore_eos": True, "skip_special_tokens": False},
+        {"ignore_eos": True, "skip_special_tokens": False, "spaces_between_special_tokens": False},
+    ]
+    calls: list[Callable[[], Any]] = [
+        lambda body=body: client.chat.completions.create(**kwargs, extra_body=body).choices[0] for body in bodies
+    ]
+    default, kept, unspaced, ids = concurrently([*calls, functools.partial(_sampled_ids, engine, prompt)])
     specials = _specials(tokenizer)
     dropped = {specials[t] for t in ids if t in specials} - set(OUTPUT_MARKERS)
     assert dropped, "the sampled run holds no special token the chat answer drops"
-    kwargs = {"model": "tiny", "messages": messages, **SAMPLED, "logprobs": True, "top_logprobs": 1}
-    default = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0]
-    kept = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True, "skip_special_tokens": False}).choices[0]
-    unspaced = client.chat.completions.create(
-        **kwargs, extra_body={"ignore_eos": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
-    ).choices[0]
     assert not any(s in (default.message.content or "") for s in dropped)
     assert any(s in (kept.message.content or "") for s in dropped)
     assert unspaced.message.content == kept.message.content

@@ -105,17 +105,20 @@ def _check_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
     [("required", {"get_weather", "now"}), ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})],
     ids=["required", "named"],
 )
-def test_forced_tool_calls_parse_into_tool_calls(client: openai.OpenAI, tool_choice: Any, names: set[str]) -> None:
+def test_forced_tool_calls_parse_into_tool_calls(
+    client: openai.OpenAI, tool_choice: Any, names: set[str], concurrently: Callable[[list[Callable[[], Any]]], list[Any]]
+) -> None:
     """tool_choice required / a named function with parallel_tool_calls false: every
     sampled answer is exactly one call of an allowed function whose arguments validate
     against its schema, finish_reason tool_calls, no content; streamed the same."""
     kwargs = dict(tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, temperature=1.0, max_tokens=300)
-    answer = _chat(client, n=2, seed=6, **kwargs)
+    answer, (content, _, calls, finish) = concurrently(
+        [lambda: _chat(client, n=2, seed=6, **kwargs), lambda: _streamed_message(client, seed=7, **kwargs)]
+    )
     for choice in answer.choices:
-        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
-        assert choice.finish_reason == "tool_calls" and len(calls) == 1 and not choice.message.content
-        _check_calls(calls, names)
-    content, _, calls, finish = _streamed_message(client, seed=7, **kwargs)
+        choice_calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
+        assert choice.finish_reason == "tool_calls" and len(choice_calls) == 1 and not choice.message.content
+        _check_calls(choice_calls, names)
     assert finish == "tool_calls" and len(calls) == 1 and not content
     _check_calls(calls, names)
 
