@@ -251,6 +251,23 @@ def _served_again(base_url: str, greedy: Callable[[list[int], int], str], since:
         time.sleep(0.25)
 
 
+def _dead_engine_replaced(
+    base_url: str, greedy: Callable[[list[int], int], str], kill: Callable[[], object]
+) -> tuple[float, float, float]:
+    """Kills the replica's engine (``kill``) while four streams decode and checks that
+    each stream ends with a 503 engine_dead error event and [DONE], that /health answers
+    503 at once, and that a replacement serves the greedy text; returns the seconds from
+    the kill until the streams ended, /health failed and the replacement served."""
+    streams = _streams_in_flight(base_url)
+    kill()
+    killed = time.monotonic()
+    ended = _join(streams, REQUEST_TIMEOUT_S)
+    assert {stream.error()["code"] for stream in streams} == {"engine_dead"}
+    assert _health(base_url) == 503
+    unhealthy = time.monotonic() - killed
+    return ended, unhealthy, _served_again(base_url, greedy, killed)
+
+
 def _one_placement_group_per_replica(replicas: list[str]) -> None:
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     while _held_placement_groups() != replicas:
@@ -348,14 +365,7 @@ def test_a_dead_scheduler_fails_health_and_serve_replaces_the_replica(
     the replica (the old one's placement group goes, its successor's is placed on the
     freed CPUs) and the new replica serves the greedy text."""
     (old,) = _replica_actors()
-    streams = _streams_in_flight(base_url)
-    sigkill_actor(_group_actor("scheduler"))
-    killed = time.monotonic()
-    ended = _join(streams, REQUEST_TIMEOUT_S)
-    assert {stream.error()["code"] for stream in streams} == {"engine_dead"}
-    assert _health(base_url) == 503
-    unhealthy = time.monotonic() - killed
-    recovered = _served_again(base_url, greedy, killed)
+    ended, unhealthy, recovered = _dead_engine_replaced(base_url, greedy, lambda: sigkill_actor(_group_actor("scheduler")))
     (new,) = _replica_actors()
     assert new != old
     _one_placement_group_per_replica([new])
@@ -436,14 +446,7 @@ def test_a_dead_engine_process_fails_health_and_serve_replaces_the_replica(
     run_app(build_app({"model": str(tiny_dir), **process_args}), name=APP_NAME, route_prefix="/", timeout_s=RECOVERY_TIMEOUT_S)
     (old,) = _replica_actors()
     child = _engine_process(old)
-    streams = _streams_in_flight(base_url)
-    os.kill(child, signal.SIGKILL)
-    killed = time.monotonic()
-    ended = _join(streams, REQUEST_TIMEOUT_S)
-    assert {stream.error()["code"] for stream in streams} == {"engine_dead"}
-    assert _health(base_url) == 503
-    unhealthy = time.monotonic() - killed
-    recovered = _served_again(base_url, greedy, killed)
+    ended, unhealthy, recovered = _dead_engine_replaced(base_url, greedy, lambda: os.kill(child, signal.SIGKILL))
     (new,) = _replica_actors()
     assert new != old and _engine_process(new) != child
     print(f"\nengine process SIGKILL: streams ended in {ended:.2f} s, /health 503 after {unhealthy:.2f} s; "
