@@ -32,12 +32,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from dsv41.deploy.engine_process import engine_processes
 from dsv41.deploy.procfs import descendants, process_title
 
 REPLICA_NAMES = ("ProxyActor", "OpenAIIngress", "LLMServer")
-# What the LLM server's engine process (backend: process) is called, where there is one.
+# The report's name for the LLM server's engine process (backend: process), where there is one.
 ENGINE_PROCESS = "EngineProcess"
-ENGINE_PROCESS_MODULE = "dsv41.deploy.engine_process"
 
 
 def _thread_cpu_ms(pid: int) -> dict[int, float]:
@@ -64,9 +64,8 @@ def _replicas(serve_pid: int) -> dict[str, int]:
     missing = set(REPLICA_NAMES) - set(found)
     if missing:
         raise SystemExit(f"serve_tpot: no process of {sorted(missing)} under dsv41 serve (pid {serve_pid})")
-    for pid in descendants(found["LLMServer"]):
-        if (process_title(pid) or "").endswith(f"-m {ENGINE_PROCESS_MODULE}"):
-            found[ENGINE_PROCESS] = pid
+    for pid in engine_processes(found["LLMServer"]):
+        found[ENGINE_PROCESS] = pid
     return found
 
 

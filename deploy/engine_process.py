@@ -27,8 +27,8 @@ its socket closes (the replica exited or was killed), and the replica's reads ra
 child's.
 
 Must not import: ``ray``, ``torch``, ``actors``, or the HTTP modules of ``deploy``; from
-``model`` only its config, from ``deploy`` only ``deploy.async_engine``; the child
-imports ``cluster.engine`` when it starts.
+``model`` only its config, from ``deploy`` only ``deploy.async_engine`` and
+``deploy.procfs``; the child imports ``cluster.engine`` when it starts.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from dsv41.cluster.options import EngineError
 from dsv41.cluster.request import RequestOutput
 from dsv41.cluster.sampling_params import SamplingParams, SamplingParamsError
 from dsv41.deploy.async_engine import LOAD_REFRESH_S, EngineDeadError
+from dsv41.deploy.procfs import descendants, process_title
 from dsv41.model.config import V41Config
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,13 @@ class _Died:
 
 
 _Command = _Add | _Abort | _Shutdown
+
+
+def engine_processes(pid: int) -> set[int]:
+    """The engine processes (this module's children) running below process ``pid``
+    (read from /proc: empty where it cannot be read)."""
+    title = f"-m {__name__}"
+    return {child for child in descendants(pid) if (process_title(child) or "").endswith(title)}
 
 
 def _describe(exc: BaseException) -> str:

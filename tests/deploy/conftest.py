@@ -1,8 +1,8 @@
 """Helpers shared by the serving tests, as fixtures: calls made at once, a free TCP port
-for a server to listen on, this machine's address other than loopback, a metric's value read from
-Prometheus text or from a live ``/metrics``, live applications on this package's one
-shared local Ray cluster (the tiny application several modules serve alike among them),
-and a live application on a local Ray cluster of its own.
+for a server to listen on, this machine's address other than loopback, a metric's value
+read from Prometheus text or from a live ``/metrics``, live applications on this
+package's one shared local Ray cluster (the tiny application several modules serve alike
+among them), and a live application on a local Ray cluster of its own.
 
 They are fixtures rather than importable functions because ``tests/`` is not a package:
 every directory's ``conftest`` is the same module name, so ``from conftest import ...``

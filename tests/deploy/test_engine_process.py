@@ -21,10 +21,9 @@ from dsv41.cluster.request import CumulativeOutputs
 from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.app_args import AppArgs
 from dsv41.deploy.async_engine import AsyncEngine, EngineDeadError
-from dsv41.deploy.engine_process import EngineProcess
+from dsv41.deploy.engine_process import EngineProcess, engine_processes
 from dsv41.deploy.llm_server import LLMServer
 from dsv41.deploy.metrics import ServingMetrics
-from dsv41.deploy.procfs import descendants, process_title
 
 ENGINE_OPTIONS = {"block_size": 32, "max_model_len": 256}
 # A child whose replica is gone notices at its next read; well within this on a loaded box.
@@ -90,7 +89,7 @@ def test_the_engine_process_exits_when_its_replica_is_killed(tiny_dir: Path, tmp
             f"""
             import sys, threading
             from dsv41.cluster.sampling_params import SamplingParams
-            from dsv41.deploy.engine_process import EngineProcess
+            from dsv41.deploy.engine_process import EngineProcess, engine_processes
             process = EngineProcess({str(tiny_dir)!r}, {ENGINE_OPTIONS!r})
             if sys.argv[1] == "stepping":
                 process.add_request("long", [5, 9, 200], SamplingParams(max_tokens=250, ignore_eos=True))
@@ -115,15 +114,10 @@ def test_a_load_failure_is_raised_by_the_constructor_and_leaves_no_process(tmp_p
     """A model the child cannot load raises RuntimeError naming the model and the
     child's error, and the child is gone."""
     missing = tmp_path / "no-such-checkpoint"
-    before = _engine_processes()
+    before = engine_processes(os.getpid())
     with pytest.raises(RuntimeError, match=f"could not load {missing}"):
         EngineProcess(missing, ENGINE_OPTIONS)
-    assert _engine_processes() == before
-
-
-def _engine_processes() -> set[int]:
-    """The processes below this one that run deploy/engine_process.py."""
-    return {pid for pid in descendants(os.getpid()) if (process_title(pid) or "").endswith("-m dsv41.deploy.engine_process")}
+    assert engine_processes(os.getpid()) == before
 
 
 def test_an_llm_server_over_an_engine_process_answers_as_one_in_process(tiny_dir: Path) -> None:
@@ -142,14 +136,14 @@ def test_an_llm_server_over_an_engine_process_answers_as_one_in_process(tiny_dir
             asyncio.run(server.check_health())
             got = [asyncio.run(server.completions(dict(body)))["choices"] for body in bodies]
             if backend == "process":
-                assert _engine_processes() == {server._engine_process.pid}
+                assert engine_processes(os.getpid()) == {server._engine_process.pid}
         finally:
             server.__del__()
         return got
 
     local = answers("local")
     assert answers("process") == local
-    assert _engine_processes() == set()
+    assert engine_processes(os.getpid()) == set()
 
 
 def test_adds_arriving_together_are_admitted_in_one_turn(tiny_dir: Path) -> None:

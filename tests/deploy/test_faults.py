@@ -51,7 +51,7 @@ from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.app import build_app, run_app
 from dsv41.deploy.app_args import AppArgs
 from dsv41.deploy.llm_server import llm_server_placement
-from dsv41.deploy.procfs import descendants, process_title
+from dsv41.deploy.engine_process import engine_processes
 
 APP_NAME = "faults"
 REQUEST_TIMEOUT_S = 60
@@ -421,7 +421,7 @@ def test_two_ray_replicas_run_side_by_side(base_url: str, tiny_dir: Path, greedy
 def _engine_process(replica: str) -> int:
     """The pid of the engine process of the live LLM server replica actor ``replica``."""
     (pid,) = [a["Pid"] for a in state.actors().values() if a["Name"] == replica and a["State"] == "ALIVE"]
-    (child,) = [c for c in descendants(pid) if (process_title(c) or "").endswith("-m dsv41.deploy.engine_process")]
+    (child,) = engine_processes(pid)
     return child
 
 
