@@ -85,6 +85,12 @@ MOE_SWEEP = (
     ExpertTiling(block_n=32, block_k=256, num_warps=4, num_stages=4),
     ExpertTiling(block_n=128, block_k=64, num_warps=8, num_stages=4),
     ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4, mxfp4_dot="decoded"),
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4, mxfp4_dot="bits"),
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=3, mxfp4_dot="bits"),
+    ExpertTiling(block_n=64, block_k=256, num_warps=4, num_stages=3, mxfp4_dot="bits"),
+    ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3, mxfp4_dot="bits"),
+    ExpertTiling(block_n=128, block_k=64, num_warps=4, num_stages=4, mxfp4_dot="bits"),
+    ExpertTiling(block_n=32, block_k=256, num_warps=4, num_stages=4, mxfp4_dot="bits"),
 )
 COMPRESSION_PREFILL_ROWS = 4096
 # The dense projections' rows: decode batches and one 4096-token prefill.

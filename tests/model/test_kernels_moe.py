@@ -26,16 +26,18 @@ from hypothesis import strategies as st
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.sampling_params import SamplingParams
-from dsv41.model.formats import dequantize_fp4_weight, quantize_fp4_weight, round_mxfp4
+from dsv41.model.formats import dequantize_fp4_weight, dequantize_mxfp4, quantize_fp4_weight, round_mxfp4
 from dsv41.model.kernels.interface import ExpertBank
 from dsv41.model.loader import ExpertShard
 from dsv41.model.moe import ExpertWeights, Routing, combine_slots, moe_forward, routed_expert_slots
 from dsv41.model.stored_weights import Fp4Weight
 from dsv41.model.params import load_model_params
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from dsv41.model.kernels.triton import TritonKernels  # noqa: E402
+from dsv41.model.kernels.triton.decode import e8m0_to_bf16, mxfp4_pairs_to_bf16  # noqa: E402
 from dsv41.model.kernels.triton.moe import (  # noqa: E402
     ExpertTiling,
     PairBlocks,
@@ -140,8 +142,8 @@ def test_mxfp4_tiles_decode_to_dequantize_fp4_weight_exactly(dtype: torch.dtype)
     """The w2 launch over an identity h (one pair row per intermediate index, all in one
     expert's blocks) writes each decoded column of w2 once, times 1.0 plus zeros: its
     output is dequantize_fp4_weight of the checkpoint's bytes, in the compute dtype,
-    bit for bit (bf16 activations through the scaled dot, fp32 through the fp32
-    decode), at the decode and prefill tilings."""
+    bit for bit (bf16 activations through the scaled dot, and on a GPU the bit decode,
+    fp32 through the fp32 decode), at the decode and prefill tilings."""
     hidden, inter = 64, 96
     experts = _experts([2, 7], hidden, inter, dtype, "mxfp4", seed=24)
     stored = _checkpoint_form(experts)
@@ -154,16 +156,18 @@ def test_mxfp4_tiles_decode_to_dequantize_fp4_weight_exactly(dtype: torch.dtype)
     )
     w2 = stored[7].w2
     want = dequantize_fp4_weight(w2.values, w2.scale.view(torch.uint8)).to(dtype).T
-    for tiling in (expert_tiling("mxfp4", 16), expert_tiling("mxfp4", 64)):
+    bits = [ExpertTiling(block_n=64, block_k=64, mxfp4_dot="bits")] if dtype == torch.bfloat16 and DEVICE == "cuda" else []
+    for tiling in (expert_tiling("mxfp4", 16), expert_tiling("mxfp4", 64), *bits):
         out = torch.zeros(inter, hidden, dtype=dtype, device=DEVICE)
         expert_down(h, out, blocks, bank, tiling, bf16_dot=dtype == torch.bfloat16 and DEVICE == "cuda")
         assert torch.equal(out, want), tiling
 
 
-def test_the_scaled_and_the_decoded_mxfp4_dots_agree_bit_for_bit() -> None:
+def test_the_scaled_the_decoded_and_the_bit_mxfp4_dots_agree_bit_for_bit() -> None:
     """bf16 activations meet MXFP4 tiles in tl.dot_scaled by default; the "decoded"
-    tiling option decodes them to fp32 here and runs a plain dot instead. Both see the
-    same operand values in the same K steps: the outputs are equal, bit for bit."""
+    tiling option decodes them to fp32 here and runs a plain dot instead, and on a GPU
+    "bits" decodes each byte straight to bf16. All see the same operand values in the
+    same K steps: the outputs are equal, bit for bit."""
     hidden, inter, top_k, rows = 96, 64, 2, 17
     experts = _experts(range(4), hidden, inter, torch.bfloat16, "mxfp4", seed=25)
     bank = build_expert_bank(experts, "mxfp4")
@@ -171,9 +175,50 @@ def test_the_scaled_and_the_decoded_mxfp4_dots_agree_bit_for_bit() -> None:
     x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(27)).to(torch.bfloat16).to(DEVICE)
     bf16_dot = DEVICE == "cuda"
     scaled = ExpertTiling(block_n=32, block_k=64)
-    decoded = ExpertTiling(block_n=32, block_k=64, mxfp4_dot="decoded")
     got = grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=bf16_dot, tiling=scaled)
-    assert torch.equal(grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=bf16_dot, tiling=decoded), got)
+    for mxfp4_dot in ("decoded", "bits") if DEVICE == "cuda" else ("decoded",):
+        tiling = ExpertTiling(block_n=32, block_k=64, mxfp4_dot=mxfp4_dot)
+        assert torch.equal(grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=bf16_dot, tiling=tiling), got)
+
+
+@triton.jit
+def _decode_pairs_kernel(packed_ptr, scale_ptr, out_ptr, ROWS: tl.constexpr, PAIRS: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    pairs = tl.arange(0, PAIRS)
+    packed = tl.load(packed_ptr + rows[:, None] * PAIRS + pairs[None, :])
+    scale = tl.load(scale_ptr + rows[:, None] * PAIRS + pairs[None, :])
+    values = mxfp4_pairs_to_bf16(packed, e8m0_to_bf16(scale))
+    tl.store(out_ptr + rows[:, None] * (2 * PAIRS) + tl.arange(0, 2 * PAIRS)[None, :], values)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the bit decode is PTX: the interpreter runs no inline asm")
+def test_the_bit_decode_is_dequantize_mxfp4_for_every_byte_and_scale() -> None:
+    """decode.mxfp4_pairs_to_bf16 over every byte (both nibbles: all 16 codes, signed
+    zeros included) times every E8M0 scale byte but NaN's 255 (0, 2^-127, included;
+    results that overflow are inf on both sides): formats.dequantize_mxfp4's values in
+    bf16, bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(255, 1)
+    scales = torch.arange(255, dtype=torch.uint8)[:, None].expand(255, 256).contiguous()
+    rows = 256
+    packed = torch.zeros(rows, 256, dtype=torch.uint8)
+    pair_scale = torch.full((rows, 256), 127, dtype=torch.uint8)
+    packed[:255], pair_scale[:255] = codes, scales
+    out = torch.empty(rows, 512, dtype=torch.bfloat16, device=DEVICE)
+    _decode_pairs_kernel[(1,)](packed.to(DEVICE), pair_scale.to(DEVICE), out, ROWS=rows, PAIRS=256)
+    want = dequantize_mxfp4(packed, pair_scale[:, ::16].contiguous()).to(torch.bfloat16)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a GPU runs the bit decode")
+def test_the_bit_decode_is_refused_where_no_ptx_runs() -> None:
+    """Under the interpreter (or on ROCm) an MXFP4 tiling asking for "bits" with bf16
+    activations fails at launch naming the field and what runs there, never falls back."""
+    experts = _experts(range(2), 64, 64, torch.bfloat16, "mxfp4", seed=29)
+    bank = build_expert_bank(experts, "mxfp4")
+    routing = _routing(3, 1, [1, 0], seed=30)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(31)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"ExpertTiling.mxfp4_dot: 'bits' .*allowed here: 'scaled', 'decoded'"):
+        grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=False, tiling=ExpertTiling(mxfp4_dot="bits"))
 
 
 def test_the_packed_bank_refuses_mismatched_packs_and_scale_bytes_it_cannot_decode() -> None:

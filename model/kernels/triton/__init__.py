@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -40,6 +39,7 @@ from dsv41.model.kernels.triton.attention import (
     sparse_attention_kernel,
 )
 from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
+from dsv41.model.kernels.triton.decode import INTERPRETED
 from dsv41.model.kernels.triton.epilogue import fused_epilogue
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
@@ -57,14 +57,12 @@ DEFAULT_LOGITS_BUDGET_BYTES = 2048 << 20
 # Values one compression-path program moves: a 512-channel row alone is too little work
 # for a GPU program, and under the interpreter fewer, larger programs run faster.
 VALUES_PER_PROGRAM = 4096
-# Triton's CPU interpreter computes bf16 dots wrongly (garbage, seen with triton 3.9.0
-# on 2026-11-30), so under TRITON_INTERPRET the kernels keep dot operands in fp32. The
-# products are exact either way (every operand is bf16-exact); only the attention's
-# probabilities, rounded to bf16 for the GPU's dot, are not rounded there.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 logger = logging.getLogger(__name__)
 register_gpu_kernels(GpuKernels(matmul=fixed_tile_matmul, row_sum=row_sum, decode_fp8=decode_fp8_weight))
+# Under the interpreter dot operands stay fp32. The products are exact either way
+# (every operand is bf16-exact); only the attention's probabilities, rounded to bf16
+# for the GPU's dot, are not rounded there.
 if INTERPRETED:
     logger.info("triton kernels: interpreter mode, fp32 dot operands, tl.exp in the pair softmax and the mHC mix")
 

@@ -16,8 +16,15 @@ Must not import: cache, cluster, actors, deploy, ray.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1): it computes bf16
+# dots wrongly (garbage, seen with triton 3.9.0 on 2026-11-30), so there the kernels
+# keep dot operands in fp32, and it runs no inline asm (mxfp4_pairs_to_bf16).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # The smallest dot K (a tile's rows or its channels) at which a bf16 tile decoded from
 # E2M1 nibbles meets an MMA as the compiler lays it out. Triton 3.6 (the H200's) traces
@@ -71,6 +78,60 @@ def e2m1_to_f32(code):
     m = c & 7
     bits = tl.where(m >= 2, (m + 252) << 22, m * (126 << 23))
     return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+# The E2M1 pairs of four bytes to bf16, both nibbles of each byte times its scale, on
+# 32-bit words of two bf16 lanes. Each byte goes to the low byte of a 16-bit lane
+# (prmt), a nibble's magnitude bits are moved into the lane's exponent and first
+# mantissa bits (6-8) and its sign into bit 15: the lane then holds the code's value
+# times 2^-126 (code 1, 0.5, as bf16's subnormal 2^-127), so one multiply by 2^126 and
+# one by the scale give the value, both exact (powers of two; the results are bf16
+# normals or its exact subnormals). The multiplies are fma with -0.0 (x + -0 is x for
+# every x), which sm_80 has; sm_90's mul.bf16x2 would do the same.
+MXFP4_PAIRS_TO_BF16_PTX = tl.constexpr("""
+{
+.reg .b32 zero, bias, negzero, t<2>, m, s;
+mov.b32 zero, 0;
+mov.b32 bias, 0x7E807E80;
+mov.b32 negzero, 0x80008000;
+prmt.b32 t0, $4, zero, 0x4140;
+prmt.b32 t1, $4, zero, 0x4342;
+shl.b32 m, t0, 6; and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 12; and.b32 s, s, 0x80008000; or.b32 m, m, s;
+fma.rn.bf16x2 m, m, bias, negzero; fma.rn.bf16x2 $0, m, $5, negzero;
+shl.b32 m, t1, 6; and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 12; and.b32 s, s, 0x80008000; or.b32 m, m, s;
+fma.rn.bf16x2 m, m, bias, negzero; fma.rn.bf16x2 $1, m, $6, negzero;
+shl.b32 m, t0, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 8; and.b32 s, s, 0x80008000; or.b32 m, m, s;
+fma.rn.bf16x2 m, m, bias, negzero; fma.rn.bf16x2 $2, m, $5, negzero;
+shl.b32 m, t1, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 8; and.b32 s, s, 0x80008000; or.b32 m, m, s;
+fma.rn.bf16x2 m, m, bias, negzero; fma.rn.bf16x2 $3, m, $6, negzero;
+}
+""")
+
+
+@triton.jit
+def e8m0_to_bf16(byte):
+    """A biased power-of-two exponent byte as its scale 2^(byte - 127) in bf16, built as
+    bits (byte 0, 2^-127, is bf16's subnormal 0x0040)."""
+    e = byte.to(tl.int32)
+    return tl.where(e == 0, 0x40, e << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def mxfp4_pairs_to_bf16(packed, pair_scale):
+    """MXFP4 bytes [R, C] (two E2M1 codes, the even element in the low nibble) and each
+    byte's scale as bf16 [R, C] -> their values in bf16 [R, 2C], exactly
+    dequantize_mxfp4's, in about four instructions a value (MXFP4_PAIRS_TO_BF16_PTX)
+    where e2m1_to_f32 and a scale multiply take about a dozen. Compiled kernels on
+    NVIDIA GPUs only: the interpreter runs no asm."""
+    low, high = tl.inline_asm_elementwise(
+        MXFP4_PAIRS_TO_BF16_PTX,
+        "=r,=r,=r,=r,r,r,r",
+        [packed, pair_scale],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+    return tl.interleave(low, high)
 
 
 @triton.jit

@@ -29,19 +29,15 @@ Must not import: cache, cluster, actors, deploy, ray.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.kernels.triton.decode import e4m3_to_f32, e8m0_to_f32
+from dsv41.model.kernels.triton.decode import INTERPRETED, e4m3_to_f32, e8m0_to_f32
 from dsv41.model.kernels.triton.moe import TL_DTYPES
 from dsv41.model.stored_weights import FP8_TILE, Fp8Weight
 
-# Triton's CPU interpreter computes bf16 dots wrongly (model/kernels/triton/__init__.py),
-# so under it bf16 operands are lifted to fp32, which holds them exactly.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements one program of the split sum adds; rows whose partials one launch keeps.
 SUM_BLOCK = 1024
 SPLIT_ROWS = 1024

@@ -21,7 +21,9 @@ own bytes (``build_packed_expert_bank``, read in place). Either way the kernels 
 4.25 bits a weight: each weight tile's packed bytes and its scales are loaded once,
 and bf16 activations meet them in ``tl.dot_scaled`` (E2M1 decoded to bf16 in registers,
 times the power-of-two scale: exact, bit for bit formats.dequantize_fp4_weight's
-values); fp32 activations meet the same tile decoded to fp32 in an IEEE fp32 dot.
+values; ``ExpertTiling.mxfp4_dot`` "bits" decodes them with a few bit operations
+instead, as fast at decode sizes on an H200 and slower at prefill, BENCHMARKS.md); fp32
+activations meet the same tile decoded to fp32 in an IEEE fp32 dot.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -36,7 +38,13 @@ import triton.language as tl
 
 from dsv41.model.formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
 from dsv41.model.kernels.interface import EXPERT_WEIGHT_FORMATS
-from dsv41.model.kernels.triton.decode import e2m1_to_f32, e8m0_to_f32
+from dsv41.model.kernels.triton.decode import (
+    INTERPRETED,
+    e2m1_to_f32,
+    e8m0_to_bf16,
+    e8m0_to_f32,
+    mxfp4_pairs_to_bf16,
+)
 from dsv41.model.linalg import batch_invariant_enabled
 from dsv41.model.moe import ExpertWeights, Routing
 from dsv41.model.stored_weights import Fp4Weight
@@ -462,6 +470,9 @@ def align_pairs(
     return PairBlocks(block_m=block_m, slot_pairs=slot_pairs, block_experts=block_experts)
 
 
+MXFP4_DOTS = ("scaled", "decoded", "bits")
+
+
 @dataclass(frozen=True)
 class ExpertTiling:
     """How the grouped GEMMs cut one block of rows' work: ``block_n`` output columns per
@@ -469,9 +480,11 @@ class ExpertTiling:
     32-value scale groups), and the launch's warps and pipeline stages. The sum over
     the input dim runs in ``block_k`` steps in index order, so a row's value depends on
     the tiling and its own inputs alone. ``mxfp4_dot``: how MXFP4 tiles meet bf16
-    activations, "scaled" (tl.dot_scaled, which decodes them itself) or "decoded" (the
-    fp32 decode below, rounded to bf16 exactly, then a bf16 tl.dot); fp32 activations
-    always meet the fp32 decode."""
+    activations, "scaled" (tl.dot_scaled, which decodes them itself), "decoded" (the
+    fp32 decode below, rounded to bf16 exactly, then a bf16 tl.dot) or "bits" (each
+    byte's pair decoded straight to bf16 by bit moves and two exact multiplies,
+    decode.mxfp4_pairs_to_bf16, then a bf16 tl.dot; compiled NVIDIA kernels only). All
+    three give the same values; fp32 activations always meet the fp32 decode."""
 
     block_n: int = 64
     block_k: int = 64
@@ -491,14 +504,16 @@ class ExpertTiling:
             raise ValueError(f"ExpertTiling.num_warps: {self.num_warps} (allowed: 1, 2, 4, 8, 16)")
         if self.num_stages < 1:
             raise ValueError(f"ExpertTiling.num_stages: {self.num_stages} (allowed: >= 1)")
-        if self.mxfp4_dot not in ("scaled", "decoded"):
-            raise ValueError(f"ExpertTiling.mxfp4_dot: {self.mxfp4_dot!r} (allowed: 'scaled', 'decoded')")
+        if self.mxfp4_dot not in MXFP4_DOTS:
+            raise ValueError(
+                f"ExpertTiling.mxfp4_dot: {self.mxfp4_dot!r} (allowed: {', '.join(map(repr, MXFP4_DOTS))})"
+            )
 
 
 PLAIN_TILING = ExpertTiling()
 # Chosen from sm_90 builds (triton 3.6.0, the H200's, compiled on the CPU dev box,
-# 2026-12-02; not yet timed on the card): decode blocks (16 or 32 rows) read 64 bytes
-# of each of a program's 64 weight rows a step, 4 stages deep, in 161 (16 rows) or
+# 2026-12-02; among the fastest of the card's sweep, BENCHMARKS.md): decode blocks (16
+# or 32 rows) read 64 bytes of each of a program's 64 weight rows a step, 4 stages deep, in 161 (16 rows) or
 # 188 (32 rows) registers without spills, so three or two programs share an SM; 64-row
 # prefill blocks take 128 weight rows on two warpgroups (218 registers, no spills).
 MXFP4_DECODE_TILING = ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4)
@@ -527,17 +542,18 @@ def weight_dot(
     row_stride,
     scale_row_stride,
     MXFP4: tl.constexpr,
-    SCALED_DOT: tl.constexpr,
+    MXFP4_DOT: tl.constexpr,
     DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """acc + act [M, BLOCK_K] @ w[rows, k0 : k0 + BLOCK_K]^T in fp32, w one expert's [out,
     in] weight: as stored (plain), or MXFP4, whose tile's packed bytes [rows, BLOCK_K / 2]
-    and scale bytes [rows, BLOCK_K / 32] are each loaded once. SCALED_DOT (bf16
-    activations): tl.dot_scaled decodes them to bf16; else they are decoded to float32
-    here (E2M1 code pairs, the even element in the low nibble, times the E8M0 scale of
-    their 32 input values)."""
+    and scale bytes [rows, BLOCK_K / 32] are each loaded once. MXFP4_DOT (ExpertTiling's
+    mxfp4_dot; "decoded" for fp32 activations): "scaled" has tl.dot_scaled decode them
+    to bf16, "bits" decodes each byte's pair to bf16 here, "decoded" to float32 (E2M1
+    code pairs, the even element in the low nibble, times the E8M0 scale of their 32
+    input values)."""
     if MXFP4:
         pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -551,9 +567,14 @@ def weight_dot(
             mask=row_mask[:, None] & (groups < in_dim // 32)[None, :],
             other=127,
         )
-        if SCALED_DOT:
+        if MXFP4_DOT == "scaled":
             # fast_math skips the NaN select for scale byte 255; banks hold bytes 1..254.
             acc = tl.dot_scaled(act, None, "bf16", tl.trans(packed), scale, "e2m1", acc=acc, fast_math=True)
+        elif MXFP4_DOT == "bits":
+            # A byte's scale is its group's: 16 bytes (32 values) a group.
+            group_scale = tl.broadcast_to(e8m0_to_bf16(scale)[:, :, None], (rows.shape[0], BLOCK_K // 32, 16))
+            tile = mxfp4_pairs_to_bf16(packed, tl.reshape(group_scale, (rows.shape[0], BLOCK_K // 2)))
+            acc += tl.dot(act.to(DOT), tl.trans(tile.to(DOT)), input_precision=DOT_PRECISION)
         else:
             codes = tl.interleave(packed & 0xF, packed >> 4)
             grouped = tl.reshape(e2m1_to_f32(codes), (rows.shape[0], BLOCK_K // 32, 32))
@@ -606,7 +627,7 @@ def expert_gate_up_kernel(
     ACT: tl.constexpr,
     W_ELEM: tl.constexpr,
     MXFP4: tl.constexpr,
-    SCALED_DOT: tl.constexpr,
+    MXFP4_DOT: tl.constexpr,
     DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -639,11 +660,11 @@ def expert_gate_up_kernel(
         )
         gate = weight_dot(
             gate, x, w1, s1, cols, col_mask, k0, hidden, w_row_stride, w_scale_row_stride,
-            MXFP4, SCALED_DOT, DOT, DOT_PRECISION, BLOCK_K,
+            MXFP4, MXFP4_DOT, DOT, DOT_PRECISION, BLOCK_K,
         )  # fmt: skip
         up = weight_dot(
             up, x, w3, s3, cols, col_mask, k0, hidden, w_row_stride, w_scale_row_stride,
-            MXFP4, SCALED_DOT, DOT, DOT_PRECISION, BLOCK_K,
+            MXFP4, MXFP4_DOT, DOT, DOT_PRECISION, BLOCK_K,
         )  # fmt: skip
     # The reference's projections come out in the activations' dtype.
     gate = tl.minimum(round_to_activation(gate, ACT), limit)
@@ -674,7 +695,7 @@ def expert_down_kernel(
     ACT: tl.constexpr,
     W_ELEM: tl.constexpr,
     MXFP4: tl.constexpr,
-    SCALED_DOT: tl.constexpr,
+    MXFP4_DOT: tl.constexpr,
     DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -704,7 +725,7 @@ def expert_down_kernel(
         )
         acc = weight_dot(
             acc, h, w2, s2, cols, col_mask, k0, inter, w_row_stride, w_scale_row_stride,
-            MXFP4, SCALED_DOT, DOT, DOT_PRECISION, BLOCK_K,
+            MXFP4, MXFP4_DOT, DOT, DOT_PRECISION, BLOCK_K,
         )  # fmt: skip
     tl.store(
         out_ptr + tl.where(present, pair, 0).to(tl.int64)[:, None] * stride_out + cols[None, :],
@@ -715,13 +736,19 @@ def expert_down_kernel(
 
 def _launch_constants(bank: TritonExpertBank, act: torch.dtype, block_m: int, tiling: ExpertTiling, bf16_dot: bool):
     mxfp4 = bank.weight_format == "mxfp4"
+    mxfp4_dot = tiling.mxfp4_dot if act == torch.bfloat16 else "decoded"
+    if mxfp4 and mxfp4_dot == "bits" and (INTERPRETED or torch.version.hip is not None):
+        raise ValueError(
+            "ExpertTiling.mxfp4_dot: 'bits' runs PTX, which "
+            + ("the interpreter cannot" if INTERPRETED else "a ROCm build has not")
+            + " (allowed here: 'scaled', 'decoded')"
+        )
     return dict(
         ACT=TL_DTYPES[act],
         W_ELEM=tl.uint8 if mxfp4 else TL_DTYPES[bank.dtype],
         MXFP4=mxfp4,
-        # bf16 activations meet MXFP4 tiles in the scaled dot (interpreted too: it
-        # decodes the same bytes to the same values).
-        SCALED_DOT=mxfp4 and act == torch.bfloat16 and tiling.mxfp4_dot == "scaled",
+        # The scaled dot runs interpreted too: it decodes the same bytes to the same values.
+        MXFP4_DOT=mxfp4_dot,
         # TF32 is Triton's default precision of every dot; it changes nothing for bf16.
         DOT=tl.bfloat16 if bf16_dot else tl.float32,
         DOT_PRECISION="tf32" if bf16_dot else "ieee",
