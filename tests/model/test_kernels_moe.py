@@ -156,7 +156,8 @@ def test_mxfp4_tiles_decode_to_dequantize_fp4_weight_exactly(dtype: torch.dtype)
     )
     w2 = stored[7].w2
     want = dequantize_fp4_weight(w2.values, w2.scale.view(torch.uint8)).to(dtype).T
-    bits = [ExpertTiling(block_n=64, block_k=64, mxfp4_dot="bits")] if dtype == torch.bfloat16 and DEVICE == "cuda" else []
+    on_gpu_bf16 = dtype == torch.bfloat16 and DEVICE == "cuda"
+    bits = [ExpertTiling(block_n=64, block_k=64, mxfp4_dot="bits")] if on_gpu_bf16 else []
     for tiling in (expert_tiling("mxfp4", 16), expert_tiling("mxfp4", 64), *bits):
         out = torch.zeros(inter, hidden, dtype=dtype, device=DEVICE)
         expert_down(h, out, blocks, bank, tiling, bf16_dot=dtype == torch.bfloat16 and DEVICE == "cuda")

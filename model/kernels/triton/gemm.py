@@ -29,7 +29,6 @@ Must not import: cache, cluster, actors, deploy, ray.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

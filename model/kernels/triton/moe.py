@@ -513,9 +513,10 @@ class ExpertTiling:
 PLAIN_TILING = ExpertTiling()
 # Chosen from sm_90 builds (triton 3.6.0, the H200's, compiled on the CPU dev box,
 # 2026-12-02; among the fastest of the card's sweep, BENCHMARKS.md): decode blocks (16
-# or 32 rows) read 64 bytes of each of a program's 64 weight rows a step, 4 stages deep, in 161 (16 rows) or
-# 188 (32 rows) registers without spills, so three or two programs share an SM; 64-row
-# prefill blocks take 128 weight rows on two warpgroups (218 registers, no spills).
+# or 32 rows) read 64 bytes of each of a program's 64 weight rows a step, 4 stages
+# deep, in 161 (16 rows) or 188 (32 rows) registers without spills, so three or two
+# programs share an SM; 64-row prefill blocks take 128 weight rows on two warpgroups
+# (218 registers, no spills).
 MXFP4_DECODE_TILING = ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4)
 MXFP4_PREFILL_TILING = ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3)
 
