@@ -1,9 +1,11 @@
-"""The host's own work per decode step, phase by phase, on the CPU.
+"""The host's own work per decode step, phase by phase.
 
 The real engine path of a FULL-graph decode step (Engine, ModelRunner, DecodeGraphs:
 on the CPU each bucket's static step runs eagerly, the very function a graph
 captures) over the small slice (model/reference_slice.SMALL_SLICE, bf16, torch
-kernels). For each batch size, that many random prompts are prefilled, a few decode
+kernels); with ``--reference``, over the reference slice as bench/decode_step.py
+builds it (on a GPU: Triton kernels, each bucket's step a captured graph, so the
+forward phase is the replay's launch and the sampling phase holds the wait for it). For each batch size, that many random prompts are prefilled, a few decode
 steps warm up, then ``--steps`` whole decode steps run with a timer around each host
 phase: the scheduler, the Engram n-gram ids, the Engram table lookup, the step's
 decode addresses (its specs, page tables, bucket and ``build_decode_addresses``),
@@ -16,6 +18,8 @@ the forward: what a device-resident step moves off the host.
 Prints a table (median ms per step over ``--repeats`` runs) and writes JSON. From the
 repository root:
     python3 -m bench.decode_host [--batches 32,64] [--steps 20] [--repeats 5]
+On the GPU machine:
+    python3 -m bench.decode_host --reference --batches 1,32,128 --prompt-len 1024
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from bench.slice_engine import random_prompts, start_decoding
+from bench.slice_engine import add_slice_options, build_slice_engine, random_prompts, start_decoding
 from dsv41.cache.pools import PoolSize
 from dsv41.cluster import cuda_graphs
 from dsv41.cluster.cuda_graphs import DecodeBuckets, DecodeGraphs, StaticDecodeStep, page_buckets
@@ -196,18 +200,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="32,64", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per run")
     parser.add_argument("--repeats", type=int, default=5, help="runs per batch (the table shows medians)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before / after)")
     parser.add_argument("--out", default="bench/results/decode_host.json")
+    parser.add_argument(
+        "--reference", action="store_true",
+        help="the reference slice through bench.slice_engine (its device, kernels and --cudagraph-mode, full here)",
+    )
+    add_slice_options(parser)
+    parser.set_defaults(block_size=None, threads=None, cudagraph_mode="full")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.cudagraph_mode != "full":
+        parser.error(f"--cudagraph-mode {args.cudagraph_mode}: the phases are a FULL decode step's (allowed: full)")
     batches = tuple(int(b) for b in args.batches.split(","))
     tokens_per_request = args.prompt_len + output_tokens(max(batches), args.warmup, args.steps)
-    engine = build_engine(batches, tokens_per_request, args.block_size, seed=0)
+    if args.reference:
+        args.block_size = args.block_size or 128
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        engine = build_slice_engine(
+            args,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=16384,
+            tokens_per_request=tokens_per_request,
+            graph_batch_sizes=batches,
+        )
+    else:
+        args.block_size = args.block_size or 32
+        torch.set_num_threads(args.threads or 1)
+        engine = build_engine(batches, tokens_per_request, args.block_size, seed=0)
     runs: dict[int, list[dict[str, float]]] = {}
     for repeat in range(args.repeats):
         for batch in batches:
@@ -225,7 +248,8 @@ def main() -> None:
         "host": platform.platform(),
         "cpus": torch.get_num_threads(),
         "torch": torch.__version__,
-        "slice": SMALL_SLICE.name,
+        "slice": "reference-slice" if args.reference else SMALL_SLICE.name,
+        "device": torch.cuda.get_device_name() if engine.runner.pools.device.type == "cuda" else "cpu",
         "args": vars(args),
         "median_ms_per_step": medians,
         "runs_ms_per_step": runs,
