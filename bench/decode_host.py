@@ -5,15 +5,18 @@ on the CPU each bucket's static step runs eagerly, the very function a graph
 captures) over the small slice (model/reference_slice.SMALL_SLICE, bf16, torch
 kernels); with ``--reference``, over the reference slice as bench/decode_step.py
 builds it (on a GPU: Triton kernels, each bucket's step a captured graph, so the
-forward phase is the replay's launch and the sampling phase holds the wait for it). For each batch size, that many random prompts are prefilled, a few decode
-steps warm up, then ``--steps`` whole decode steps run with a timer around each host
-phase: the scheduler, the Engram n-gram ids, the Engram table lookup, the step's
-decode addresses (its specs, page tables, bucket and ``build_decode_addresses``),
-staging them into the step's buffers, the forward, sampling, the cursors (read and
-advanced) and the engine's outputs. Phases nest (staging calls the address builder):
-each phase's time is its own, without the phases it calls; ``other`` is the rest of
-the step. Every phase but the forward and sampling is work that does not depend on
-the forward: what a device-resident step moves off the host.
+forward phase is the replay's launch and the sampling phase holds the wait for it).
+For each batch size, that many random prompts are prefilled, a few decode steps warm
+up, then ``--steps`` whole decode steps run with a timer around each host phase: the
+scheduler, the Engram n-gram ids, the Engram table lookup (``engram_rows``: on the
+host with the torch backend; with the Triton backend the device reads the rows inside
+the graph, so a replayed step spends nothing here), the step's decode addresses (its
+specs, page tables, bucket and ``build_decode_addresses``), staging them into the
+step's buffer, the forward, sampling, the cursors (read and advanced) and the engine's
+outputs. Phases nest (staging calls the address builder, a static step's forward the
+lookup): each phase's time is its own, without the phases it calls; ``other`` is the
+rest of the step. Every phase but the forward and sampling is host work a
+device-resident step moves off the host or overlaps.
 
 Prints a table (median ms per step over ``--repeats`` runs) and writes JSON. From the
 repository root:
@@ -59,7 +62,7 @@ from dsv41.model.runtime import PagedRuntime
 TIMED: tuple[tuple[str, Any, str], ...] = (
     ("scheduler", Scheduler, "schedule"),
     ("ngram_ids", ModelRunner, "_ngrams"),
-    ("engram_lookup", PagedRuntime, "lookup_engram"),
+    ("engram_lookup", PagedRuntime, "engram_rows"),
     ("addresses", ModelRunner, "_specs"),
     ("addresses", PersistentBatch, "page_tables"),
     ("addresses", DecodeGraphs, "width_for"),

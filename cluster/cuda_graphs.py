@@ -2,9 +2,10 @@
 
 Owns the graph mode's declaration (``DecodeBuckets``: the batch-size and PAGE-count
 buckets a replica captures, and which one a step runs at), the persistent step
-(``StaticDecodeStep``: one bucket's inputs at fixed addresses, staged on the host in
-one pinned int64 buffer and one fp32 buffer for the Engram rows, each moved in one
-copy per step, and the forward that reads only them) and ``DecodeGraphs``: every
+(``StaticDecodeStep``: one bucket's inputs at fixed addresses, token ids, Engram
+n-grams and addresses staged on the host in one pinned int64 buffer and moved in one
+copy per step, and the forward that reads only them: it hashes the n-grams and reads
+the Engram tables' rows on the device, model/runtime.PagedRuntime.engram_rows) and ``DecodeGraphs``: every
 bucket's step captured once at startup (largest first, one memory pool, capture time
 and memory reported as progress) and a decode step run as one replay. A step is run
 at its bucket's width (cache/addressing.DecodeWidth: padding rows read and write
@@ -33,7 +34,6 @@ from dsv41.cache.addressing import (
     build_decode_addresses,
     decode_pages,
 )
-from dsv41.model.microbatch import StagedEngramRows
 from dsv41.model.runtime import PagedRuntime, PagedStore
 
 CUDAGRAPH_MODES = ("none", "full")
@@ -132,10 +132,11 @@ def with_leaves(record: Any, leaves: Iterator[torch.Tensor]) -> Any:
 
 
 class StaticDecodeStep:
-    """One width's persistent decode step: the token ids and addresses (int64) and
-    the Engram rows (fp32) of ``width.requests`` rows, each kind in one host buffer
-    (pinned on a GPU) and one device buffer at fixed addresses, and the forward that
-    reads only the device buffers (``forward``: what a graph captures)."""
+    """One width's persistent decode step: the token ids, Engram n-grams
+    (``ngram_width`` compressed ids a row) and addresses of ``width.requests`` rows,
+    all int64, in one host buffer (pinned on a GPU) and one device buffer at fixed
+    addresses, and the forward that reads only the device buffer (``forward``: what a
+    graph captures)."""
 
     def __init__(
         self,
@@ -144,7 +145,7 @@ class StaticDecodeStep:
         shape: PoolShape,
         width: DecodeWidth,
         device: torch.device,
-        engram_dims: dict[int, int],
+        ngram_width: int,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -153,34 +154,44 @@ class StaticDecodeStep:
         self.device = device
         self.template = build_decode_addresses([], _NO_PAGES, shape, width)
         rows = width.requests
-        self.int_leaves = [torch.zeros(rows, dtype=torch.long), *tensor_leaves(self.template)]
-        self.engram_dims = dict(sorted(engram_dims.items()))
+        self.int_leaves = [
+            torch.zeros(rows, dtype=torch.long),
+            torch.zeros(rows, ngram_width, dtype=torch.long),
+            *tensor_leaves(self.template),
+        ]
         pin = device.type == "cuda"
         int_total = sum(leaf.numel() for leaf in self.int_leaves)
-        float_total = rows * sum(self.engram_dims.values())
         self.host_ints = torch.zeros(int_total, dtype=torch.long, pin_memory=pin)
-        self.host_floats = torch.zeros(float_total, dtype=torch.float32, pin_memory=pin)
         self.device_ints = torch.zeros(int_total, dtype=torch.long, device=device)
-        self.device_floats = torch.zeros(float_total, dtype=torch.float32, device=device)
 
     def load(
         self,
         token_ids: torch.Tensor,
         segments: Sequence[SegmentSpec],
         page_tables: torch.Tensor,
-        engram_rows: dict[int, torch.Tensor],
+        ngrams: torch.Tensor,
     ) -> None:
         """Stages a decode step (``token_ids`` [n] host, ``segments``' specs and their
-        page tables, each Engram layer's rows [n, dim] host) at this width and moves it
-        to the device buffers: two copies."""
+        page tables, the rows' Engram n-grams [n, ngram_width] host; padding rows read
+        n-grams of id 0, rows the tables hold, and their results are never read) at
+        this width and moves it to the device buffer: one copy."""
         rows = self.width.requests
         if token_ids.numel() != len(segments):
             raise ValueError(f"token_ids: {token_ids.numel()} for {len(segments)} segments (allowed: one each)")
-        if sorted(engram_rows) != list(self.engram_dims):
-            raise ValueError(f"engram_rows: layers {sorted(engram_rows)} (allowed: {list(self.engram_dims)})")
+        ngram_shape = self.int_leaves[1].shape
+        if ngrams.dim() != 2 or ngrams.shape[0] != len(segments) or ngrams.shape[1] != ngram_shape[1]:
+            raise ValueError(
+                f"ngrams: {tuple(ngrams.shape)} (allowed: [{len(segments)}, {ngram_shape[1]}], one row a segment)"
+            )
         tokens = torch.zeros(rows, dtype=torch.long)
         tokens[: token_ids.numel()] = token_ids
-        leaves = [tokens, *tensor_leaves(build_decode_addresses(segments, page_tables, self.shape, self.width))]
+        staged_ngrams = torch.zeros(ngram_shape, dtype=torch.long)
+        staged_ngrams[: ngrams.shape[0]] = ngrams
+        leaves = [
+            tokens,
+            staged_ngrams,
+            *tensor_leaves(build_decode_addresses(segments, page_tables, self.shape, self.width)),
+        ]
         if len(leaves) != len(self.int_leaves):
             raise RuntimeError(f"{len(leaves)} decode inputs for the width's {len(self.int_leaves)}")
         for leaf, staged in zip(leaves, self.int_leaves):
@@ -188,15 +199,7 @@ class StaticDecodeStep:
                 raise RuntimeError(f"a decode address of shape {tuple(leaf.shape)} for the width's {tuple(staged.shape)}")
         # One concatenation into the staging buffer (the valid mask's bools as 0/1).
         torch.cat([leaf.reshape(-1).long() for leaf in leaves], out=self.host_ints)
-        at = 0
-        for layer_id, dim in self.engram_dims.items():
-            staged = self.host_floats[at : at + rows * dim].view(rows, dim)
-            looked_up = engram_rows[layer_id]
-            staged[: looked_up.shape[0]].copy_(looked_up)
-            staged[looked_up.shape[0] :].zero_()
-            at += rows * dim
         self.device_ints.copy_(self.host_ints, non_blocking=True)
-        self.device_floats.copy_(self.host_floats, non_blocking=True)
 
     def forward(self) -> torch.Tensor:
         """The logits [width.requests, vocab] of the staged step, read from the device
@@ -209,14 +212,8 @@ class StaticDecodeStep:
             # kernel of the graph.
             views.append(view != 0 if leaf.dtype == torch.bool else view)
             at += leaf.numel()
-        tokens, plan = views[0], with_leaves(self.template, iter(views[1:]))
-        staged = {}
-        at = 0
-        rows = self.width.requests
-        for layer_id, dim in self.engram_dims.items():
-            staged[layer_id] = self.device_floats[at : at + rows * dim].view(rows, dim)
-            at += rows * dim
-        return self.runtime.forward_staged(tokens, StagedEngramRows(staged), plan, self.store)
+        tokens, ngrams, plan = views[0], views[1], with_leaves(self.template, iter(views[2:]))
+        return self.runtime.forward_staged(tokens, ngrams, plan, self.store)
 
 
 @dataclass(frozen=True)
@@ -250,9 +247,10 @@ class DecodeGraphs:
         self.capture = capture
         self.device = device
         params = runtime.params
-        engram_dims = {layer.layer_id: layer.engram.wkv.shape[1] for layer in params.layers if layer.engram is not None}
+        self.ngram_width = 1 if params.engram_hashing is None else params.engram_hashing.max_ngram_size
         self.steps = {
-            width: StaticDecodeStep(runtime, store, shape, width, device, engram_dims) for width in buckets.widths()
+            width: StaticDecodeStep(runtime, store, shape, width, device, self.ngram_width)
+            for width in buckets.widths()
         }
         self.shape = shape
         vocab = params.head.shape[0]
@@ -273,8 +271,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if self.capture else None
         total = len(self.steps)
         for i, (width, step) in enumerate(self.steps.items(), start=1):
-            padding = {lid: torch.zeros(0, dim) for lid, dim in step.engram_dims.items()}
-            step.load(torch.zeros(0, dtype=torch.long), [], _NO_PAGES, padding)
+            no_ngrams = torch.zeros(0, self.ngram_width, dtype=torch.long)
+            step.load(torch.zeros(0, dtype=torch.long), [], _NO_PAGES, no_ngrams)
             self._run_static(step)
             if self.capture:
                 torch.cuda.synchronize(self.device)
@@ -319,12 +317,13 @@ class DecodeGraphs:
         token_ids: torch.Tensor,
         segments: Sequence[SegmentSpec],
         page_tables: torch.Tensor,
-        engram_rows: dict[int, torch.Tensor],
+        ngrams: torch.Tensor,
     ) -> torch.Tensor:
-        """The logits [len(segments), vocab] of a decode step run at ``width``: staged,
-        then the bucket's graph replayed (or its static step run)."""
+        """The logits [len(segments), vocab] of a decode step run at ``width``: staged
+        (``ngrams``: the rows' Engram n-grams), then the bucket's graph replayed (or its
+        static step run)."""
         step = self.steps[width]
-        step.load(token_ids, segments, page_tables, engram_rows)
+        step.load(token_ids, segments, page_tables, ngrams)
         graph = self._graphs.get(width)
         if graph is not None:
             graph.replay()

@@ -345,7 +345,7 @@ class ModelRunner:
         if width is None:
             return None
         page_tables = self.requests.page_tables(segments, self.shape.block_size)
-        return self.graphs.run(width, tokens, specs, page_tables, self.runtime.lookup_engram(ngrams))
+        return self.graphs.run(width, tokens, specs, page_tables, ngrams)
 
     @staticmethod
     def _specs(segments: tuple[ScheduledSegment, ...]) -> list[SegmentSpec]:

@@ -3,8 +3,9 @@
 Owns everything Engram computes: the compressed token map (model token id ->
 compressed id), the per-layer hashing declarations (multipliers, primes, offsets),
 turning a chunk of compressed ids plus the request's history into n-grams and table
-rows, the host-resident table lookup (FP8 rows dequantised after the gather), and
-the gated update of the streams.
+rows, the host-resident table (FP8 rows dequantised after the gather; made readable
+by a GPU's kernels in place, ``EngramTable.map_for``), and the gated update of the
+streams.
 
 Must not import: ``cache``, ``cluster``, ``actors``, ``deploy``, ``ray``. Within
 ``model`` it imports only ``config`` and ``formats``.
@@ -17,9 +18,12 @@ one call, and the only per-request state is the history of the last
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -289,6 +293,21 @@ class EngramHashing:
             pad_compressed_id=int(token_map[config.engram_pad_token_id]),
         )
 
+    def to(self, device: torch.device | str) -> "EngramHashing":
+        """These declarations with their tables on ``device`` (a forward on a GPU hashes
+        there; a captured graph cannot copy them from the host)."""
+        return dataclasses.replace(
+            self,
+            **{
+                name: {layer: t.to(device) for layer, t in getattr(self, name).items()}
+                for name in ("multipliers", "primes", "offsets")
+            },
+        )
+
+    def layer_rows(self, layer_id: int) -> int:
+        """The table rows of an Engram layer: the sum of its primes."""
+        return int(self.primes[layer_id].sum())
+
     @property
     def history_size(self) -> int:
         return self.max_ngram_size - 1
@@ -419,16 +438,29 @@ _E8M0_SCALE_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)
 _FLOAT_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# cudaHostRegister's flags: Portable (every device's context) | Mapped (in the device
+# address space) | ReadOnly (the device never writes; required for a read-only file map).
+_HOST_REGISTER_FLAGS = 1 | 2 | 8
+_registered_lock = threading.Lock()
+
+
+def _unregister(addresses: tuple[int, ...]) -> None:
+    for address in addresses:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
 class EngramTable:
     """One layer's table rows on the host, never copied whole.
 
     ``values`` are either float rows ``[rows, head_dim]`` (``scales`` None) or FP8 E4M3
     bytes with E8M0 ``scales`` ``[rows, ceil(head_dim / 32)]`` (a head_dim that 32 does
     not divide ends each row in a partial group with its own scale); either may be a
-    read-only tensor over a numpy memmap. Only the gathered rows are read and dequantised.
+    read-only tensor over a numpy memmap (``file_mapped``: each tensor is a map of its
+    own, as the loader makes them). Only the gathered rows are read and dequantised,
+    on the host (``lookup``) or, once ``map_for`` a CUDA device, by its kernels.
     """
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor | None) -> None:
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor | None, *, file_mapped: bool = False) -> None:
         if values.dim() != 2:
             raise ValueError(f"values: shape {tuple(values.shape)} (allowed: [rows, head_dim])")
         num_rows, head_dim = values.shape
@@ -449,10 +481,16 @@ class EngramTable:
             raise ValueError(
                 f"values: dtype {values.dtype} (allowed: float32, bfloat16, float16, or FP8 as uint8/float8_e4m3fn)"
             )
+        for name, t in (("values", values), ("scales", scales)):
+            if t is not None and t.device.type != "cpu":
+                raise ValueError(f"{name}: on {t.device} (allowed: host memory)")
         self.values = values
         self.scales = scales
         self.num_rows: int = num_rows
         self.head_dim: int = head_dim
+        self.file_mapped = file_mapped
+        self.is_fp8 = scales is not None
+        self._device_readable = False
 
     def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
         """``row_ids [..., k]`` -> float32 ``[..., k * head_dim]``: the rows concatenated
@@ -470,6 +508,67 @@ class EngramTable:
         else:
             gathered = dequantize_fp8(rows, self.scales.index_select(0, flat))
         return gathered.reshape(*row_ids.shape[:-1], row_ids.shape[-1] * self.head_dim)
+
+    def map_for(self, device: torch.device | str) -> None:
+        """Makes the rows readable by ``device``'s kernels at their host addresses
+        (``values`` / ``scales.data_ptr()``, with their strides): for a CUDA device, page-locked and mapped
+        into the device's address space (unified addressing: the same pointers), a
+        file map registered in place (cudaHostRegister, read-only: the spec's mapped
+        host table storage; its pages are read in now), other memory moved once into
+        a page-locked copy that the table then holds; a CPU device reads host memory
+        as it is. Once per table; unregistered when the table is freed."""
+        if torch.device(device).type != "cuda":
+            return
+        with _registered_lock:
+            if self._device_readable:
+                return
+            parts = [t for t in (self.values, self.scales) if t is not None]
+            if not self.file_mapped:
+                self.values, self.scales = (None if t is None else t.pin_memory() for t in (self.values, self.scales))
+            elif not all(t.is_pinned() for t in parts):
+                registered = []
+                for t in parts:
+                    storage = t.untyped_storage()
+                    address, size = storage.data_ptr(), storage.nbytes()
+                    error = int(torch.cuda.cudart().cudaHostRegister(address, size, _HOST_REGISTER_FLAGS))
+                    if error:
+                        _unregister(tuple(registered))
+                        raise RuntimeError(
+                            f"Engram table: cudaHostRegister of its {size}-byte file map failed with CUDA error "
+                            f"{error} (the device reads the table in place: it needs the pages locked and mapped, "
+                            "and read-only registration)"
+                        )
+                    registered.append(address)
+                weakref.finalize(self, _unregister, tuple(registered))
+            self._device_readable = True
+
+    @property
+    def device_readable(self) -> bool:
+        """Whether ``map_for`` a CUDA device has run (a CPU reads the rows as they are)."""
+        return self._device_readable
+
+
+class EngramKernels(Protocol):
+    """How a kernels backend reads an Engram table's rows. ``engram_on_device``: the
+    row ids it takes live on the forward's device (the tables mapped for it), else on
+    the host."""
+
+    engram_on_device: bool
+
+    def engram_rows(self, table: EngramTable, row_ids: torch.Tensor) -> torch.Tensor:
+        """``table.lookup(row_ids)`` (float32 rows [..., k * head_dim]), on ``row_ids``'
+        device."""
+        ...
+
+
+class HostEngram:
+    """``EngramKernels`` as the host lookup: the rows gathered and dequantised on the
+    CPU, moved to the streams' device by their reader."""
+
+    engram_on_device = False
+
+    def engram_rows(self, table: EngramTable, row_ids: torch.Tensor) -> torch.Tensor:
+        return table.lookup(row_ids)
 
 
 # -- gated update ------------------------------------------------------------------------

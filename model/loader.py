@@ -809,7 +809,7 @@ def _read(
     for name, tensor in values.items():
         spec = specs[name]
         if spec.kind is TensorKind.ENGRAM_TABLE:
-            tables[_engram_layer(name)] = EngramTable(tensor, scales.get(name))
+            tables[_engram_layer(name)] = EngramTable(tensor, scales.get(name), file_mapped=True)
         else:
             stored[name] = _StoredTensor(spec, tensor, scales.get(name))
     return stored, tables

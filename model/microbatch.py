@@ -8,22 +8,22 @@ alternates several, so while one microbatch's gather or reduce is in flight the
 other computes (its attention, its experts). Every rank interleaves the same way
 and its microbatches yield at the same points, so every rank issues the same
 collectives in the same order. Also owns ``EngramRows``: each Engram layer's table
-rows for a step's rows, looked up once on the host and handed to every forward that
-reads them (the one forward of a step, or both microbatches of a split one: the
-lookup they share), and ``StagedEngramRows``, rows looked up before the forward and
-already on its device (a graph-replayed decode step's: a captured graph holds no host
-work).
+rows for a step's rows, looked up once (by the kernels backend, on the host or on the
+forward's device) and handed to every forward that reads them (the one forward of a
+step, or both microbatches of a split one: the lookup they share), and
+``StagedEngramRows``, the rows of a forward whose every row runs every layer, read on
+its device from n-grams already there (a graph-replayed decode step's: a captured
+graph holds no host work).
 
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Generator, Mapping, Protocol, Sequence, TypeVar
+from typing import Callable, Generator, Protocol, Sequence, TypeVar
 
 import torch
 
-from dsv41.model.engram import EngramHashing
 from dsv41.model.params import LayerParams
 
 T = TypeVar("T")
@@ -34,6 +34,10 @@ Steps = Generator[None, None, T]
 # The MoE of one layer for a microbatch's rows, yielding while its collectives run
 # (cluster/distributed.DPExpertExchange.microbatch gives one per microbatch).
 MoESteps = Callable[[LayerParams, torch.Tensor], Steps[torch.Tensor]]
+
+# An Engram layer's table rows [N, input_dim] (float32) of n-grams [N, max_ngram], on
+# the n-grams' device (PagedRuntime.engram_rows: hashed and read by the kernels backend).
+EngramRead = Callable[[LayerParams, torch.Tensor], torch.Tensor]
 
 
 class EngramSource(Protocol):
@@ -75,9 +79,9 @@ def interleave(steps: Sequence[Steps[T]]) -> list[T]:
 
 
 class EngramRows:
-    """The Engram tables' rows of a step's rows (``ngrams`` [R, max_ngram], host),
-    each layer's looked up once, when a forward first reaches the layer, and kept
-    until ``readers`` forwards have taken theirs.
+    """The Engram tables' rows of a step's rows (``ngrams`` [R, max_ngram], where
+    ``read`` takes them), each layer's read once, when a forward first reaches the
+    layer, and kept until ``readers`` forwards have taken theirs.
 
     ``decoder_rows``: under decoder SWA bounded replay the step rows the decoder runs
     (ascending); a layer from ``decoder_start`` on is looked up for those alone.
@@ -85,7 +89,7 @@ class EngramRows:
 
     def __init__(
         self,
-        hashing: EngramHashing | None,
+        read: EngramRead,
         ngrams: torch.Tensor,
         decoder_start: int,
         decoder_rows: torch.Tensor | None = None,
@@ -93,7 +97,7 @@ class EngramRows:
     ) -> None:
         if readers < 1:
             raise ValueError(f"readers: {readers} (allowed: >= 1)")
-        self.hashing = hashing
+        self.read = read
         self.ngrams = ngrams
         self.decoder_start = decoder_start
         self.decoder_rows = None if decoder_rows is None else decoder_rows.cpu()
@@ -101,9 +105,9 @@ class EngramRows:
         self._looked_up: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
 
     def embeddings(self, layer: LayerParams, rows: torch.Tensor) -> torch.Tensor:
-        """The looked-up rows [len(rows), input_dim] (fp32, host) of ``rows`` (step
-        rows) at Engram ``layer``."""
-        if layer.engram is None or self.hashing is None:
+        """The looked-up rows [len(rows), input_dim] (fp32, on the n-grams' device) of
+        ``rows`` (step rows) at Engram ``layer``."""
+        if layer.engram is None:
             raise RuntimeError(f"layer {layer.layer_id}: no Engram table to look up")
         layer_id = layer.layer_id
         rows = rows.cpu()
@@ -116,7 +120,7 @@ class EngramRows:
             if wanted is not None:
                 where = torch.full((self.ngrams.shape[0],), -1, dtype=torch.long)
                 where[wanted] = torch.arange(wanted.numel())
-            table = layer.engram.lookup(layer_id, self.hashing, ngrams)
+            table = self.read(layer, ngrams)
             self._looked_up[layer_id] = (table, where, 0)
         table, where, taken = self._looked_up[layer_id]
         at = rows if where is None else where[rows]
@@ -130,20 +134,20 @@ class EngramRows:
 
 
 class StagedEngramRows:
-    """Each Engram layer's table rows of every row of a step, looked up before the
-    forward and staged on its device (``rows`` [R, input_dim] per layer id), for a
-    forward whose every row runs every layer."""
+    """Each Engram layer's table rows of every row of a step, read on the forward's
+    device from the step's n-grams staged there (``ngrams`` [R, max_ngram]), for a
+    forward whose every row runs every layer: nothing here touches the host."""
 
-    def __init__(self, rows: Mapping[int, torch.Tensor]) -> None:
-        self.rows = rows
+    def __init__(self, read: EngramRead, ngrams: torch.Tensor) -> None:
+        self.read = read
+        self.ngrams = ngrams
 
     def embeddings(self, layer: LayerParams, rows: torch.Tensor) -> torch.Tensor:
-        staged = self.rows.get(layer.layer_id)
-        if staged is None:
-            raise RuntimeError(f"layer {layer.layer_id}: no staged Engram rows (staged: {sorted(self.rows)})")
-        if rows.numel() != staged.shape[0]:
+        if layer.engram is None:
+            raise RuntimeError(f"layer {layer.layer_id}: no Engram table to look up")
+        if rows.numel() != self.ngrams.shape[0]:
             raise RuntimeError(
-                f"layer {layer.layer_id}: {rows.numel()} rows asked for, {staged.shape[0]} staged "
+                f"layer {layer.layer_id}: {rows.numel()} rows asked for, {self.ngrams.shape[0]} staged "
                 "(staged rows serve a forward whose every row runs every layer)"
             )
-        return staged
+        return self.read(layer, self.ngrams)

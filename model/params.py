@@ -104,7 +104,8 @@ class ModelParams:
     def to(self, device: torch.device | str) -> "ModelParams":
         """The same weights on ``device``, RoPE frequencies included (a captured decode
         graph reads them in place); Engram tables, their hashing and the token map stay
-        on the host, where the Engram lookup runs."""
+        on the host (tables a kernels backend reads on the device are mapped for it
+        where they lie, and the runtime keeps its own copy of the hashing there)."""
         moved = move_tensors(self, device, keep=(EngramTable, EngramHashing, V41Config))
         return dataclasses.replace(moved, token_map=self.token_map)
 

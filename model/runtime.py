@@ -247,6 +247,40 @@ class PagedRuntime:
         self.moe: MoEFn = moe or self._local_moe
         self.kernels: PagedKernels = kernels or TorchKernels()
         self.experts = ExpertBanks(self.config, self.kernels)
+        # Engram rows are read where the kernels backend reads them: on the host, or on
+        # the weights' device from the host tables mapped for it (the spec's mapped host
+        # table storage), so the n-grams are hashed there too.
+        self.engram_device = params.embed.device if self.kernels.engram_on_device else torch.device("cpu")
+        hashing = params.engram_hashing
+        self._engram_hashing = None if hashing is None else hashing.to(self.engram_device)
+        if self._engram_hashing is not None and self.kernels.engram_on_device:
+            for layer in params.layers:
+                if layer.engram is not None:
+                    self._map_engram_table(layer)
+
+    def _map_engram_table(self, layer: LayerParams) -> None:
+        """Makes ``layer``'s Engram table readable by the device's kernels, after
+        checking that every row id its hashing gives falls inside it (the device reads
+        them unchecked), and reads its first and last rows there against the host."""
+        table, layer_id = layer.engram.table, layer.layer_id
+        rows = self._engram_hashing.layer_rows(layer_id)
+        if table.num_rows != rows:
+            raise ValueError(
+                f"layer {layer_id} Engram table: {table.num_rows} rows (allowed: {rows}, the sum of the layer's primes, "
+                "where its hashing lands)"
+            )
+        table.map_for(self.engram_device)
+        probe = torch.tensor([[0, rows - 1]], dtype=torch.long)
+        if not torch.equal(self.kernels.engram_rows(table, probe.to(self.engram_device)).cpu(), table.lookup(probe)):
+            raise RuntimeError(
+                f"layer {layer_id} Engram table: rows read by {self.engram_device} differ from the host's (its "
+                "mapped host memory is not read at the host's addresses)"
+            )
+
+    def engram_rows(self, layer: LayerParams, ngrams: torch.Tensor) -> torch.Tensor:
+        """Engram ``layer``'s table rows [N, input_dim] (float32, on ``engram_device``)
+        of compressed n-grams [N, max_ngram] there: hashed, then read by the kernels."""
+        return self.kernels.engram_rows(layer.engram.table, self._engram_hashing.row_ids(layer.layer_id, ngrams))
 
     def _local_moe(self, layer: LayerParams, h: torch.Tensor) -> torch.Tensor:
         """model/moe.moe_forward with its steps through the kernels (router, routed and
@@ -272,8 +306,8 @@ class PagedRuntime:
         capture_layers: tuple[int, ...] = (),
     ) -> StepOutput:
         """token_ids [R] (on the weights' device); engram_ngrams [R, max_ngram]
-        compressed ids at t, t-1, ... (pad-substituted; on the host, where the Engram
-        tables are); logit_rows: the rows whose next-token logits are wanted. In the
+        compressed ids at t, t-1, ... (pad-substituted; moved to ``engram_device``);
+        logit_rows: the rows whose next-token logits are wanted. In the
         batch-invariant mode (model/linalg.py) every row's logits are what that row
         gets in any other step. ``decoder``: decoder SWA bounded replay's rows (None:
         every row runs every layer); every logit row must be one of them. Every
@@ -282,8 +316,8 @@ class PagedRuntime:
         target layers whose input streams the output carries (``layer_inputs``)."""
         rows = token_ids.numel()
         engram = EngramRows(
-            self.params.engram_hashing,
-            engram_ngrams,
+            self.engram_rows,
+            engram_ngrams.to(self.engram_device),
             self.config.topology.decoder_start,
             None if decoder is None else decoder.rows,
         )
@@ -293,24 +327,18 @@ class PagedRuntime:
             )
             return run_steps(steps)
 
-    def lookup_engram(self, engram_ngrams: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Every Engram layer's table rows [R, input_dim] (fp32, host) of a step's rows
-        from their n-grams [R, max_ngram] (host): what ``forward_staged`` reads once
-        moved to the device."""
-        rows = torch.arange(engram_ngrams.shape[0])
-        lookup = EngramRows(self.params.engram_hashing, engram_ngrams, self.config.topology.decoder_start)
-        return {layer.layer_id: lookup.embeddings(layer, rows) for layer in self.params.layers if layer.engram is not None}
-
     @torch.no_grad()
     def forward_staged(
-        self, token_ids: torch.Tensor, engram: StagedEngramRows, plan: StepPlan, store: PagedStore
+        self, token_ids: torch.Tensor, engram_ngrams: torch.Tensor, plan: StepPlan, store: PagedStore
     ) -> torch.Tensor:
         """The logits [R, vocab] of every row of a step whose every row runs every
-        layer, its Engram rows already on the device (``lookup_engram``, moved): the
-        forward a decode graph captures, with no host work and no host sync. In the
-        batch-invariant mode each row's logits are ``forward``'s bits for that row."""
+        layer, its inputs, Engram n-grams included, already on ``engram_device`` (the
+        weights' device where the kernels read Engram there): the forward a decode graph
+        captures, with no host work and no host sync. In the batch-invariant mode each
+        row's logits are ``forward``'s bits for that row."""
         rows = token_ids.numel()
         logit_rows = torch.arange(rows, device=token_ids.device)
+        engram = StagedEngramRows(self.engram_rows, engram_ngrams)
         with batch_invariant(self.batch_invariant):
             steps = self._steps(token_ids, engram, torch.arange(rows), plan, store, logit_rows, None, None)
             return run_steps(steps).logits
@@ -338,8 +366,8 @@ class PagedRuntime:
                 raise ValueError("microbatches: decoder replay on some and not others (allowed: all or none)")
             decoder_rows = torch.cat([base + mb.decoder.rows.cpu() for base, mb in zip(bases, microbatches)])
         engram = EngramRows(
-            self.params.engram_hashing,
-            engram_ngrams,
+            self.engram_rows,
+            engram_ngrams.to(self.engram_device),
             self.config.topology.decoder_start,
             decoder_rows,
             readers=len(microbatches),

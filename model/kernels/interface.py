@@ -11,8 +11,9 @@ and ``PagedKernels.write_rows``, which stores rows into a plane in its format, w
 ``check_row_write``, the one statement of what such a write accepts.
 ``PagedKernels`` is also model/mhc.HcKernels: a site's mHC mix, collapse + RMSNorm
 and expand; model/epilogue.EpilogueKernels: a projection's RMSNorm, RoPE and fake
-quantisation; and model/moe.MoeKernels: the router, the shared expert and the MoE
-layer's output.
+quantisation; model/moe.MoeKernels: the router, the shared expert and the MoE
+layer's output; and model/engram.EngramKernels: an Engram table's rows, read on the
+host or on the forward's device.
 Every backend computes the same function; the torch backend is the reference.
 Must not import: cache, cluster, actors, deploy, ray, triton.
 """
@@ -23,6 +24,7 @@ from typing import Mapping, Protocol
 
 import torch
 
+from dsv41.model.engram import EngramKernels
 from dsv41.model.epilogue import EpilogueKernels
 from dsv41.model.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
 from dsv41.model.mhc import HcKernels
@@ -107,7 +109,7 @@ def check_row_write(plane: PlaneView, flat_rows: torch.Tensor, values: torch.Ten
             raise ValueError(f"plane.scales: a {plane.fmt} plane of width {width} needs {groups} scales a row")
 
 
-class PagedKernels(HcKernels, EpilogueKernels, MoeKernels, Protocol):
+class PagedKernels(HcKernels, EpilogueKernels, MoeKernels, EngramKernels, Protocol):
     name: str
 
     def attend(

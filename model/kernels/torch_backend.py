@@ -8,8 +8,8 @@ its routed expert slots are model/moe.routed_expert_slots over the params' own e
 its ratio-2 pooling is model/compressor.pool_pairs and its row stores are
 model/formats.py's quantisers, so they define the bytes every backend stores; its mHC
 site steps are model/mhc.TorchHc's, its projections' epilogues
-model/epilogue.TorchEpilogue's and its MoE steps around the routed experts
-model/moe.TorchMoe's.
+model/epilogue.TorchEpilogue's, its MoE steps around the routed experts
+model/moe.TorchMoe's and its Engram rows model/engram.HostEngram's (the host lookup).
 Runs anywhere. Must not import: cache, cluster, actors, deploy, ray, triton.
 """
 
@@ -22,6 +22,7 @@ import torch
 
 from dsv41.model.attention import sparse_attention
 from dsv41.model.compressor import pool_pairs
+from dsv41.model.engram import HostEngram
 from dsv41.model.epilogue import TorchEpilogue
 from dsv41.model.formats import (
     dequantize_fp8,
@@ -72,7 +73,7 @@ class TorchExpertBank:
         return tuple(sorted(self.experts))
 
 
-class TorchKernels(TorchHc, TorchEpilogue, TorchMoe):
+class TorchKernels(TorchHc, TorchEpilogue, TorchMoe, HostEngram):
     name = "torch"
 
     def attend(

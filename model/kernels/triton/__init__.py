@@ -10,7 +10,8 @@ model/kernels/triton/moe.py's (bank, alignment and launches). The compression pa
 launches (pair pooling and tail stores, quantised row stores) are in their own block,
 the mHC site steps are model/kernels/triton/mhc.py's fused launches, a projection's
 epilogue (RMSNorm, RoPE, rounding) is model/kernels/triton/epilogue.py's, and the MoE
-steps around the routed experts (router, shared SwiGLU, output) are route.py's.
+steps around the routed experts (router, shared SwiGLU, output) are route.py's; an
+Engram table's rows are gathered on the device from the host table (engram.py).
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -25,6 +26,7 @@ import torch
 import triton
 
 from dsv41.model.config import V41Config
+from dsv41.model.engram import EngramTable
 from dsv41.model.epilogue import Epilogue
 from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
 from dsv41.model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresses, PlaneView, check_row_write
@@ -40,6 +42,7 @@ from dsv41.model.kernels.triton.attention import (
 )
 from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
 from dsv41.model.kernels.triton.decode import INTERPRETED
+from dsv41.model.kernels.triton.engram import engram_rows
 from dsv41.model.kernels.triton.epilogue import fused_epilogue
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
@@ -128,6 +131,10 @@ class PreparedLaunch:
 
 class TritonKernels:
     name = "triton"
+    # Engram rows are gathered by the forward's device from the host tables mapped for
+    # it (kernels/triton/engram.py), so a forward, and a captured graph, does no host
+    # lookup.
+    engram_on_device = True
 
     def __init__(
         self,
@@ -353,6 +360,11 @@ class TritonKernels:
 
     def moe_output(self, slots: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         return fused_moe_output(slots, shared, dtype)
+
+    # -- Engram rows (engram.py) ----------------------------------------------------------
+
+    def engram_rows(self, table: EngramTable, row_ids: torch.Tensor) -> torch.Tensor:
+        return engram_rows(table, row_ids)
 
     # -- the mHC site steps (mhc.py) ----------------------------------------------------
 
