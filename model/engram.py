@@ -511,12 +511,13 @@ class EngramTable:
 
     def map_for(self, device: torch.device | str) -> None:
         """Makes the rows readable by ``device``'s kernels at their host addresses
-        (``values`` / ``scales.data_ptr()``, with their strides): for a CUDA device, page-locked and mapped
-        into the device's address space (unified addressing: the same pointers), a
-        file map registered in place (cudaHostRegister, read-only: the spec's mapped
-        host table storage; its pages are read in now), other memory moved once into
-        a page-locked copy that the table then holds; a CPU device reads host memory
-        as it is. Once per table; unregistered when the table is freed."""
+        (``values`` / ``scales.data_ptr()``, with their strides). For a CUDA device
+        they are page-locked and mapped into its address space (unified addressing:
+        the same pointers): a file map registered in place (cudaHostRegister,
+        read-only: the spec's mapped host table storage; its pages are read in now),
+        other memory moved once into a page-locked copy that the table then holds. A
+        CPU device reads host memory as it is. Once per table; a registration ends
+        when the table is freed."""
         if torch.device(device).type != "cuda":
             return
         with _registered_lock:

@@ -266,8 +266,8 @@ class PagedRuntime:
         rows = self._engram_hashing.layer_rows(layer_id)
         if table.num_rows != rows:
             raise ValueError(
-                f"layer {layer_id} Engram table: {table.num_rows} rows (allowed: {rows}, the sum of the layer's primes, "
-                "where its hashing lands)"
+                f"layer {layer_id} Engram table: {table.num_rows} rows (allowed: {rows}, the sum of the layer's "
+                "primes, where its hashing lands)"
             )
         table.map_for(self.engram_device)
         probe = torch.tensor([[0, rows - 1]], dtype=torch.long)
