@@ -540,7 +540,8 @@ class EngramTable:
                             "and read-only registration)"
                         )
                     registered.append(address)
-                weakref.finalize(self, _unregister, tuple(registered))
+                # The process's exit releases every registration: none is undone then.
+                weakref.finalize(self, _unregister, tuple(registered)).atexit = False
             self._device_readable = True
 
     @property
