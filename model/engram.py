@@ -19,7 +19,9 @@ one call, and the only per-request state is the history of the last
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import mmap
 import threading
 import weakref
 from dataclasses import dataclass
@@ -438,15 +440,39 @@ _E8M0_SCALE_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)
 _FLOAT_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# cudaHostRegister's flags: Portable (every device's context) | Mapped (in the device
-# address space) | ReadOnly (the device never writes; required for a read-only file map).
-_HOST_REGISTER_FLAGS = 1 | 2 | 8
-_registered_lock = threading.Lock()
+# cudaHostRegister's flags: Portable (every device's context) and Mapped (in the device
+# address space); ReadOnly besides for a file map registered where it lies (the device
+# never writes; a read-only map needs it, and some devices do not support it).
+_PAGE_LOCKED = 1 | 2
+_PAGE_LOCKED_READ_ONLY = _PAGE_LOCKED | 8
+_mapping_lock = threading.Lock()
+logger = logging.getLogger(__name__)
+
+
+def _register(address: int, size: int, flags: int) -> int:
+    """cudaHostRegister's error code (0: the range is page-locked and mapped)."""
+    return int(torch.cuda.cudart().cudaHostRegister(address, size, flags))
 
 
 def _unregister(addresses: tuple[int, ...]) -> None:
     for address in addresses:
         torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _page_locked_copy(t: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap]:
+    """``t``'s values in a new anonymous map of their own pages (page-aligned, shared
+    with no other allocation, so its registration overlaps none), registered
+    page-locked and mapped; the map must outlive the copy."""
+    buffer = mmap.mmap(-1, max(t.nbytes, 1))
+    copy = torch.frombuffer(buffer, dtype=torch.uint8, count=t.nbytes).view(t.dtype).view(t.shape)
+    copy.copy_(t)
+    error = _register(copy.data_ptr(), max(t.nbytes, 1), _PAGE_LOCKED)
+    if error:
+        raise RuntimeError(
+            f"Engram table: cudaHostRegister of a {t.nbytes}-byte page-locked copy failed with CUDA error {error} "
+            "(the device reads the table from page-locked host memory)"
+        )
+    return copy, buffer
 
 
 class EngramTable:
@@ -491,6 +517,7 @@ class EngramTable:
         self.file_mapped = file_mapped
         self.is_fp8 = scales is not None
         self._device_readable = False
+        self._buffers: tuple[mmap.mmap, ...] = ()  # page-locked copies' maps (map_for)
 
     def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
         """``row_ids [..., k]`` -> float32 ``[..., k * head_dim]``: the rows concatenated
@@ -513,35 +540,45 @@ class EngramTable:
         """Makes the rows readable by ``device``'s kernels at their host addresses
         (``values`` / ``scales.data_ptr()``, with their strides). For a CUDA device
         they are page-locked and mapped into its address space (unified addressing:
-        the same pointers): a file map registered in place (cudaHostRegister,
-        read-only: the spec's mapped host table storage; its pages are read in now),
-        other memory moved once into a page-locked copy that the table then holds. A
-        CPU device reads host memory as it is. Once per table; a registration ends
-        when the table is freed."""
+        the same pointers): a file map registered where it lies (read-only: the spec's
+        mapped host table storage; its pages are read in now) when the device can
+        register read-only memory; otherwise, and for memory that is not a file map of
+        its own, the rows are copied once into page-locked memory that the table then
+        holds (logged for a file map, with the CUDA error and the bytes). A CPU device
+        reads host memory as it is. Once per table; a registration ends when the table
+        is freed."""
         if torch.device(device).type != "cuda":
             return
-        with _registered_lock:
+        with _mapping_lock:
             if self._device_readable:
                 return
             parts = [t for t in (self.values, self.scales) if t is not None]
-            if not self.file_mapped:
-                self.values, self.scales = (None if t is None else t.pin_memory() for t in (self.values, self.scales))
-            elif not all(t.is_pinned() for t in parts):
-                registered = []
+            registered: list[int] = []
+            error = 0
+            if self.file_mapped:
                 for t in parts:
                     storage = t.untyped_storage()
-                    address, size = storage.data_ptr(), storage.nbytes()
-                    error = int(torch.cuda.cudart().cudaHostRegister(address, size, _HOST_REGISTER_FLAGS))
+                    error = _register(storage.data_ptr(), storage.nbytes(), _PAGE_LOCKED_READ_ONLY)
                     if error:
-                        _unregister(tuple(registered))
-                        raise RuntimeError(
-                            f"Engram table: cudaHostRegister of its {size}-byte file map failed with CUDA error "
-                            f"{error} (the device reads the table in place: it needs the pages locked and mapped, "
-                            "and read-only registration)"
-                        )
-                    registered.append(address)
-                # The process's exit releases every registration: none is undone then.
-                weakref.finalize(self, _unregister, tuple(registered)).atexit = False
+                        break
+                    registered.append(storage.data_ptr())
+                if error:
+                    _unregister(tuple(registered))
+                    registered = []
+                    logger.warning(
+                        "Engram table: the device does not register its read-only file map (CUDA error %d); its "
+                        "%.1f MiB are copied once into page-locked memory",
+                        error,
+                        sum(t.nbytes for t in parts) / 2**20,
+                    )
+            if not registered:
+                copies = [_page_locked_copy(t) for t in parts]
+                self.values = copies[0][0]
+                self.scales = copies[1][0] if len(copies) > 1 else None
+                self._buffers = tuple(buffer for _, buffer in copies)
+                registered = [copy.data_ptr() for copy, _ in copies]
+            # The process's exit releases every registration: none is undone then.
+            weakref.finalize(self, _unregister, tuple(registered)).atexit = False
             self._device_readable = True
 
     @property

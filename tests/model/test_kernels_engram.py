@@ -11,6 +11,7 @@ backend's host rows.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from pathlib import Path
 
@@ -117,11 +118,12 @@ def test_unmapped_table_is_refused_on_the_gpu() -> None:
 
 
 @needs_cuda
-def test_file_map_is_registered_in_place_and_memory_copied_once(tmp_path: Path) -> None:
-    """``map_for`` a GPU registers a file-mapped table where it lies (the device reads
-    the map's own pages: same addresses) and moves an in-memory table once into
-    page-locked memory; both then read on the device as on the host, and mapping
-    again changes nothing."""
+def test_tables_are_page_locked_in_place_or_copied_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``map_for`` a GPU registers a file-mapped table where it lies when the device
+    registers read-only memory (the map's own pages, same addresses), else copies it
+    once into page-locked memory and says so; an in-memory table is copied once. Either
+    way the rows are page-locked, read on the device as on the host, and mapping again
+    changes nothing."""
     values, scales = _fp8_table(500, 96, seed=5)
     arrays = {}
     for name, tensor in (("values", values.contiguous()), ("scales", scales.contiguous())):
@@ -137,9 +139,13 @@ def test_file_map_is_registered_in_place_and_memory_copied_once(tmp_path: Path) 
     in_memory = EngramTable(values, scales)
     ids = torch.randint(0, 500, (64, 24), generator=torch.Generator().manual_seed(6))
     for table in (mapped, in_memory):
-        table.map_for("cuda")
-        table.map_for("cuda")
+        with caplog.at_level(logging.WARNING, logger="dsv41.model.engram"):
+            table.map_for("cuda")
+            table.map_for("cuda")
         assert table.device_readable
+        assert table.values.is_pinned() and table.scales is not None and table.scales.is_pinned()
         assert torch.equal(engram_rows(table, ids.cuda()).cpu(), table.lookup(ids))
-    assert mapped.values.data_ptr() == arrays["values"].ctypes.data
-    assert in_memory.values.is_pinned() and in_memory.scales is not None and in_memory.scales.is_pinned()
+    copied = [r.getMessage() for r in caplog.records if "copied once into page-locked memory" in r.getMessage()]
+    in_place = mapped.values.data_ptr() == arrays["values"].ctypes.data
+    assert in_place != bool(copied) and len(copied) <= 1, copied
+    assert in_memory.values.data_ptr() != values.data_ptr()
