@@ -12,7 +12,10 @@ Ray started for the application (gcs_server, raylet, the Serve controller, the H
 proxy, the ingress and LLM server replicas, idle workers; not this client) is read from
 /proc every ``--sample-every`` seconds: at baseline (after a warm-up, idle), during the
 load, and after each round (``--settle`` seconds idle). A leak grows round after round;
-memory an allocator keeps for reuse rises once and stays level. The replicas collect
+memory an allocator keeps for reuse rises once and stays level. ``--warmup-round``
+runs one round of the soak's own load before the baseline (the RSS before it is kept
+as ``cold``): the baseline then holds what the first burst leaves in the allocators,
+and whatever a round leaks shows as growth above it. The replicas collect
 their garbage and trim their C heap once idle (AppArgs' ``heap_trim_idle_s``, 5 s:
 deploy/heap.py), well within ``--settle``, and so does Serve's HTTP proxy, started as
 ``dsv41 serve`` starts it (deploy/proxy_heap.py); ``--no-heap-trim`` runs all three
@@ -32,7 +35,7 @@ for a moment calling glibc's ``malloc_info`` (and with ``--malloc-trim``
 
 Prints the latency summary (TTFT and TPOT p50 / p99), the RSS table and the probe's
 table; writes JSON (default bench/results/soak.json).
-Usage: python3 -m bench.soak [--model DIR] [--num-requests 3000] [--rounds 2] [--concurrency 1000]
+Usage: python3 -m bench.soak [--model DIR] [--num-requests 3000] [--rounds 2] [--concurrency 1000] [--warmup-round]
        [--no-heap-trim | --no-proxy-heap-trim] [--memory-probe [--trace-frames N] [--malloc-trim]]
 """
 
@@ -191,6 +194,19 @@ def _latencies(report) -> dict[str, object]:
     }
 
 
+def soak_round(args: argparse.Namespace, seed: int) -> Workload:
+    """One round's closed loop: ``--num-requests`` streams, ``--concurrency`` at once."""
+    return Workload(
+        "completions",
+        args.num_requests,
+        args.output_len,
+        input_len=args.input_len,
+        vocab_size=512,
+        seed=seed,
+        max_concurrency=args.concurrency,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
@@ -201,6 +217,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--sample-every", type=float, default=5.0)
     parser.add_argument("--settle", type=float, default=30.0, help="idle seconds before each after sample")
+    parser.add_argument(
+        "--warmup-round",
+        action="store_true",
+        help="one round of the soak's own load before the baseline (the RSS before it recorded as cold)",
+    )
     parser.add_argument("--port", type=int, default=18400)
     parser.add_argument("--out", default="bench/results/soak.json")
     parser.add_argument(
@@ -275,21 +296,19 @@ def main() -> None:
         warmup = Workload("completions", 64, args.output_len, input_len=args.input_len, vocab_size=512, seed=1, max_concurrency=64)
         run_http(target, warmup)
         time.sleep(args.settle)
+        cold = None
+        if args.warmup_round:
+            cold = sample()
+            print("warm-up round:", flush=True)
+            run_http(target, soak_round(args, seed=9), progress=lambda line: print(line, flush=True))
+            time.sleep(args.settle)
         baseline = sample()
         if args.memory_probe:
             probes.append(("baseline", read_memory("soak", baseline, trim=args.malloc_trim)))
         sampler = Sampler(args.sample_every)
         sampler.start()
         for round_index in range(args.rounds):
-            workload = Workload(
-                "completions",
-                args.num_requests,
-                args.output_len,
-                input_len=args.input_len,
-                vocab_size=512,
-                seed=10 + round_index,
-                max_concurrency=args.concurrency,
-            )
+            workload = soak_round(args, seed=10 + round_index)
             reports.append(run_http(target, workload, progress=lambda line: print(line, flush=True)))
             time.sleep(args.settle)
             afters.append(sample())
@@ -307,6 +326,7 @@ def main() -> None:
         rows.append(
             {
                 "process": f"{name} ({pid})",
+                "cold_mib": None if cold is None or pid not in cold else cold[pid][1],
                 "baseline_mib": rss,
                 "peak_mib": max(during, default=rss),
                 "after_round_mib": [after[pid][1] if pid in after else None for after in afters],
@@ -322,11 +342,13 @@ def main() -> None:
             f"TPOT p50 {s.tpot.median_ms:.0f} ms, p99 {s.tpot.p99_ms:.0f} ms; {s.failed} failed"
         )
     rounds = " | ".join(f"after round {i + 1} MiB" for i in range(len(afters)))
-    print(f"| process | baseline MiB | peak MiB | {rounds} |")
-    print("| --- | ---: | ---: |" + " ---: |" * len(afters))
+    cold_column = "cold MiB | " if cold is not None else ""
+    print(f"| process | {cold_column}baseline MiB | peak MiB | {rounds} |")
+    print("| --- |" + " ---: |" * (2 + len(afters) + (cold is not None)))
     for row in rows:
         cells = " | ".join("gone" if v is None else f"{v:.0f} ({v - row['baseline_mib']:+.0f})" for v in row["after_round_mib"])
-        print(f"| {row['process']} | {row['baseline_mib']:.0f} | {row['peak_mib']:.0f} | {cells} |")
+        cold_cell = "" if cold is None else ("- | " if row["cold_mib"] is None else f"{row['cold_mib']:.0f} | ")
+        print(f"| {row['process']} | {cold_cell}{row['baseline_mib']:.0f} | {row['peak_mib']:.0f} | {cells} |")
     if probes:
         print("\n".join(probe_table(probes)))
     result = {
