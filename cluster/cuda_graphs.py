@@ -30,7 +30,6 @@ from dsv41.cache.addressing import (
     DecodeWidth,
     PoolShape,
     SegmentSpec,
-    StepAddresses,
     build_decode_addresses,
     decode_pages,
 )

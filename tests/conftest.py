@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny checkpoints made once per test session, and the SIGKILL of a
-Ray actor by its pid (the fault tests' crash).
+"""Shared fixtures: tiny checkpoints made once per test session, the SIGKILL of a Ray
+actor by its pid (the fault tests' crash), and Engram tables over read-only file maps.
 
 The directories are shared by every test of the session: treat them as read-only
 (copy one before tampering with it).
@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 import os
 import signal
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,3 +162,34 @@ def _sigkill_actor(name: str) -> int:
 def sigkill_actor_fixture() -> Callable[[str], int]:
     """``sigkill_actor(name)``: SIGKILLs the live Ray actor ``name``; returns its pid."""
     return _sigkill_actor
+
+
+def _file_mapped_table(
+    directory: Path, values: torch.Tensor, scales: torch.Tensor, file_mapped: bool
+) -> tuple[Any, dict[str, np.memmap]]:
+    """An FP8 Engram table over read-only numpy memmaps of ``values`` and ``scales``
+    written as files in ``directory`` (as the loader maps a checkpoint's), and the
+    maps."""
+    from dsv41.model.engram import EngramTable
+
+    arrays = {}
+    for name, tensor in (("values", values.contiguous()), ("scales", scales.contiguous())):
+        path = directory / f"{name}.bin"
+        writer = np.memmap(path, dtype=np.uint8, mode="w+", shape=tuple(tensor.shape))
+        writer[:] = tensor.numpy()
+        writer.flush()
+        del writer
+        arrays[name] = np.memmap(path, dtype=np.uint8, mode="r", shape=tuple(tensor.shape))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+        table = EngramTable(
+            torch.from_numpy(arrays["values"]), torch.from_numpy(arrays["scales"]), file_mapped=file_mapped
+        )
+    return table, arrays
+
+
+@pytest.fixture(name="file_mapped_table")
+def file_mapped_table_fixture(tmp_path: Path) -> Callable[..., tuple[Any, dict[str, np.memmap]]]:
+    """``(values, scales, file_mapped=False) -> (EngramTable, its memmaps)``, the files
+    in the test's temporary directory."""
+    return lambda values, scales, file_mapped=False: _file_mapped_table(tmp_path, values, scales, file_mapped)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
-from pathlib import Path
+from typing import Any, Callable
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -434,21 +432,11 @@ def test_float_table_lookup_and_bad_ids() -> None:
             table.lookup(bad)
 
 
-def test_memmapped_table_is_not_copied(tmp_path: Path) -> None:
+def test_memmapped_table_is_not_copied(file_mapped_table: Callable[..., Any]) -> None:
     """A table over read-only numpy memmaps keeps the mapped memory itself (no copy of
     the table) and looks up the same values as the in-memory table."""
     values, scales = _fp8_rows(200, 96)
-    arrays = {}
-    for name, tensor in (("values", values), ("scales", scales)):
-        path = tmp_path / f"{name}.bin"
-        writer = np.memmap(path, dtype=np.uint8, mode="w+", shape=tuple(tensor.shape))
-        writer[:] = tensor.numpy()
-        writer.flush()
-        del writer
-        arrays[name] = np.memmap(path, dtype=np.uint8, mode="r", shape=tuple(tensor.shape))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
-        mapped = EngramTable(torch.from_numpy(arrays["values"]), torch.from_numpy(arrays["scales"]))
+    mapped, arrays = file_mapped_table(values, scales)
     assert mapped.values.data_ptr() == arrays["values"].ctypes.data
     assert mapped.scales is not None and mapped.scales.data_ptr() == arrays["scales"].ctypes.data
     row_ids = torch.tensor([[199, 0, 57, 57], [3, 140, 11, 198]])

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from pathlib import Path
+from typing import Any, Callable
 
-import numpy as np
 import pytest
 import torch
 
@@ -118,24 +117,16 @@ def test_unmapped_table_is_refused_on_the_gpu() -> None:
 
 
 @needs_cuda
-def test_tables_are_page_locked_in_place_or_copied_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_tables_are_page_locked_in_place_or_copied_once(
+    file_mapped_table: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
     """``map_for`` a GPU registers a file-mapped table where it lies when the device
     registers read-only memory (the map's own pages, same addresses), else copies it
     once into page-locked memory and says so; an in-memory table is copied once. Either
     way the rows are page-locked, read on the device as on the host, and mapping again
     changes nothing."""
     values, scales = _fp8_table(500, 96, seed=5)
-    arrays = {}
-    for name, tensor in (("values", values.contiguous()), ("scales", scales.contiguous())):
-        path = tmp_path / f"{name}.bin"
-        writer = np.memmap(path, dtype=np.uint8, mode="w+", shape=tuple(tensor.shape))
-        writer[:] = tensor.numpy()
-        writer.flush()
-        del writer
-        arrays[name] = np.memmap(path, dtype=np.uint8, mode="r", shape=tuple(tensor.shape))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
-        mapped = EngramTable(torch.from_numpy(arrays["values"]), torch.from_numpy(arrays["scales"]), file_mapped=True)
+    mapped, arrays = file_mapped_table(values, scales, file_mapped=True)
     in_memory = EngramTable(values, scales)
     ids = torch.randint(0, 500, (64, 24), generator=torch.Generator().manual_seed(6))
     for table in (mapped, in_memory):
