@@ -5,12 +5,13 @@ buckets a replica captures, and which one a step runs at), the persistent step
 (``StaticDecodeStep``: one bucket's inputs at fixed addresses, token ids, Engram
 n-grams and addresses staged on the host in one pinned int64 buffer and moved in one
 copy per step, and the forward that reads only them: it hashes the n-grams and reads
-the Engram tables' rows on the device, model/runtime.PagedRuntime.engram_rows) and ``DecodeGraphs``: every
-bucket's step captured once at startup (largest first, one memory pool, capture time
-and memory reported as progress) and a decode step run as one replay. A step is run
-at its bucket's width (cache/addressing.DecodeWidth: padding rows read and write
-nothing), so its real rows' logits are the eager forward's bits in the
-batch-invariant mode. A step beyond the largest bucket runs eagerly (logged once).
+the Engram tables' rows on the device, model/runtime.PagedRuntime.engram_rows) and
+``DecodeGraphs``: every bucket's step captured once at startup (largest first, one
+memory pool, capture time and memory reported as progress) and a decode step run as
+one replay. A step is run at its bucket's width (cache/addressing.DecodeWidth:
+padding rows read and write nothing), so its real rows' logits are the eager
+forward's bits in the batch-invariant mode. A step beyond the largest bucket runs
+eagerly (logged once).
 
 Must not import: actors, deploy, ray.
 """
