@@ -7,7 +7,8 @@ row), random bytes, host memory. For each step size (tokens, each reading
 (``EngramTable.lookup``: gather and dequantise on the CPU, what a step waited for
 before its forward, and what the torch backend still does), and on a GPU the Triton
 backend's gather (``kernels/triton/engram.py``, the table mapped for the device with
-``EngramTable.map_for``; its rows checked equal to the host's), timed with CUDA events.
+``EngramTable.map_for``; its rows checked equal to the host's), timed as
+bench/kernels.py times kernels (``median_ms``: do_bench's CUDA events).
 The host lookup's fp32 rows were also copied to the device before (their bytes shown);
 the device's gather moves only the rows' FP8 bytes over the bus.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench.kernels import median_ms
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
 from dsv41.model.engram import EngramTable, engram_row_counts
 from dsv41.model.formats import FP8_BLOCK
@@ -44,25 +46,10 @@ def host_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def device_ms(fn, reps: int) -> float:
-    """Median milliseconds of ``fn`` on the current CUDA device (events)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,32,128,4096", help="comma-separated step sizes (tokens)")
-    parser.add_argument("--reps", type=int, default=20, help="timed lookups per size (3 from 1,024 tokens up)")
+    parser.add_argument("--reps", type=int, default=20, help="timed host lookups per size (3 from 1,024 tokens up)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the host lookup")
     parser.add_argument("--out", default="bench/results/engram_lookup.json")
     args = parser.parse_args()
@@ -98,7 +85,7 @@ def main() -> None:
             device_ids = ids.cuda()
             if not torch.equal(engram_rows(table, device_ids).cpu(), table.lookup(ids)):
                 raise RuntimeError(f"{tokens} tokens: the device's rows differ from the host lookup's")
-            row["device_gather_ms"] = device_ms(lambda: engram_rows(table, device_ids), reps)
+            row["device_gather_ms"] = median_ms(lambda: engram_rows(table, device_ids))
         results.append(row)
         print(row, flush=True)
     result = {

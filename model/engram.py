@@ -515,7 +515,6 @@ class EngramTable:
         self.num_rows: int = num_rows
         self.head_dim: int = head_dim
         self.file_mapped = file_mapped
-        self.is_fp8 = scales is not None
         self._device_readable = False
         self._buffers: tuple[mmap.mmap, ...] = ()  # page-locked copies' maps (map_for)
 
@@ -580,6 +579,11 @@ class EngramTable:
             # The process's exit releases every registration: none is undone then.
             weakref.finalize(self, _unregister, tuple(registered)).atexit = False
             self._device_readable = True
+
+    @property
+    def is_fp8(self) -> bool:
+        """FP8 bytes with E8M0 scales (else float rows)."""
+        return self.scales is not None
 
     @property
     def device_readable(self) -> bool:
