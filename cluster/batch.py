@@ -118,6 +118,20 @@ class ScheduledSegment:
     def end(self) -> int:
         return self.start + len(self.token_ids)
 
+    @property
+    def is_plain_decode(self) -> bool:
+        """One committed output row, sampled: no prefill row, no prompt logits, no
+        drafts, no slot reset or restore (what a decode graph runs)."""
+        return (
+            self.length == 1
+            and self.sample
+            and self.start >= self.num_prompt_tokens
+            and not self.want_prompt_logits
+            and not self.num_draft_tokens
+            and self.reset is None
+            and self.restore is None
+        )
+
 
 @dataclass(frozen=True)
 class ScheduledBatch:
@@ -136,8 +150,16 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.segments
 
+    def decode_pages(self, block_size: int) -> int:
+        """The PAGEs (of ``block_size`` positions) the longest row covers when every
+        segment is a plain decode (what cache/addressing.decode_pages measures), 0 for
+        a batch of no segment, -1 when a segment is not a plain decode."""
+        if not all(seg.is_plain_decode for seg in self.segments):
+            return -1
+        return max((-(-seg.end // block_size) for seg in self.segments), default=0)
 
-DP_METADATA_LAYOUT = 3  # bump when the wire layout below changes
+
+DP_METADATA_LAYOUT = 4  # bump when the wire layout below changes
 
 
 class DPMetadataError(ValueError):
@@ -170,7 +192,10 @@ class RankStepInfo:
     replay fewer than its rows (None: every row). ``microbatches``: where prefill
     two-batch overlap is on, the two microbatches the rank's rows split into (none:
     the rank cannot split them); whether the step runs split is every rank's to
-    agree (cluster/tbo.runs_split)."""
+    agree (cluster/tbo.runs_split). ``decode_pages``: ``ScheduledBatch.decode_pages``
+    of the rank's batch (-1: not a plain decode; 0: no row), from which every rank of a
+    replica with decode graphs picks the same graph width, or none
+    (cluster/ranks.common_decode_width)."""
 
     num_tokens: int
     is_prefill: bool
@@ -178,10 +203,18 @@ class RankStepInfo:
     decoder_rows: int | None = None
     query_rows: int | None = None
     microbatches: tuple[MicrobatchRows, ...] = ()
+    decode_pages: int = -1
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
             raise DPMetadataError(f"RankStepInfo.num_tokens: {self.num_tokens!r} (allowed: an int >= 0)")
+        pages = self.decode_pages
+        fits_rows = pages == -1 or (pages == 0) == (self.num_tokens == 0)
+        if not isinstance(pages, int) or pages < -1 or not fits_rows:
+            raise DPMetadataError(
+                f"RankStepInfo.decode_pages: {pages!r} with {self.num_tokens} rows (allowed: -1; 0 for a rank of no "
+                "row; a PAGE count >= 1 for a rank of rows)"
+            )
         if self.decoder_rows is None:
             object.__setattr__(self, "decoder_rows", self.num_tokens)
         if self.query_rows is None:
@@ -207,7 +240,10 @@ class RankStepInfo:
         decoder_rows: int | None = None,
         query_rows: int | None = None,
         microbatches: tuple[MicrobatchRows, ...] = (),
+        block_size: int | None = None,
     ) -> "RankStepInfo":
+        """``block_size``: the PAGE size ``decode_pages`` is counted in (None: the
+        replica has no decode graphs, -1)."""
         decode = [s.sample and s.length == 1 and s.output_index > 0 for s in batch.segments]
         return cls(
             num_tokens=batch.num_tokens,
@@ -216,6 +252,7 @@ class RankStepInfo:
             decoder_rows=decoder_rows,
             query_rows=query_rows,
             microbatches=microbatches,
+            decode_pages=-1 if block_size is None else batch.decode_pages(block_size),
         )
 
 
@@ -225,8 +262,8 @@ class DPMetadata:
     the MoE exchange pads to the largest rank's rows at each layer and cuts each
     rank's rows out.
 
-    Wire layout 3 (one flat int64 tensor): ``[layout, step_id, world]`` then per rank
-    ``[num_tokens, is_prefill, decoder_rows, query_rows, num_microbatches]``, per
+    Wire layout 4 (one flat int64 tensor): ``[layout, step_id, world]`` then per rank
+    ``[num_tokens, is_prefill, decoder_rows, query_rows, decode_pages, num_microbatches]``, per
     microbatch ``[num_tokens, decoder_rows, query_rows]``, ``[num_finished]`` and per
     finished request ``[num_bytes, *utf8_bytes]``."""
 
@@ -244,10 +281,12 @@ class DPMetadata:
         batches: tuple[ScheduledBatch, ...],
         stage_rows: Sequence[tuple[int, int]] | None = None,
         microbatches: Sequence[tuple[MicrobatchRows, ...]] | None = None,
+        block_size: int | None = None,
     ) -> "DPMetadata":
         """``stage_rows``: each rank's (decoder rows, query rows) under decoder replay
         (None: every row runs every layer); ``microbatches``: each rank's two-batch
-        overlap split (None: overlap is off)."""
+        overlap split (None: overlap is off); ``block_size``: the replica's PAGE size
+        when its ranks have decode graphs (None: they have none)."""
         stages = stage_rows if stage_rows is not None else [(None, None)] * len(batches)
         splits = microbatches if microbatches is not None else [()] * len(batches)
         if len(stages) != len(batches) or len(splits) != len(batches):
@@ -256,7 +295,9 @@ class DPMetadata:
             )
         return cls(
             step_id=step_id,
-            ranks=tuple(RankStepInfo.of(b, *stage, split) for b, stage, split in zip(batches, stages, splits)),
+            ranks=tuple(
+                RankStepInfo.of(b, *stage, split, block_size) for b, stage, split in zip(batches, stages, splits)
+            ),
         )
 
     @property
@@ -282,7 +323,7 @@ class DPMetadata:
     def to_wire(self) -> torch.Tensor:
         words = [DP_METADATA_LAYOUT, self.step_id, len(self.ranks)]
         for rank in self.ranks:
-            words += [rank.num_tokens, int(rank.is_prefill), rank.decoder_rows, rank.query_rows]
+            words += [rank.num_tokens, int(rank.is_prefill), rank.decoder_rows, rank.query_rows, rank.decode_pages]
             words.append(len(rank.microbatches))
             for mb in rank.microbatches:
                 words += [getattr(mb, f) for f in MICROBATCH_FIELDS]
@@ -305,8 +346,8 @@ class DPMetadata:
         ranks = []
         try:
             for _ in range(world):
-                num_tokens, is_prefill, decoder_rows, query_rows, num_microbatches = words[at : at + 5]
-                at += 5
+                num_tokens, is_prefill, decoder_rows, query_rows, decode_pages, num_microbatches = words[at : at + 6]
+                at += 6
                 microbatches = []
                 for _ in range(num_microbatches):
                     microbatches.append(MicrobatchRows(*words[at : at + len(MICROBATCH_FIELDS)]))
@@ -320,7 +361,13 @@ class DPMetadata:
                     at += 1 + size
                 ranks.append(
                     RankStepInfo(
-                        num_tokens, bool(is_prefill), tuple(finished), decoder_rows, query_rows, tuple(microbatches)
+                        num_tokens,
+                        bool(is_prefill),
+                        tuple(finished),
+                        decoder_rows,
+                        query_rows,
+                        tuple(microbatches),
+                        decode_pages,
                     )
                 )
         except (IndexError, TypeError, ValueError, UnicodeDecodeError) as exc:

@@ -11,7 +11,10 @@ memory pool, capture time and memory reported as progress) and a decode step run
 one replay. A step is run at its bucket's width (cache/addressing.DecodeWidth:
 padding rows read and write nothing), so its real rows' logits are the eager
 forward's bits in the batch-invariant mode. A step beyond the largest bucket runs
-eagerly (logged once).
+eagerly (logged once). Under DP attention every rank of a step replays the same width
+(an idle rank on padding alone, ``run_padding``), and ``begin_width`` sets the MoE
+exchange's shapes from the width before each run, so the collectives a graph captured
+meet every peer's.
 
 Must not import: actors, deploy, ray.
 """
@@ -238,6 +241,7 @@ class DecodeGraphs:
         device: torch.device,
         *,
         capture: bool,
+        begin_width: Callable[[DecodeWidth], None] | None = None,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"capture: True on {device} (allowed: a CUDA device)")
@@ -246,6 +250,7 @@ class DecodeGraphs:
         self.buckets = buckets
         self.capture = capture
         self.device = device
+        self.begin_width = begin_width
         params = runtime.params
         self.ngram_width = 1 if params.engram_hashing is None else params.engram_hashing.max_ngram_size
         self.steps = {
@@ -264,6 +269,10 @@ class DecodeGraphs:
     def _run_static(self, step: StaticDecodeStep) -> None:
         self.logits[: step.width.requests].copy_(step.forward())
 
+    def _load_padding(self, step: StaticDecodeStep) -> None:
+        no_ngrams = torch.zeros(0, self.ngram_width, dtype=torch.long)
+        step.load(torch.zeros(0, dtype=torch.long), [], _NO_PAGES, no_ngrams)
+
     def capture_all(self, progress: Callable[[str], None] = logger.info) -> CaptureReport:
         """Runs every bucket's step once on padding (compiling its kernels) and, when
         capturing, records it; reports each graph and the totals through ``progress``."""
@@ -271,8 +280,9 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if self.capture else None
         total = len(self.steps)
         for i, (width, step) in enumerate(self.steps.items(), start=1):
-            no_ngrams = torch.zeros(0, self.ngram_width, dtype=torch.long)
-            step.load(torch.zeros(0, dtype=torch.long), [], _NO_PAGES, no_ngrams)
+            self._load_padding(step)
+            if self.begin_width is not None:
+                self.begin_width(width)
             self._run_static(step)
             if self.capture:
                 torch.cuda.synchronize(self.device)
@@ -298,14 +308,20 @@ class DecodeGraphs:
     def width_for(self, segments: Sequence[SegmentSpec]) -> DecodeWidth | None:
         """The bucket a decode step of ``segments`` runs at; None (logged once) when
         it is beyond the largest, and the step runs eagerly."""
-        width = self.buckets.width_for(len(segments), decode_pages(segments, self.shape))
+        return self.width_of(len(segments), decode_pages(segments, self.shape))
+
+    def width_of(self, requests: int, pages: int) -> DecodeWidth | None:
+        """The bucket of a decode step of ``requests`` rows whose longest covers
+        ``pages`` PAGEs (under DP attention: every rank's largest); None (logged once)
+        beyond the largest."""
+        width = self.buckets.width_for(requests, pages)
         if width is None and not self._warned_beyond:
             self._warned_beyond = True
             logger.warning(
                 "decode graphs: a step of %d requests covering %d PAGEs is beyond the largest bucket "
                 "(%d requests, %d PAGEs) and runs eagerly (logged once)",
-                len(segments),
-                decode_pages(segments, self.shape),
+                requests,
+                pages,
                 self.buckets.batch_sizes[-1],
                 self.buckets.page_counts[-1],
             )
@@ -324,6 +340,20 @@ class DecodeGraphs:
         static step run)."""
         step = self.steps[width]
         step.load(token_ids, segments, page_tables, ngrams)
+        self._replay(step)
+        return self.logits[: len(segments)]
+
+    def run_padding(self, width: DecodeWidth) -> None:
+        """The graph of ``width`` replayed on padding rows alone (an idle DP rank's side
+        of a step its peers run at ``width``: every layer's collectives meet theirs)."""
+        step = self.steps[width]
+        self._load_padding(step)
+        self._replay(step)
+
+    def _replay(self, step: StaticDecodeStep) -> None:
+        width = step.width
+        if self.begin_width is not None:
+            self.begin_width(width)
         graph = self._graphs.get(width)
         if graph is not None:
             graph.replay()
@@ -331,4 +361,3 @@ class DecodeGraphs:
             raise RuntimeError(f"decode graphs: width {width} was never captured (capture_all first)")
         else:
             self._run_static(step)
-        return self.logits[: len(segments)]

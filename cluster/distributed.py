@@ -167,6 +167,13 @@ class DPExpertExchange:
             self._checked(f"microbatches[{i}].", rows, layers) for i, (rows, layers) in enumerate(microbatches)
         )
 
+    def begin_uniform_step(self, rows: int) -> None:
+        """A step in which every rank runs ``rows`` rows at every layer, padding
+        included (a decode graph's width, which every rank replays): the exchange's
+        shapes then depend on ``rows`` alone, so a captured graph's collectives meet
+        every peer's."""
+        self.begin_step((rows,) * self.world)
+
     def _checked(
         self, name: str, row_counts: Sequence[int], layer_counts: Mapping[int, Sequence[int]] | None
     ) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:

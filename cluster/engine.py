@@ -101,6 +101,10 @@ class Engine(EngineClient):
             config, options, self.layout.pool_size.num_pages * options.block_size
         )
         self.schedulers = self._fresh_schedulers()
+        # Under DP attention with decode graphs every rank picks the step's graph from
+        # the DP metadata's PAGE counts (counted in PAGEs of this size).
+        graphs = self.layout.decode_buckets(config, options) is not None
+        self._graph_block_size = options.block_size if graphs and world > 1 else None
         self._requests: dict[str, Request] = {}
         self._children: dict[str, tuple[str, ...]] = {}
         self._rank_of: dict[str, int] = {}
@@ -351,7 +355,7 @@ class Engine(EngineClient):
             if self.options.enable_tbo_prefill:
                 token_split = self.options.tbo_prefill_token_split
                 microbatches = [microbatch_rows(split(b, token_split), window) for b in batches]
-            metadata = DPMetadata.of(self._step_id, batches, stages, microbatches).to_wire()
+            metadata = DPMetadata.of(self._step_id, batches, stages, microbatches, self._graph_block_size).to_wire()
         try:
             results = self.executor.execute(batches, metadata)
         except RankFailure as exc:

@@ -285,11 +285,6 @@ def check_replica_options(config: V41Config, options: EngineOptions, world: int)
             f"speculative_method: {options.speculative_method!r} with {world} DP ranks (allowed: one rank; DSpark "
             "under DP attention is not implemented here yet: the draft stages' MoE joins no DP exchange)"
         )
-    if options.cudagraph_mode != "none" and world != 1:
-        raise EngineError(
-            f"cudagraph_mode: {options.cudagraph_mode!r} with {world} DP ranks (allowed: one rank; under DP attention "
-            "the MoE exchange's collectives are not captured here yet)"
-        )
     if options.enable_tbo_prefill and world < 2:
         raise EngineError(
             f"enable_tbo_prefill: True on a replica of {world} DP rank (allowed: DP attention over >= 2 ranks; "

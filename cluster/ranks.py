@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from dsv41.cache.addressing import DecodeWidth
 from dsv41.cluster.batch import DPMetadata, ScheduledBatch
 from dsv41.cluster.cuda_graphs import DecodeBuckets
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
@@ -101,6 +102,11 @@ class DPRank:
     ) -> None:
         if tbo is not None and exchange is None:
             raise DPError(f"tbo: {tbo} on a rank without an exchange (allowed: a rank of a replica of >= 2 ranks)")
+        if decode_graphs is not None and exchange is not None and exchange.backend == "gloo" and torch.device(device).type != "cpu":
+            raise DPError(
+                f"decode_graphs: with the gloo exchange on {device!r} (allowed: the NCCL backend on a GPU, whose "
+                "collectives a CUDA graph captures; on the CPU the static steps run eagerly over gloo)"
+            )
         register_gpu_linalg_kernels(device)
         self.rank = rank
         self.exchange = exchange
@@ -117,6 +123,7 @@ class DPRank:
             batch_invariant=batch_invariant,
             decoder_replay=decoder_replay,
             decode_graphs=decode_graphs,
+            begin_decode_width=None if exchange is None else lambda width: exchange.begin_uniform_step(width.requests),
         )
 
     @classmethod
@@ -174,7 +181,7 @@ class DPRank:
         from the metadata (cluster/tbo.runs_split), its forward runs as the two
         microbatches the metadata names, each with its MoE's own counts."""
         if self.exchange is None:
-            return self.runner.execute(batch)
+            return self.runner.execute(batch, width=self.runner.decode_width(batch.segments))
         if metadata_wire is None:
             raise DPError(f"rank {self.rank}: a step without DPMetadata (allowed only for a replica of one rank)")
         metadata = DPMetadata.from_wire(metadata_wire)
@@ -189,6 +196,12 @@ class DPRank:
                 f"rank {self.rank}: batch of {batch.num_tokens} rows ({expected[0]} decoder, {expected[1]} "
                 f"query), the step's metadata says {own.num_tokens} ({stages[0]}, {stages[1]})"
             )
+        width = self._common_decode_width(metadata)
+        if width is not None:
+            # The graph's replay begins the exchange's step at its width.
+            if batch.is_empty:
+                return self.runner.execute_padding(batch, width)
+            return self.runner.execute(batch, width=width)
         parts = None
         microbatches = []
         if self.tbo is not None and runs_split(metadata, self.tbo.min_tokens):
@@ -206,6 +219,18 @@ class DPRank:
         if parts is None:
             return self.runner.execute(batch)
         return self.runner.execute(batch, [(part, self.exchange.microbatch(i)) for i, part in enumerate(parts)])
+
+
+    def _common_decode_width(self, metadata: DPMetadata) -> DecodeWidth | None:
+        """The decode graph every rank of the step replays (each computes the same from
+        the same metadata): when every rank with rows runs a plain decode, the bucket
+        of the largest rank's rows and PAGEs; None (every rank eager) otherwise, and
+        when this replica has no graphs."""
+        graphs = self.runner.graphs
+        ranks = metadata.ranks
+        if graphs is None or any(r.decode_pages < 0 for r in ranks) or not any(r.num_tokens for r in ranks):
+            return None
+        return graphs.width_of(max(r.num_tokens for r in ranks), max(r.decode_pages for r in ranks))
 
 
 class ThreadedRanks:
@@ -256,7 +281,7 @@ class LocalRank:
 
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
         (batch,) = batches
-        return [self.runner.execute(batch)]
+        return [self.rank.execute(batch, None)]
 
     def restart(self) -> None:
         raise RankFailure("a rank in this thread does not restart: its failure is the engine's")

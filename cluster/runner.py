@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from dsv41.cache.addressing import (
+    DecodeWidth,
     DecoderAddresses,
     PoolShape,
     SegmentSpec,
@@ -131,6 +132,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         decoder_replay: bool = False,
         decode_graphs: DecodeBuckets | None = None,
+        begin_decode_width: Callable[[DecodeWidth], None] | None = None,
     ) -> None:
         config = params.config
         self.decoder_replay = decoder_replay
@@ -166,16 +168,27 @@ class ModelRunner:
                 raise ValueError("decode_graphs: with speculation (allowed: decode graphs without a speculator)")
             device = self.pools.device
             self.graphs = DecodeGraphs(
-                self.runtime, self.store, self.shape, decode_graphs, device, capture=device.type == "cuda"
+                self.runtime,
+                self.store,
+                self.shape,
+                decode_graphs,
+                device,
+                capture=device.type == "cuda",
+                begin_width=begin_decode_width,
             )
             self.graphs.capture_all()
 
     def execute(
-        self, batch: ScheduledBatch, microbatches: Sequence[tuple[ScheduledBatch, MoESteps]] = ()
+        self,
+        batch: ScheduledBatch,
+        microbatches: Sequence[tuple[ScheduledBatch, MoESteps]] = (),
+        width: DecodeWidth | None = None,
     ) -> StepResult:
         """Runs ``batch``; with ``microbatches`` (prefill two-batch overlap: its rows
         cut in consecutive parts, cluster/tbo.split_batch, each with its MoE) its
-        forward runs as those parts interleaved, everything around it as one step."""
+        forward runs as those parts interleaved, everything around it as one step; with
+        ``width`` (a plain decode, ``decode_width``'s or, under DP attention, the width
+        every rank agreed on) its forward is that decode graph's replay."""
         self.requests.update(batch)
         if batch.is_empty:
             return StepResult(step_id=batch.step_id)
@@ -198,10 +211,11 @@ class ModelRunner:
         logit_rows, logit_ranges, sample_rows = self.logit_rows(segments)
         device = self.pools.device
         ngrams = self._ngrams(segments, compressed, histories)
-        graph_logits = None if microbatches else self._graph_logits(segments, tokens, ngrams)
-        if graph_logits is not None:
+        if width is not None:
+            if microbatches:
+                raise ValueError(f"width: {width} with microbatches (allowed: a decode graph runs unsplit)")
             addresses, decoder = None, None
-            output = StepOutput(logits=graph_logits, selections={}, layer_inputs={})
+            output = StepOutput(logits=self._graph_logits(segments, tokens, ngrams, width), selections={}, layer_inputs={})
         elif not microbatches:
             addresses, decoder = self._plan(segments)
             output = self.runtime.forward(
@@ -256,14 +270,20 @@ class ModelRunner:
         )
 
     @torch.no_grad()
-    def execute_padding(self, batch: ScheduledBatch) -> StepResult:
+    def execute_padding(self, batch: ScheduledBatch, width: DecodeWidth | None = None) -> StepResult:
         """An idle DP rank's step (``batch`` has no segments): its releases applied,
         then every layer's MoE runs on zero rows, in the forward's layer order, so the
-        collectives of the rank's exchange meet every peer; no PAGE or STATE is read
-        or written."""
+        collectives of the rank's exchange meet every peer; with ``width`` (the decode
+        graph every rank of the step replays) that graph's replay on padding rows
+        alone. No PAGE or STATE is read or written."""
         if not batch.is_empty:
             raise ValueError(f"execute_padding: step {batch.step_id} has {len(batch.segments)} segments (allowed: none)")
         self.requests.update(batch)
+        if width is not None:
+            if self.graphs is None:
+                raise ValueError(f"width: {width} on a runner without decode graphs (allowed: None)")
+            self.graphs.run_padding(width)
+            return StepResult(step_id=batch.step_id)
         with batch_invariant(self.runtime.batch_invariant):
             self.runtime.moe_padding(self.params.layers)
         return StepResult(step_id=batch.step_id)
@@ -320,30 +340,23 @@ class ModelRunner:
             )
         return speculator.draft(wanted)
 
+    def decode_width(self, segments: Sequence[ScheduledSegment]) -> DecodeWidth | None:
+        """The decode graph a step of ``segments`` replays: its bucket's width; None
+        when the replica has no graphs, a segment is not a plain decode
+        (``ScheduledSegment.is_plain_decode``), or no bucket holds it. Every row of such
+        a step runs every layer with its whole window, also under decoder replay (a
+        decode row's window starts past its prompt's tail)."""
+        if self.graphs is None or not segments or not all(seg.is_plain_decode for seg in segments):
+            return None
+        return self.graphs.width_for(self._specs(tuple(segments)))
+
     def _graph_logits(
-        self, segments: tuple[ScheduledSegment, ...], tokens: torch.Tensor, ngrams: torch.Tensor
-    ) -> torch.Tensor | None:
-        """The logits of a decode step replayed from its bucket's graph; None when the
-        replica has no graphs, the step is not a plain decode (one committed output
-        row per segment, sampled: no prefill row, no prompt logits, no drafts, no
-        slot reset or restore), or no bucket holds it. Every row of such a step runs
-        every layer with its whole window, also under decoder replay (a decode row's
-        window starts past its prompt's tail)."""
-        if self.graphs is None or not all(
-            seg.length == 1
-            and seg.sample
-            and seg.start >= seg.num_prompt_tokens
-            and not seg.want_prompt_logits
-            and not seg.num_draft_tokens
-            and seg.reset is None
-            and seg.restore is None
-            for seg in segments
-        ):
-            return None
+        self, segments: tuple[ScheduledSegment, ...], tokens: torch.Tensor, ngrams: torch.Tensor, width: DecodeWidth
+    ) -> torch.Tensor:
+        """The logits of a plain decode step replayed from the graph of ``width``."""
+        if self.graphs is None:
+            raise ValueError(f"width: {width} on a runner without decode graphs (allowed: None)")
         specs = self._specs(segments)
-        width = self.graphs.width_for(specs)
-        if width is None:
-            return None
         page_tables = self.requests.page_tables(segments, self.shape.block_size)
         return self.graphs.run(width, tokens, specs, page_tables, ngrams)
 

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dsv41.cache.addressing import DecodeWidth
 from dsv41.cluster.cuda_graphs import DecodeBuckets, default_batch_sizes, page_buckets
 from dsv41.cluster.engine import Engine, LocalRank
-from dsv41.cluster.options import EngineError, RankLayout, check_replica_options, engine_options
-from dsv41.cluster.ranks import DPRank
+from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
+from dsv41.cluster.options import EngineError, RankLayout, engine_options
+from dsv41.cluster.ranks import DPError, DPLayout, DPRank
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
 from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.kernels import load_kernels
@@ -62,17 +64,21 @@ def test_a_step_runs_at_the_narrowest_bucket_holding_it() -> None:
 
 
 def test_graph_options_are_refused_where_they_cannot_run(tiny_dir: Path) -> None:
-    """FULL mode needs the Triton kernels on a CUDA device and one DP rank; tr_hybrid is
-    not built; each refusal names the field."""
+    """FULL mode needs the Triton kernels on a CUDA device, and under DP attention the
+    NCCL exchange there (a graph cannot capture gloo's collectives); tr_hybrid is not
+    built; each refusal names the field."""
     with pytest.raises(EngineError, match="kernel_backend 'triton' on a CUDA device"):
         engine_options(dict(cudagraph_mode="full"))
     with pytest.raises(EngineError, match="tr_hybrid"):
         engine_options(dict(cudagraph_mode="tr_hybrid"))
     with pytest.raises(EngineError, match="cudagraph_batch_sizes"):
         engine_options(dict(cudagraph_batch_sizes=(1, 2)))
-    cuda = engine_options(dict(cudagraph_mode="full", kernel_backend="triton", device="cuda"))
-    with pytest.raises(EngineError, match="2 DP ranks"):
-        check_replica_options(ModelSource.parse(tiny_dir).config(), cuda, 2)
+    params, _ = ModelSource.parse(tiny_dir).load_params(dtype=torch.float32, device="cpu")
+    group = open_process_group(GroupSpec(backend="gloo", world=1), 0, dist.HashStore())
+    exchange = DPExpertExchange(params.config, group, 0, "gloo")
+    layout = RankLayout.build(params.config, engine_options({}))
+    with pytest.raises(DPError, match="decode_graphs: with the gloo exchange on 'cuda'"):
+        DPRank(params, layout, 0, exchange, device="cuda", decode_graphs=BUCKETS)
 
 
 def _engine(model: Path, buckets: DecodeBuckets | None, **options: object) -> Engine:
@@ -215,3 +221,49 @@ def test_replayed_graphs_give_the_eager_engines_tokens_on_cuda(tiny_dir: Path) -
     for rid, want in eager.items():
         assert replayed[rid].token_ids == want.token_ids, rid
         assert replayed[rid].logprobs == want.logprobs, rid
+
+
+@pytest.mark.parametrize("expert_mode", ["ep", "tp"])
+def test_dp2_decode_steps_replay_one_width_on_every_rank(
+    tiny_dir: Path, expert_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under DP attention (two ranks in threads, gloo, experts sharded) with decode
+    graphs: when every rank with rows runs a plain decode, every rank runs the bucket
+    of the largest rank's rows and PAGEs (an idle rank replays it on padding alone), so
+    the graphs' MoE collectives meet; a step where a rank prefills runs eagerly on
+    every rank. Every request's tokens and logprobs equal the eager DP2 replica's bit
+    for bit. Options refuse graphs on the CPU (nothing to capture there), so the
+    buckets are given to the layout directly: the CPU runs each bucket's static step,
+    the function a graph captures."""
+    options = dict(block_size=32, max_num_seqs=4, enable_prefix_caching=False, num_pages=64)
+    workload = dict(seed=5, requests=6, longest=24, longest_prompt=70)
+    eager = _workload(Engine.in_process(tiny_dir, DPLayout(2, expert_mode), **options), **workload)
+    monkeypatch.setattr(RankLayout, "decode_buckets", lambda self, config, options: BUCKETS)
+    engine = Engine.in_process(tiny_dir, DPLayout(2, expert_mode), **options)
+    ranks = engine.executor.ranks
+    widths: list[list[tuple[str, DecodeWidth]]] = [[] for _ in ranks]
+    for rank, seen in zip(ranks, widths):
+        graphs = rank.runner.graphs
+        assert graphs is not None
+        run, run_padding = graphs.run, graphs.run_padding
+
+        def recording(width: DecodeWidth, token_ids: torch.Tensor, *args: object, _run=run, _seen=seen) -> torch.Tensor:
+            _seen.append(("rows", width))
+            return _run(width, token_ids, *args)
+
+        def padding(width: DecodeWidth, _run=run_padding, _seen=seen) -> None:
+            _seen.append(("padding", width))
+            _run(width)
+
+        graphs.run, graphs.run_padding = recording, padding  # type: ignore[method-assign]
+    replayed = _workload(engine, **workload)
+    assert sorted(replayed) == sorted(eager)
+    for rid, want in eager.items():
+        assert replayed[rid].token_ids == want.token_ids, rid
+        assert replayed[rid].logprobs == want.logprobs, rid
+    first, second = widths
+    assert [w for _, w in first] == [w for _, w in second], "every graph step ran one width on both ranks"
+    kinds = {(a, b) for (a, _), (b, _) in zip(first, second)}
+    assert ("rows", "rows") in kinds, "both ranks decoded in some graph step"
+    assert kinds & {("rows", "padding"), ("padding", "rows")}, "an idle rank replayed padding in some graph step"
+    assert ("padding", "padding") not in kinds

@@ -61,7 +61,8 @@ def rank_infos(draw: st.DrawFn) -> RankStepInfo:
             MicrobatchRows(rows - first, decoder_all - first_decoder, query_all - first_query),
         )
     ids = tuple(draw(st.lists(request_ids, max_size=4)))
-    return RankStepInfo(rows, draw(st.booleans()), ids, decoder, query, microbatches)
+    pages = draw(st.one_of(st.just(-1), st.just(0) if rows == 0 else st.integers(1, 10_000)))
+    return RankStepInfo(rows, draw(st.booleans()), ids, decoder, query, microbatches, pages)
 
 
 @settings(max_examples=60, deadline=None)
@@ -95,6 +96,18 @@ def test_stage_rows_outside_the_ranks_rows_are_refused() -> None:
             RankStepInfo(5, True, (), decoder, query)
     wire = DPMetadata(step_id=1, ranks=(RankStepInfo(5, True, (), 3, 1),)).to_wire()
     wire[5] = 9  # the rank's decoder rows
+    with pytest.raises(DPMetadataError, match="corrupt"):
+        DPMetadata.from_wire(wire)
+
+
+def test_decode_pages_that_contradict_the_rows_are_refused() -> None:
+    """A rank's decode PAGE count is -1 (not a plain decode), 0 exactly when it has no
+    row, or at least 1: anything else is refused, on construction and off the wire."""
+    for rows, pages in ((0, 1), (3, 0), (3, -2)):
+        with pytest.raises(DPMetadataError, match="decode_pages"):
+            RankStepInfo(rows, False, decode_pages=pages)
+    wire = DPMetadata(step_id=1, ranks=(RankStepInfo(5, False, decode_pages=2),)).to_wire()
+    wire[7] = 0  # the rank's decode PAGEs
     with pytest.raises(DPMetadataError, match="corrupt"):
         DPMetadata.from_wire(wire)
 
