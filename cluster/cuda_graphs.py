@@ -39,7 +39,7 @@ from dsv41.cache.addressing import (
 )
 from dsv41.model.runtime import PagedRuntime, PagedStore
 
-CUDAGRAPH_MODES = ("none", "full")
+CUDAGRAPH_MODES = ("none", "full", "tr_hybrid")
 # The page tables of a step of no request (what capture stages: padding alone).
 _NO_PAGES = torch.zeros(0, 0, dtype=torch.long)
 
@@ -226,6 +226,52 @@ class CaptureReport:
     memory_bytes: int  # device memory reserved since the graphs were set up: their pool and step buffers
 
 
+class GraphRecorder:
+    """Records CUDA graphs into one memory pool (``capture`` True, a CUDA device), or
+    nothing (the CPU, where each function just runs), and reports what it recorded:
+    the device memory reserved since it was made (the graphs' pool and whatever buffers
+    were set up after it) and the time since ``start``."""
+
+    def __init__(self, device: torch.device, capture: bool) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError(f"capture: True on {device} (allowed: a CUDA device)")
+        self.device = device
+        self.capture = capture
+        self._reserved_before = torch.cuda.memory_reserved(device) if capture else 0
+        self._pool = None
+        self._begin = time.perf_counter()
+        self.graphs = 0
+
+    def start(self) -> None:
+        self._begin = time.perf_counter()
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self._begin
+
+    def record(self, run: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+        """Runs ``run`` once (compiling its kernels) and, when capturing, records it
+        (``run`` must read and write only tensors at fixed addresses)."""
+        run()
+        if not self.capture:
+            return None
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            run()
+        self.graphs += 1
+        return graph
+
+    def finish(self, what: str, progress: Callable[[str], None]) -> CaptureReport:
+        if self.capture:
+            torch.cuda.synchronize(self.device)
+        memory = torch.cuda.memory_reserved(self.device) - self._reserved_before if self.capture else 0
+        report = CaptureReport(graphs=self.graphs, seconds=self.seconds, memory_bytes=memory)
+        progress(f"{what}: {report.graphs} captured in {report.seconds:.1f} s, {memory / 2**20:.1f} MiB of device memory")
+        return report
+
+
 class DecodeGraphs:
     """Every bucket's decode step, captured as a CUDA graph (``capture`` True, a CUDA
     device) or run as its static step eagerly (``capture`` False: what the CPU tests
@@ -243,9 +289,7 @@ class DecodeGraphs:
         capture: bool,
         begin_width: Callable[[DecodeWidth], None] | None = None,
     ) -> None:
-        if capture and device.type != "cuda":
-            raise ValueError(f"capture: True on {device} (allowed: a CUDA device)")
-        self._reserved_before = torch.cuda.memory_reserved(device) if capture else 0
+        self._recorder = GraphRecorder(device, capture)
         self.runtime = runtime
         self.buckets = buckets
         self.capture = capture
@@ -276,34 +320,22 @@ class DecodeGraphs:
     def capture_all(self, progress: Callable[[str], None] = logger.info) -> CaptureReport:
         """Runs every bucket's step once on padding (compiling its kernels) and, when
         capturing, records it; reports each graph and the totals through ``progress``."""
-        begin = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle() if self.capture else None
+        recorder = self._recorder
+        recorder.start()
         total = len(self.steps)
         for i, (width, step) in enumerate(self.steps.items(), start=1):
             self._load_padding(step)
             if self.begin_width is not None:
                 self.begin_width(width)
-            self._run_static(step)
-            if self.capture:
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._run_static(step)
+            graph = recorder.record(lambda: self._run_static(step))
+            if graph is not None:
                 self._graphs[width] = graph
             progress(
                 f"decode graph {i}/{total}: {width.requests} requests x {width.pages} PAGEs "
-                f"({time.perf_counter() - begin:.1f} s)"
+                f"({recorder.seconds:.1f} s)"
             )
-        if self.capture:
-            torch.cuda.synchronize(self.device)
-        memory = torch.cuda.memory_reserved(self.device) - self._reserved_before if self.capture else 0
-        report = CaptureReport(graphs=len(self._graphs), seconds=time.perf_counter() - begin, memory_bytes=memory)
-        progress(
-            f"decode graphs: {report.graphs} captured in {report.seconds:.1f} s, "
-            f"{report.memory_bytes / 2**20:.1f} MiB of device memory"
-        )
-        self.report = report
-        return report
+        self.report = recorder.finish("decode graphs", progress)
+        return self.report
 
     def width_for(self, segments: Sequence[SegmentSpec]) -> DecodeWidth | None:
         """The bucket a decode step of ``segments`` runs at; None (logged once) when

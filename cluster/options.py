@@ -21,6 +21,7 @@ from dsv41.cache.geometry import V41PoolGeometry
 from dsv41.cache.offload import TieredStore
 from dsv41.cache.pools import PoolSize
 from dsv41.cluster.cuda_graphs import CUDAGRAPH_MODES, DecodeBuckets
+from dsv41.cluster.token_graphs import token_buckets
 from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.pool_layout import pool_geometry
 from dsv41.cluster.scheduler import Scheduler, SchedulerConfig
@@ -103,11 +104,14 @@ class EngineOptions:
     # mtp stages draft num_speculative_tokens per step; None: the spec's 5).
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
-    # The spec's graph modes (cluster/cuda_graphs.py): "none" (eager, the baseline) or
-    # "full" (every decode step one CUDA graph replay, one graph per batch-size and
-    # PAGE-count bucket captured at startup; prefill stays eager). Needs the Triton
-    # kernels on a CUDA device. cudagraph_batch_sizes: the batch buckets (None: 1, 2,
-    # 4, then multiples of 8 up to max_num_seqs).
+    # The spec's graph modes: "none" (eager, the baseline), "full" (every decode step
+    # one CUDA graph replay, one graph per batch-size and PAGE-count bucket captured at
+    # startup; prefill stays eager; cluster/cuda_graphs.py) or "tr_hybrid" (every
+    # step's token-wise parts of each layer replayed from graphs recorded per row-count
+    # bucket, attention eager between them; one rank; cluster/token_graphs.py). Needs
+    # the Triton kernels on a CUDA device. cudagraph_batch_sizes: the buckets, of
+    # requests under "full" (None: 1, 2, 4, then multiples of 8 up to max_num_seqs), of
+    # rows under "tr_hybrid" (None: powers of two up to max_num_batched_tokens or 512).
     cudagraph_mode: str = "none"
     cudagraph_batch_sizes: tuple[int, ...] | None = None
     # How the FP8 / FP4 weights of a quantised checkpoint live on the device: "stored"
@@ -193,25 +197,29 @@ class EngineOptions:
         """Refuses a graph mode this replica cannot capture, before any weight."""
         mode, sizes = self.cudagraph_mode, self.cudagraph_batch_sizes
         if mode not in CUDAGRAPH_MODES:
-            raise EngineError(
-                f"cudagraph_mode: {mode!r} (allowed: {', '.join(map(repr, CUDAGRAPH_MODES))}; the spec's tr_hybrid, "
-                "token graphs with attention eager between them, is not built here yet)"
-            )
+            raise EngineError(f"cudagraph_mode: {mode!r} (allowed: {', '.join(map(repr, CUDAGRAPH_MODES))})")
         if sizes is not None:
             if isinstance(sizes, list):
                 sizes = tuple(sizes)
                 object.__setattr__(self, "cudagraph_batch_sizes", sizes)
+            if mode == "none":
+                raise EngineError(
+                    "cudagraph_batch_sizes: set with cudagraph_mode 'none' (allowed: with 'full' or 'tr_hybrid')"
+                )
+            limit, name = (
+                (self.max_num_batched_tokens, "max_num_batched_tokens")
+                if mode == "tr_hybrid"
+                else (self.max_num_seqs, "max_num_seqs")
+            )
             if (
                 not isinstance(sizes, tuple)
                 or not sizes
-                or any(not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= self.max_num_seqs for v in sizes)
+                or any(not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= limit for v in sizes)
             ):
                 raise EngineError(
-                    f"cudagraph_batch_sizes: {sizes!r} (allowed: None, or integers in 1..max_num_seqs = "
-                    f"{self.max_num_seqs})"
+                    f"cudagraph_batch_sizes: {sizes!r} with cudagraph_mode {mode!r} (allowed: None, or integers in "
+                    f"1..{name} = {limit})"
                 )
-            if mode == "none":
-                raise EngineError("cudagraph_batch_sizes: set with cudagraph_mode 'none' (allowed: with 'full')")
         if mode == "none":
             return
         if self.kernel_backend != "triton" or torch.device(self.device).type != "cuda":
@@ -284,6 +292,12 @@ def check_replica_options(config: V41Config, options: EngineOptions, world: int)
         raise EngineError(
             f"speculative_method: {options.speculative_method!r} with {world} DP ranks (allowed: one rank; DSpark "
             "under DP attention is not implemented here yet: the draft stages' MoE joins no DP exchange)"
+        )
+    if options.cudagraph_mode == "tr_hybrid" and world != 1:
+        raise EngineError(
+            f"cudagraph_mode: 'tr_hybrid' with {world} DP ranks (allowed: one rank, or 'full' under DP attention; "
+            "token graphs would record the MoE exchange's collectives at each rank's own row count, which the ranks "
+            "do not share)"
         )
     if options.enable_tbo_prefill and world < 2:
         raise EngineError(
@@ -360,10 +374,16 @@ class RankLayout:
         """STATE slots per rank: num_state_slots, else one per request max_num_seqs runs."""
         return options.num_state_slots or options.max_num_seqs
 
+    def token_buckets(self, options: EngineOptions) -> tuple[int, ...] | None:
+        """The token graphs' row buckets under ``options`` (None: not "tr_hybrid")."""
+        if options.cudagraph_mode != "tr_hybrid":
+            return None
+        return token_buckets(options.max_num_batched_tokens, options.cudagraph_batch_sizes)
+
     def decode_buckets(self, config: V41Config, options: EngineOptions) -> DecodeBuckets | None:
         """The decode graphs' buckets under ``options`` (None: graphs off): batch sizes
         up to max_num_seqs, PAGE counts up to the replica's context limit."""
-        if options.cudagraph_mode == "none":
+        if options.cudagraph_mode != "full":
             return None
         pool_tokens = self.pool_size.num_pages * options.block_size
         max_pages = -(-default_max_model_len(config, options, pool_tokens) // options.block_size)

@@ -99,10 +99,12 @@ class DPRank:
         decoder_replay: bool = False,
         tbo: TBOOptions | None = None,
         decode_graphs: DecodeBuckets | None = None,
+        token_graphs: Sequence[int] | None = None,
     ) -> None:
         if tbo is not None and exchange is None:
             raise DPError(f"tbo: {tbo} on a rank without an exchange (allowed: a rank of a replica of >= 2 ranks)")
-        if decode_graphs is not None and exchange is not None and exchange.backend == "gloo" and torch.device(device).type != "cpu":
+        on_gpu = torch.device(device).type != "cpu"
+        if decode_graphs is not None and exchange is not None and exchange.backend == "gloo" and on_gpu:
             raise DPError(
                 f"decode_graphs: with the gloo exchange on {device!r} (allowed: the NCCL backend on a GPU, whose "
                 "collectives a CUDA graph captures; on the CPU the static steps run eagerly over gloo)"
@@ -124,6 +126,7 @@ class DPRank:
             decoder_replay=decoder_replay,
             decode_graphs=decode_graphs,
             begin_decode_width=None if exchange is None else lambda width: exchange.begin_uniform_step(width.requests),
+            token_graphs=token_graphs,
         )
 
     @classmethod
@@ -171,6 +174,7 @@ class DPRank:
             decoder_replay=options.decoder_swa_bounded_replay,
             tbo=TBOOptions.of(options),
             decode_graphs=layout.decode_buckets(params.config, options),
+            token_graphs=layout.token_buckets(options),
         )
 
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor | None) -> StepResult:

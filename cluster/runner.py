@@ -45,6 +45,7 @@ from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.persistent_batch import PersistentBatch
 from dsv41.cluster.sampler import Sampler, SamplingMetadata
 from dsv41.cluster.speculative import DraftRequest, Speculator, accepted_count
+from dsv41.cluster.token_graphs import TokenGraphs
 from dsv41.model.bounded_replay import tail_start
 from dsv41.model.device import move_tensors
 from dsv41.model.kernels.interface import PagedKernels
@@ -133,6 +134,7 @@ class ModelRunner:
         decoder_replay: bool = False,
         decode_graphs: DecodeBuckets | None = None,
         begin_decode_width: Callable[[DecodeWidth], None] | None = None,
+        token_graphs: Sequence[int] | None = None,
     ) -> None:
         config = params.config
         self.decoder_replay = decoder_replay
@@ -177,6 +179,17 @@ class ModelRunner:
                 begin_width=begin_decode_width,
             )
             self.graphs.capture_all()
+        # TR_HYBRID mode: every layer's token-wise parts recorded per row bucket now
+        # (on a CUDA device; elsewhere run eagerly on the buckets' buffers).
+        self.token_graphs = None
+        if token_graphs is not None:
+            if self.speculator is not None or moe is not None:
+                raise ValueError(
+                    "token_graphs: with speculation or a DP exchange (allowed: one rank without a speculator)"
+                )
+            device = self.pools.device
+            self.token_graphs = TokenGraphs(self.runtime, token_graphs, device, capture=device.type == "cuda")
+            self.token_graphs.capture_all()
 
     def execute(
         self,
@@ -226,6 +239,7 @@ class ModelRunner:
                 logit_rows.to(device),
                 decoder=decoder,
                 capture_layers=() if self.speculator is None else self.speculator.capture_layers,
+                segments=self.token_graphs,
             )
         else:
             # Never with a speculator: speculation runs on one rank, TBO on several

@@ -76,7 +76,7 @@ class ReplicaShape:
     ``speculative_method`` every scenario runs speculating, and its expected tokens are
     the uninterrupted runs without speculation: speculative greedy decoding must be
     plain greedy decoding, token for token. Likewise with ``cudagraph_mode`` "full"
-    the expected tokens are eager runs': replayed decode graphs must give them. The
+    or "tr_hybrid" the expected tokens are eager runs': replayed graphs must give them. The
     replicas hold a quantised checkpoint's FP8 / FP4 weights as ``weight_storage`` says
     (the dense reference reads the same weights, each decoded exactly where it is used)."""
 

@@ -47,7 +47,7 @@ from dsv41.model.indexer import EMPTY, SelectionState, index_query
 from dsv41.model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.linalg import batch_invariant, linear
-from dsv41.model.mhc import final_hidden, first_pre, open_site, run_site, site_input
+from dsv41.model.mhc import HcMix, final_hidden, first_pre, open_site, run_site, site_input
 from dsv41.model.microbatch import EngramRows, EngramSource, MoESteps, StagedEngramRows, Steps, interleave, run_steps
 from dsv41.model.moe import ExpertWeights, Routing
 from dsv41.model.params import LayerParams, ModelParams
@@ -162,6 +162,24 @@ class PagedStore(PlaneSource, Protocol):
 # The MoE of one layer for the step's rows; the distributed runner replaces it with one
 # that joins expert shards across ranks.
 MoEFn = Callable[[LayerParams, torch.Tensor], torch.Tensor]
+
+
+class LayerSegments(Protocol):
+    """What runs each layer's row-by-row parts around its attention, which a forward
+    runs itself between them (PagedRuntime's own methods, or the TR_HYBRID graph mode's
+    token graphs recording them, cluster/token_graphs.py)."""
+
+    def open_layer(
+        self, layer: LayerParams, streams: torch.Tensor, pre: torch.Tensor, table_rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, HcMix, torch.Tensor]:
+        """PagedRuntime.open_layer's result."""
+        ...
+
+    def close_layer(
+        self, layer: LayerParams, streams: torch.Tensor, y: torch.Tensor, mix: HcMix, moe: MoESteps | None
+    ) -> Steps[tuple[torch.Tensor, torch.Tensor]]:
+        """PagedRuntime.close_layer's result."""
+        ...
 
 
 def expert_weight_format(config: V41Config) -> str:
@@ -304,6 +322,7 @@ class PagedRuntime:
         logit_rows: torch.Tensor,
         decoder: DecoderPlan | None = None,
         capture_layers: tuple[int, ...] = (),
+        segments: LayerSegments | None = None,
     ) -> StepOutput:
         """token_ids [R] (on the weights' device); engram_ngrams [R, max_ngram]
         compressed ids at t, t-1, ... (pad-substituted; moved to ``engram_device``);
@@ -313,7 +332,9 @@ class PagedRuntime:
         every row runs every layer); every logit row must be one of them. Every
         layer's MoE is called, in layer order, on the rows that reach it, none
         included: a DP exchange's collectives meet every peer's. ``capture_layers``:
-        target layers whose input streams the output carries (``layer_inputs``)."""
+        target layers whose input streams the output carries (``layer_inputs``).
+        ``segments``: what runs each layer's row-by-row parts around its attention
+        (the TR_HYBRID graph mode's token graphs; None: this runtime, eagerly)."""
         rows = token_ids.numel()
         engram = EngramRows(
             self.engram_rows,
@@ -323,7 +344,7 @@ class PagedRuntime:
         )
         with batch_invariant(self.batch_invariant):
             steps = self._steps(
-                token_ids, engram, torch.arange(rows), plan, store, logit_rows, decoder, None, capture_layers
+                token_ids, engram, torch.arange(rows), plan, store, logit_rows, decoder, None, capture_layers, segments
             )
             return run_steps(steps)
 
@@ -430,11 +451,15 @@ class PagedRuntime:
         decoder: DecoderPlan | None,
         moe: MoESteps | None,
         capture_layers: tuple[int, ...] = (),
+        segments: LayerSegments | None = None,
     ) -> Steps[StepOutput]:
         """The forward of ``token_ids``' rows (``engram_rows``: theirs in ``engram``),
         yielding while ``moe``'s collectives are in flight (never with ``moe`` None);
-        the output carries the input streams of ``capture_layers``."""
+        the output carries the input streams of ``capture_layers``. ``segments`` runs
+        each layer's row-by-row parts around its attention (None: this runtime's
+        own ``open_layer`` and ``close_layer``)."""
         cfg = self.config
+        segments = segments or self
         layer_inputs: dict[int, torch.Tensor] = {}
         rows = token_ids.numel()
         streams = self.params.embed[token_ids].to(self.dtype).unsqueeze(1)
@@ -463,9 +488,10 @@ class PagedRuntime:
                     break
             if layer.layer_id in capture_layers:
                 layer_inputs[layer.layer_id] = streams
-            if layer.engram is not None:
-                streams = layer.engram.update(streams, engram.embeddings(layer, engram_rows), cfg.rms_norm_eps)
+            table_rows = None if layer.engram is None else engram.embeddings(layer, engram_rows)
             if queries is not None and layer.layer_id == last:
+                if table_rows is not None:
+                    streams = layer.engram.update(streams, table_rows, cfg.rms_norm_eps)
                 streams, pre = yield from self._last_layer(layer, streams, pre, stage, queries, store, state, moe)
                 continue
 
@@ -479,15 +505,36 @@ class PagedRuntime:
                     self._compress(layer, h, stage.compression[layer.topology.ratio], store)
                 return self._attention(layer, h, stage, store, state)
 
-            streams, pre = run_site(streams, pre, layer.hc_attn, layer.attn_norm, attention, cfg, self.kernels)
-            mix, h = open_site(streams, pre, layer.hc_ffn, layer.ffn_norm, cfg, self.kernels)
-            y = yield from self._moe_steps(layer, h, moe)
-            streams, pre = self.kernels.hc_expand(streams, y, mix), mix.pre
+            streams, mix, h = segments.open_layer(layer, streams, pre, table_rows)
+            streams, pre = yield from segments.close_layer(layer, streams, attention(h), mix, moe)
         h = final_hidden(streams[out_rows], pre[out_rows], self.params.norm, cfg.rms_norm_eps, self.kernels)
         selections = state.selections
         if decoder is not None and queries is not None:
             selections = self._step_selections(selections, rows, decoder.rows, queries)
         return StepOutput(logits=linear(h, self.params.head.float()), selections=selections, layer_inputs=layer_inputs)
+
+    def open_layer(
+        self, layer: LayerParams, streams: torch.Tensor, pre: torch.Tensor, table_rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, HcMix, torch.Tensor]:
+        """A layer up to its attention, row by row: the Engram update (``table_rows``:
+        the rows' Engram table rows; None at a layer without Engram), then the
+        attention site's mix and input. Returns the streams, the mix and the input."""
+        if table_rows is not None:
+            streams = layer.engram.update(streams, table_rows, self.config.rms_norm_eps)
+        mix, h = open_site(streams, pre, layer.hc_attn, layer.attn_norm, self.config, self.kernels)
+        return streams, mix, h
+
+    def close_layer(
+        self, layer: LayerParams, streams: torch.Tensor, y: torch.Tensor, mix: HcMix, moe: MoESteps | None
+    ) -> Steps[tuple[torch.Tensor, torch.Tensor]]:
+        """A layer after its attention's output ``y``, row by row: the attention
+        site's expand, then the FFN site (its MoE: ``moe``'s steps, else the runtime's
+        own). Returns the streams and the FFN site's pre."""
+        cfg = self.config
+        streams = self.kernels.hc_expand(streams, y, mix)
+        ffn_mix, h = open_site(streams, mix.pre, layer.hc_ffn, layer.ffn_norm, cfg, self.kernels)
+        out = yield from self._moe_steps(layer, h, moe)
+        return self.kernels.hc_expand(streams, out, ffn_mix), ffn_mix.pre
 
     def _last_layer(
         self,

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from dsv41.cache.addressing import DecodeWidth
 from dsv41.cluster.cuda_graphs import DecodeBuckets, default_batch_sizes, page_buckets
+from dsv41.cluster.token_graphs import MAX_DEFAULT_TOKEN_BUCKET, TokenGraphs, token_buckets
 from dsv41.cluster.engine import Engine, LocalRank
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
-from dsv41.cluster.options import EngineError, RankLayout, engine_options
+from dsv41.cluster.options import EngineError, RankLayout, check_replica_options, engine_options
 from dsv41.cluster.ranks import DPError, DPLayout, DPRank
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
 from dsv41.cluster.sampling_params import SamplingParams
@@ -33,6 +34,17 @@ BUCKETS = DecodeBuckets(batch_sizes=(1, 2, 4), page_counts=(1, 2, 4))
 # padded or full and three beyond it; two PAGE counts.
 TRITON_BUCKETS = DecodeBuckets(batch_sizes=(2,), page_counts=(1, 2))
 TRITON_SEED = 17
+# The engines of the CUDA tests: Triton kernels on the GPU, batch-invariant.
+CUDA_OPTIONS = dict(
+    block_size=32,
+    max_num_seqs=6,
+    enable_prefix_caching=False,
+    kernel_backend="triton",
+    device="cuda",
+    batch_invariant=True,
+    num_pages=64,
+    max_model_len=128,
+)
 
 
 def test_default_buckets() -> None:
@@ -69,10 +81,23 @@ def test_graph_options_are_refused_where_they_cannot_run(tiny_dir: Path) -> None
     built; each refusal names the field."""
     with pytest.raises(EngineError, match="kernel_backend 'triton' on a CUDA device"):
         engine_options(dict(cudagraph_mode="full"))
-    with pytest.raises(EngineError, match="tr_hybrid"):
+    with pytest.raises(EngineError, match="kernel_backend 'triton' on a CUDA device"):
         engine_options(dict(cudagraph_mode="tr_hybrid"))
+    with pytest.raises(EngineError, match="cudagraph_mode: 'partial'"):
+        engine_options(dict(cudagraph_mode="partial"))
     with pytest.raises(EngineError, match="cudagraph_batch_sizes"):
         engine_options(dict(cudagraph_batch_sizes=(1, 2)))
+    cuda = dict(kernel_backend="triton", device="cuda", max_num_seqs=8, max_num_batched_tokens=256)
+    with pytest.raises(EngineError, match="1..max_num_seqs = 8"):
+        engine_options(dict(cudagraph_mode="full", cudagraph_batch_sizes=(16,), **cuda))
+    with pytest.raises(EngineError, match="1..max_num_batched_tokens = 256"):
+        engine_options(dict(cudagraph_mode="tr_hybrid", cudagraph_batch_sizes=(512,), **cuda))
+    hybrid = engine_options(dict(cudagraph_mode="tr_hybrid", cudagraph_batch_sizes=(16,), **cuda))
+    config = ModelSource.parse(tiny_dir).config()
+    with pytest.raises(EngineError, match="'tr_hybrid' with 2 DP ranks"):
+        check_replica_options(config, hybrid, 2)
+    with pytest.raises(EngineError, match="speculative_method"):
+        engine_options(dict(cudagraph_mode="tr_hybrid", speculative_method="dspark", **cuda))
     params, _ = ModelSource.parse(tiny_dir).load_params(dtype=torch.float32, device="cpu")
     group = open_process_group(GroupSpec(backend="gloo", world=1), 0, dist.HashStore())
     exchange = DPExpertExchange(params.config, group, 0, "gloo")
@@ -81,9 +106,13 @@ def test_graph_options_are_refused_where_they_cannot_run(tiny_dir: Path) -> None
         DPRank(params, layout, 0, exchange, device="cuda", decode_graphs=BUCKETS)
 
 
-def _engine(model: Path, buckets: DecodeBuckets | None, **options: object) -> Engine:
+def _engine(
+    model: Path, buckets: DecodeBuckets | None, token_buckets: tuple[int, ...] | None = None, **options: object
+) -> Engine:
     """A one-rank engine in this thread whose runner has decode graphs of ``buckets``
-    (on the CPU: the static steps, run eagerly) or none."""
+    (on the CPU: the static steps, run eagerly) or none, and token graphs of
+    ``token_buckets`` (on the CPU: each part run eagerly on its bucket's buffers) or
+    none."""
     parsed = engine_options(options)
     source = ModelSource.parse(model)
     params, tokenizer = source.load_params(dtype=parsed.dtype, device=parsed.device)
@@ -97,6 +126,7 @@ def _engine(model: Path, buckets: DecodeBuckets | None, **options: object) -> En
         batch_invariant=bool(parsed.batch_invariant),
         decoder_replay=parsed.decoder_swa_bounded_replay,
         decode_graphs=buckets,
+        token_graphs=token_buckets,
     )
     return Engine(params.config, tokenizer, parsed, 1, LocalRank(rank), None)
 
@@ -132,6 +162,26 @@ def _workload(
                 final[out.request_id] = cumulative
         step += 1
     return final
+
+
+def _assert_same_outputs(replayed: dict[str, RequestOutput], eager: dict[str, RequestOutput]) -> None:
+    """Every request's tokens and logprobs bit for bit."""
+    assert sorted(replayed) == sorted(eager)
+    for rid, want in eager.items():
+        assert replayed[rid].token_ids == want.token_ids, rid
+        assert replayed[rid].logprobs == want.logprobs, rid
+
+
+def _workload_beyond_once(
+    engine: Engine, workload: dict, caplog: pytest.LogCaptureFixture, logger_name: str
+) -> dict[str, RequestOutput]:
+    """``_workload`` on ``engine``, of which exactly one step (the first beyond the
+    largest bucket) was logged as running eagerly."""
+    with caplog.at_level(logging.WARNING, logger=logger_name):
+        replayed = _workload(engine, **workload)
+    beyond = [r for r in caplog.records if "beyond the largest bucket" in r.getMessage()]
+    assert len(beyond) == 1, "a step beyond the largest bucket ran eagerly, logged once"
+    return replayed
 
 
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
@@ -173,15 +223,7 @@ def test_decode_steps_at_bucket_widths_give_the_eager_engines_tokens(
         return run(width, token_ids, *args)
 
     graphs.run = recording  # type: ignore[method-assign]
-    with caplog.at_level(logging.WARNING, logger="dsv41.cluster.cuda_graphs"):
-        replayed = _workload(graphs_engine, **workload)
-    beyond = [r for r in caplog.records if "beyond the largest bucket" in r.getMessage()]
-    assert len(beyond) == 1, "a step beyond the largest bucket ran eagerly, logged once"
-    assert sorted(replayed) == sorted(eager)
-    for rid, want in eager.items():
-        got = replayed[rid]
-        assert got.token_ids == want.token_ids, rid
-        assert got.logprobs == want.logprobs, rid
+    _assert_same_outputs(_workload_beyond_once(graphs_engine, workload, caplog, "dsv41.cluster.cuda_graphs"), eager)
     assert any(n < width.requests for n, width in widths), "some steps ran padded"
     assert any(n == width.requests for n, width in widths), "some steps filled their bucket"
     assert len({width.pages for _, width in widths}) > 1, "several PAGE buckets ran"
@@ -192,16 +234,7 @@ def test_replayed_graphs_give_the_eager_engines_tokens_on_cuda(tiny_dir: Path) -
     """On a GPU (Triton kernels, batch-invariant): the engine with cudagraph_mode 'full'
     captures every bucket at startup and its decode steps, replayed, give the eager
     engine's tokens and logprobs bit for bit."""
-    options = dict(
-        block_size=32,
-        max_num_seqs=6,
-        enable_prefix_caching=False,
-        kernel_backend="triton",
-        device="cuda",
-        batch_invariant=True,
-        num_pages=64,
-        max_model_len=128,
-    )
+    options = CUDA_OPTIONS
     eager = _workload(Engine.from_pretrained(tiny_dir, **options), seed=3, requests=7, longest=40, longest_prompt=70)
     engine = Engine.from_pretrained(tiny_dir, cudagraph_mode="full", cudagraph_batch_sizes=(1, 2, 4), **options)
     graphs = engine.runner.graphs
@@ -218,9 +251,7 @@ def test_replayed_graphs_give_the_eager_engines_tokens_on_cuda(tiny_dir: Path) -
     graphs.run = counting  # type: ignore[method-assign]
     replayed = _workload(engine, seed=3, requests=7, longest=40, longest_prompt=70)
     assert replays > 0
-    for rid, want in eager.items():
-        assert replayed[rid].token_ids == want.token_ids, rid
-        assert replayed[rid].logprobs == want.logprobs, rid
+    _assert_same_outputs(replayed, eager)
 
 
 @pytest.mark.parametrize("expert_mode", ["ep", "tp"])
@@ -257,13 +288,75 @@ def test_dp2_decode_steps_replay_one_width_on_every_rank(
 
         graphs.run, graphs.run_padding = recording, padding  # type: ignore[method-assign]
     replayed = _workload(engine, **workload)
-    assert sorted(replayed) == sorted(eager)
-    for rid, want in eager.items():
-        assert replayed[rid].token_ids == want.token_ids, rid
-        assert replayed[rid].logprobs == want.logprobs, rid
+    _assert_same_outputs(replayed, eager)
     first, second = widths
     assert [w for _, w in first] == [w for _, w in second], "every graph step ran one width on both ranks"
     kinds = {(a, b) for (a, _), (b, _) in zip(first, second)}
     assert ("rows", "rows") in kinds, "both ranks decoded in some graph step"
     assert kinds & {("rows", "padding"), ("padding", "rows")}, "an idle rank replayed padding in some graph step"
     assert ("padding", "padding") not in kinds
+
+
+def test_default_token_buckets() -> None:
+    """Powers of two up to the step's token budget, or 512; given sizes sorted."""
+    assert token_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert token_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert token_buckets(8192)[-1] == MAX_DEFAULT_TOKEN_BUCKET
+    assert token_buckets(8192, (64, 8)) == (8, 64)
+    with pytest.raises(ValueError, match="token buckets"):
+        token_buckets(64, (0, 8))
+
+
+@pytest.mark.parametrize("decoder_replay", [False, True])
+def test_token_graph_parts_give_the_eager_engines_tokens(
+    tiny_dir: Path, decoder_replay: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TR_HYBRID on the CPU: a random workload of chunked prefills, decodes and steps of
+    both, each layer's token-wise parts run at the narrowest row bucket holding the step
+    (or the decoder's rows under decoder replay) with attention between them, and steps
+    beyond the largest bucket eagerly (logged once): every request's tokens and
+    logprobs equal the eager engine's bit for bit, and the parts ran padded and full."""
+    options = dict(
+        block_size=32,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        num_pages=64,
+        decoder_swa_bounded_replay=decoder_replay,
+    )
+    workload = dict(seed=11, requests=6, longest=12, longest_prompt=90)
+    eager = _workload(_engine(tiny_dir, None, **options), **workload)
+    engine = _engine(tiny_dir, None, (2, 8, 32), **options)
+    graphs = engine.runner.token_graphs
+    assert isinstance(graphs, TokenGraphs)
+    assert graphs.report is not None and graphs.report.graphs == 0, "the CPU records nothing"
+    rows_at: list[tuple[int, int | None]] = []
+    bucket_for = graphs.bucket_for
+
+    def recording(rows: int) -> int | None:
+        bucket = bucket_for(rows)
+        rows_at.append((rows, bucket))
+        return bucket
+
+    graphs.bucket_for = recording  # type: ignore[method-assign]
+    _assert_same_outputs(_workload_beyond_once(engine, workload, caplog, "dsv41.cluster.token_graphs"), eager)
+    assert any(bucket is not None and rows < bucket for rows, bucket in rows_at), "some parts ran padded"
+    assert any(rows == bucket for rows, bucket in rows_at), "some parts filled their bucket"
+    assert len({bucket for _, bucket in rows_at if bucket is not None}) == 3, "every bucket ran"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_replayed_token_graphs_give_the_eager_engines_tokens_on_cuda(tiny_dir: Path) -> None:
+    """On a GPU (Triton kernels, batch-invariant): the engine with cudagraph_mode
+    'tr_hybrid' records every layer's two parts at every bucket at startup, and its
+    steps, prefill and decode alike, give the eager engine's tokens and logprobs bit
+    for bit."""
+    options = dict(CUDA_OPTIONS, max_num_batched_tokens=64)
+    workload = dict(seed=11, requests=6, longest=12, longest_prompt=90)
+    eager = _workload(Engine.from_pretrained(tiny_dir, **options), **workload)
+    engine = Engine.from_pretrained(tiny_dir, cudagraph_mode="tr_hybrid", cudagraph_batch_sizes=(2, 8, 32), **options)
+    graphs = engine.runner.token_graphs
+    assert graphs is not None and graphs.report is not None
+    assert graphs.report.graphs == 3 * 2 * len(engine.runner.params.layers)
+    replayed = _workload(engine, **workload)
+    _assert_same_outputs(replayed, eager)
