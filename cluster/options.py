@@ -108,7 +108,7 @@ class EngineOptions:
     # one CUDA graph replay, one graph per batch-size and PAGE-count bucket captured at
     # startup; prefill stays eager; cluster/cuda_graphs.py) or "tr_hybrid" (every
     # step's token-wise parts of each layer replayed from graphs recorded per row-count
-    # bucket, attention eager between them; one rank; cluster/token_graphs.py). Needs
+    # bucket, attention eager between them; cluster/token_graphs.py). Needs
     # the Triton kernels on a CUDA device. cudagraph_batch_sizes: the buckets, of
     # requests under "full" (None: 1, 2, 4, then multiples of 8 up to max_num_seqs), of
     # rows under "tr_hybrid" (None: powers of two up to max_num_batched_tokens or 512).
@@ -293,11 +293,10 @@ def check_replica_options(config: V41Config, options: EngineOptions, world: int)
             f"speculative_method: {options.speculative_method!r} with {world} DP ranks (allowed: one rank; DSpark "
             "under DP attention is not implemented here yet: the draft stages' MoE joins no DP exchange)"
         )
-    if options.cudagraph_mode == "tr_hybrid" and world != 1:
+    if options.cudagraph_mode == "tr_hybrid" and options.enable_tbo_prefill:
         raise EngineError(
-            f"cudagraph_mode: 'tr_hybrid' with {world} DP ranks (allowed: one rank, or 'full' under DP attention; "
-            "token graphs would record the MoE exchange's collectives at each rank's own row count, which the ranks "
-            "do not share)"
+            "cudagraph_mode: 'tr_hybrid' with enable_tbo_prefill (allowed: one of them; a split step's microbatches "
+            "yield inside their MoE, which a token graph records whole)"
         )
     if options.enable_tbo_prefill and world < 2:
         raise EngineError(

@@ -104,10 +104,11 @@ class DPRank:
         if tbo is not None and exchange is None:
             raise DPError(f"tbo: {tbo} on a rank without an exchange (allowed: a rank of a replica of >= 2 ranks)")
         on_gpu = torch.device(device).type != "cpu"
-        if decode_graphs is not None and exchange is not None and exchange.backend == "gloo" and on_gpu:
+        graphs = decode_graphs is not None or token_graphs is not None
+        if graphs and exchange is not None and exchange.backend == "gloo" and on_gpu:
             raise DPError(
-                f"decode_graphs: with the gloo exchange on {device!r} (allowed: the NCCL backend on a GPU, whose "
-                "collectives a CUDA graph captures; on the CPU the static steps run eagerly over gloo)"
+                f"decode_graphs / token_graphs: with the gloo exchange on {device!r} (allowed: the NCCL backend on a "
+                "GPU, whose collectives a CUDA graph captures; on the CPU the graphs' functions run eagerly over gloo)"
             )
         register_gpu_linalg_kernels(device)
         self.rank = rank
@@ -127,6 +128,7 @@ class DPRank:
             decode_graphs=decode_graphs,
             begin_decode_width=None if exchange is None else lambda width: exchange.begin_uniform_step(width.requests),
             token_graphs=token_graphs,
+            begin_token_rows=None if exchange is None else exchange.begin_uniform_step,
         )
 
     @classmethod
@@ -206,6 +208,11 @@ class DPRank:
             if batch.is_empty:
                 return self.runner.execute_padding(batch, width)
             return self.runner.execute(batch, width=width)
+        if self.runner.token_graphs is not None:
+            self._begin_token_step(metadata)
+            if batch.is_empty:
+                return self.runner.execute_padding(batch)
+            return self.runner.execute(batch)
         parts = None
         microbatches = []
         if self.tbo is not None and runs_split(metadata, self.tbo.min_tokens):
@@ -235,6 +242,34 @@ class DPRank:
         if graphs is None or any(r.decode_pages < 0 for r in ranks) or not any(r.num_tokens for r in ranks):
             return None
         return graphs.width_of(max(r.num_tokens for r in ranks), max(r.decode_pages for r in ranks))
+
+
+    def _begin_token_step(self, metadata: DPMetadata) -> None:
+        """Under TR_HYBRID, every rank's buckets of the step (each rank computes the
+        same from the same metadata): the encoder's, of the largest rank's rows, and
+        the decoder's, of the largest rank's decoder rows (None where no rank has rows
+        there, or beyond the largest bucket: those parts run eagerly); and the
+        exchange's counts: each stage's bucket on every rank, or the ranks' own rows
+        where the stage runs eagerly, and under decoder replay the last layer's query
+        rows (that layer runs eagerly)."""
+        graphs = self.runner.token_graphs
+        ranks = metadata.ranks
+        world = len(ranks)
+
+        def bucket(rows: int) -> int | None:
+            return None if rows == 0 else graphs.bucket_for(rows)
+
+        encoder = bucket(max(r.num_tokens for r in ranks))
+        decoder = None if encoder is None else bucket(max(r.decoder_rows for r in ranks))
+        graphs.use_step_buckets(encoder, decoder)
+        layer_counts = metadata.decoder_row_counts(self.decoder_layers)
+        if decoder is not None:
+            eager = self.decoder_layers[-1] if self.runner.decoder_replay else None
+            layer_counts = {
+                layer: counts if layer == eager else (decoder,) * world for layer, counts in layer_counts.items()
+            }
+        row_counts = metadata.row_counts if encoder is None else (encoder,) * world
+        self.exchange.begin_step(row_counts, layer_counts)
 
 
 class ThreadedRanks:

@@ -135,6 +135,7 @@ class ModelRunner:
         decode_graphs: DecodeBuckets | None = None,
         begin_decode_width: Callable[[DecodeWidth], None] | None = None,
         token_graphs: Sequence[int] | None = None,
+        begin_token_rows: Callable[[int], None] | None = None,
     ) -> None:
         config = params.config
         self.decoder_replay = decoder_replay
@@ -183,12 +184,12 @@ class ModelRunner:
         # (on a CUDA device; elsewhere run eagerly on the buckets' buffers).
         self.token_graphs = None
         if token_graphs is not None:
-            if self.speculator is not None or moe is not None:
-                raise ValueError(
-                    "token_graphs: with speculation or a DP exchange (allowed: one rank without a speculator)"
-                )
+            if self.speculator is not None:
+                raise ValueError("token_graphs: with speculation (allowed: token graphs without a speculator)")
             device = self.pools.device
-            self.token_graphs = TokenGraphs(self.runtime, token_graphs, device, capture=device.type == "cuda")
+            self.token_graphs = TokenGraphs(
+                self.runtime, token_graphs, device, capture=device.type == "cuda", begin_rows=begin_token_rows
+            )
             self.token_graphs.capture_all()
 
     def execute(
@@ -298,8 +299,10 @@ class ModelRunner:
                 raise ValueError(f"width: {width} on a runner without decode graphs (allowed: None)")
             self.graphs.run_padding(width)
             return StepResult(step_id=batch.step_id)
+        # Under decoder replay the last layer's MoE runs its query rows eagerly.
+        eager_layer = self.params.layers[-1].layer_id if self.decoder_replay else None
         with batch_invariant(self.runtime.batch_invariant):
-            self.runtime.moe_padding(self.params.layers)
+            self.runtime.moe_padding(self.params.layers, self.token_graphs, eager_layer)
         return StepResult(step_id=batch.step_id)
 
     # -- around the forward -------------------------------------------------------------

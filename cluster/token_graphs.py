@@ -22,6 +22,12 @@ is its buffer (the previous part's output) is not copied, so a layer costs one c
 padded buffers (``capture`` False): the very function a graph records, which the tests
 check against the eager engine.
 
+Under DP attention the close parts hold the MoE exchange's collectives, so every rank
+must run each part at the same bucket: the rank picks a step's buckets from the DP
+metadata (``use_step_buckets``: the encoder's from the largest rank's rows, the
+decoder's from its decoder rows), and a rank none of whose rows reach a layer replays
+that layer's close part on padding (``pad_layer``).
+
 Must not import: actors, deploy, ray.
 """
 
@@ -85,12 +91,25 @@ class TokenGraphs:
     True, a CUDA device) or run eagerly on the bucket's buffers (``capture`` False),
     and run for a step's rows at their bucket (model/runtime.LayerSegments)."""
 
-    def __init__(self, runtime: PagedRuntime, buckets: Sequence[int], device: torch.device, *, capture: bool) -> None:
+    def __init__(
+        self,
+        runtime: PagedRuntime,
+        buckets: Sequence[int],
+        device: torch.device,
+        *,
+        capture: bool,
+        begin_rows: Callable[[int], None] | None = None,
+    ) -> None:
         self._recorder = GraphRecorder(device, capture)
         self.runtime = runtime
         self.buckets = tuple(buckets)
         self.device = device
         self.capture = capture
+        # Under DP attention: sets the MoE exchange's shapes from a bucket before its
+        # close parts are recorded; each step's are set by the rank (use_step_buckets).
+        self.begin_rows = begin_rows
+        self._decoder_start = runtime.config.topology.decoder_start
+        self._step_buckets: tuple[int | None, int | None] | None = None
         self._buffers = {rows: self._allocate(rows) for rows in self.buckets}
         self._graphs: dict[tuple[int, str, int], torch.cuda.CUDAGraph] = {}
         self._warned_beyond = False
@@ -145,6 +164,8 @@ class TokenGraphs:
             for i, rows in enumerate(reversed(self.buckets), start=1):
                 buffers = self._buffers[rows]
                 for part, layer, run in self._parts():
+                    if part == "close" and self.begin_rows is not None:
+                        self.begin_rows(rows)
                     graph = recorder.record(lambda: run(layer, buffers))
                     if graph is not None:
                         self._graphs[(layer.layer_id, part, rows)] = graph
@@ -171,6 +192,19 @@ class TokenGraphs:
             )
         return None
 
+    def use_step_buckets(self, encoder: int | None, decoder: int | None) -> None:
+        """Under DP attention, the buckets of this step's parts, every rank's alike
+        (the rank picks them from the step's DP metadata): ``encoder`` for the layers
+        before the decoder's first, ``decoder`` from it on (under decoder replay the
+        decoder's rows are fewer); None: that stage's parts run eagerly."""
+        self._step_buckets = (encoder, decoder)
+
+    def _bucket(self, layer: LayerParams, rows: int) -> int | None:
+        if self._step_buckets is None:
+            return self.bucket_for(rows)
+        encoder, decoder = self._step_buckets
+        return decoder if layer.layer_id >= self._decoder_start else encoder
+
     def _run(self, part: str, layer: LayerParams, rows: int, run: Callable[[LayerParams, _Buffers], None]) -> None:
         graph = self._graphs.get((layer.layer_id, part, rows))
         if graph is not None:
@@ -186,7 +220,7 @@ class TokenGraphs:
         self, layer: LayerParams, streams: torch.Tensor, pre: torch.Tensor, table_rows: torch.Tensor | None
     ) -> tuple[torch.Tensor, HcMix, torch.Tensor]:
         rows = streams.shape[0]
-        bucket = self.bucket_for(rows)
+        bucket = self._bucket(layer, rows)
         if bucket is None:
             return self.runtime.open_layer(layer, streams, pre, table_rows)
         buffers = self._buffers[bucket]
@@ -208,7 +242,7 @@ class TokenGraphs:
         if moe is not None:
             raise ValueError("moe: a microbatch's MoE steps (allowed: None; token graphs run the runtime's own MoE)")
         rows = streams.shape[0]
-        bucket = self.bucket_for(rows)
+        bucket = self._bucket(layer, rows)
         if bucket is None:
             return (yield from self.runtime.close_layer(layer, streams, y, mix, None))
         buffers = self._buffers[bucket]
@@ -218,3 +252,12 @@ class TokenGraphs:
             _put(mine, part)
         self._run("close", layer, bucket, self._close_part)
         return buffers.streams[:rows], buffers.pre[:rows]
+
+    def pad_layer(self, layer: LayerParams, moe: MoESteps | None) -> Steps[None]:
+        """A rank none of whose rows reach ``layer``: under DP attention its close part
+        replayed at the step's bucket on whatever its buffers hold (no real row), so
+        its MoE collectives meet the peers'; elsewhere the runtime's own."""
+        bucket = None if self._step_buckets is None else self._bucket(layer, 0)
+        if bucket is None:
+            return (yield from self.runtime.pad_layer(layer, moe))
+        self._run("close", layer, bucket, self._close_part)

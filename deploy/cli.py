@@ -237,8 +237,8 @@ def _add_runtime_arguments(p: argparse.ArgumentParser) -> None:
         choices=CUDAGRAPH_MODES,
         default=None,
         help="none (eager), full (each decode step one CUDA graph replay) or tr_hybrid (every step's token-wise "
-        "parts replayed from per-layer graphs, attention eager between them; one DP rank); graphs need the Triton "
-        "kernels on CUDA (default none)",
+        "parts replayed from per-layer graphs, attention eager between them); graphs need the Triton kernels on "
+        "CUDA (default none)",
     )
     p.add_argument(
         "--weight-storage",

@@ -181,6 +181,11 @@ class LayerSegments(Protocol):
         """PagedRuntime.close_layer's result."""
         ...
 
+    def pad_layer(self, layer: LayerParams, moe: MoESteps | None) -> Steps[None]:
+        """The layer's MoE collectives for a rank none of whose rows reach it (under DP
+        attention), as PagedRuntime.pad_layer meets them."""
+        ...
+
 
 def expert_weight_format(config: V41Config) -> str:
     """How the expert GEMMs read the routed experts: packed MXFP4 when the checkpoint
@@ -423,15 +428,30 @@ class PagedRuntime:
         # No layer inputs: a split step never speculates (speculation runs on one rank).
         return StepOutput(logits=torch.cat([out.logits for out in outputs]), selections=selections, layer_inputs={})
 
-    def moe_padding(self, layers: Sequence[LayerParams]) -> None:
+    def moe_padding(
+        self, layers: Sequence[LayerParams], segments: LayerSegments | None = None, eager_layer: int | None = None
+    ) -> None:
         """Each of ``layers``' MoE on zero rows, in order: the side of a DP exchange's
-        collectives of a rank whose rows do not reach them."""
-        run_steps(self._padding_steps(layers, None))
+        collectives of a rank whose rows do not reach them. ``segments``: what pads a
+        layer (token graphs pad to the step's bucket), but at ``eager_layer`` (the last
+        layer under decoder replay, whose MoE runs its query rows eagerly)."""
+        run_steps(self._padding_steps(layers, None, segments, eager_layer))
 
-    def _padding_steps(self, layers: Sequence[LayerParams], moe: MoESteps | None) -> Steps[None]:
-        empty = self.params.embed.new_zeros(0, self.config.hidden_size)
+    def pad_layer(self, layer: LayerParams, moe: MoESteps | None) -> Steps[None]:
+        """The layer's MoE on zero rows of this rank (``moe``'s steps, else the
+        runtime's own)."""
+        yield from self._moe_steps(layer, self.params.embed.new_zeros(0, self.config.hidden_size), moe)
+
+    def _padding_steps(
+        self,
+        layers: Sequence[LayerParams],
+        moe: MoESteps | None,
+        segments: LayerSegments | None = None,
+        eager_layer: int | None = None,
+    ) -> Steps[None]:
         for layer in layers:
-            yield from self._moe_steps(layer, empty, moe)
+            pads = self if segments is None or layer.layer_id == eager_layer else segments
+            yield from pads.pad_layer(layer, moe)
 
     def _moe_steps(self, layer: LayerParams, h: torch.Tensor, moe: MoESteps | None) -> Steps[torch.Tensor]:
         """The layer's MoE: ``moe``'s steps (a microbatch's), else the runtime's own
@@ -483,7 +503,7 @@ class PagedRuntime:
                 streams, pre = streams[decoder.rows], pre[decoder.rows]
                 engram_rows, stage = engram_rows[decoder.rows.cpu()], decoder.plan
                 if decoder.rows.numel() == 0:
-                    yield from self._padding_steps(self.params.layers[i:], moe)
+                    yield from self._padding_steps(self.params.layers[i:], moe, segments, last)
                     layer_inputs.update({lid: streams for lid in capture_layers if lid >= layer.layer_id})
                     break
             if layer.layer_id in capture_layers:

@@ -76,9 +76,10 @@ def test_a_step_runs_at_the_narrowest_bucket_holding_it() -> None:
 
 
 def test_graph_options_are_refused_where_they_cannot_run(tiny_dir: Path) -> None:
-    """FULL mode needs the Triton kernels on a CUDA device, and under DP attention the
-    NCCL exchange there (a graph cannot capture gloo's collectives); tr_hybrid is not
-    built; each refusal names the field."""
+    """Both graph modes need the Triton kernels on a CUDA device, and under DP
+    attention the NCCL exchange there (a graph cannot capture gloo's collectives);
+    TR_HYBRID refuses prefill two-batch overlap; bucket sizes are bounded by the batch
+    (FULL) or the step's token budget (TR_HYBRID); each refusal names the field."""
     with pytest.raises(EngineError, match="kernel_backend 'triton' on a CUDA device"):
         engine_options(dict(cudagraph_mode="full"))
     with pytest.raises(EngineError, match="kernel_backend 'triton' on a CUDA device"):
@@ -92,18 +93,19 @@ def test_graph_options_are_refused_where_they_cannot_run(tiny_dir: Path) -> None
         engine_options(dict(cudagraph_mode="full", cudagraph_batch_sizes=(16,), **cuda))
     with pytest.raises(EngineError, match="1..max_num_batched_tokens = 256"):
         engine_options(dict(cudagraph_mode="tr_hybrid", cudagraph_batch_sizes=(512,), **cuda))
-    hybrid = engine_options(dict(cudagraph_mode="tr_hybrid", cudagraph_batch_sizes=(16,), **cuda))
-    config = ModelSource.parse(tiny_dir).config()
-    with pytest.raises(EngineError, match="'tr_hybrid' with 2 DP ranks"):
-        check_replica_options(config, hybrid, 2)
+    hybrid = engine_options(dict(cudagraph_mode="tr_hybrid", enable_tbo_prefill=True, **cuda))
+    with pytest.raises(EngineError, match="'tr_hybrid' with enable_tbo_prefill"):
+        check_replica_options(ModelSource.parse(tiny_dir).config(), hybrid, 2)
     with pytest.raises(EngineError, match="speculative_method"):
         engine_options(dict(cudagraph_mode="tr_hybrid", speculative_method="dspark", **cuda))
     params, _ = ModelSource.parse(tiny_dir).load_params(dtype=torch.float32, device="cpu")
     group = open_process_group(GroupSpec(backend="gloo", world=1), 0, dist.HashStore())
     exchange = DPExpertExchange(params.config, group, 0, "gloo")
     layout = RankLayout.build(params.config, engine_options({}))
-    with pytest.raises(DPError, match="decode_graphs: with the gloo exchange on 'cuda'"):
+    with pytest.raises(DPError, match="with the gloo exchange on 'cuda'"):
         DPRank(params, layout, 0, exchange, device="cuda", decode_graphs=BUCKETS)
+    with pytest.raises(DPError, match="with the gloo exchange on 'cuda'"):
+        DPRank(params, layout, 0, exchange, device="cuda", token_graphs=(2, 8))
 
 
 def _engine(
@@ -343,6 +345,61 @@ def test_token_graph_parts_give_the_eager_engines_tokens(
     assert any(bucket is not None and rows < bucket for rows, bucket in rows_at), "some parts ran padded"
     assert any(rows == bucket for rows, bucket in rows_at), "some parts filled their bucket"
     assert len({bucket for _, bucket in rows_at if bucket is not None}) == 3, "every bucket ran"
+
+
+@pytest.mark.parametrize("decoder_replay", [False, True])
+def test_dp2_token_graph_parts_run_each_steps_buckets_on_every_rank(
+    tiny_dir: Path, decoder_replay: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TR_HYBRID under DP attention (two ranks in threads, gloo, experts sharded): every
+    rank runs each step's parts at the same buckets, picked from the DP metadata (the
+    largest rank's rows; from the decoder's first layer on, its decoder rows), so the
+    MoE collectives recorded in the close parts meet; a rank whose rows do not reach a
+    layer replays that layer's close part on padding. Every request's tokens and
+    logprobs equal the eager DP2 replica's bit for bit. Options refuse graphs on the
+    CPU, so the buckets are given to the layout directly (the CPU runs each part, the
+    function a graph records)."""
+    options = dict(
+        block_size=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=48,
+        enable_prefix_caching=False,
+        num_pages=64,
+        decoder_swa_bounded_replay=decoder_replay,
+    )
+    workload = dict(seed=7, requests=8, longest=10, longest_prompt=90)
+    eager = _workload(Engine.in_process(tiny_dir, DPLayout(2, "ep"), **options), **workload)
+    monkeypatch.setattr(RankLayout, "token_buckets", lambda self, options: (2, 4, 8, 16, 24))
+    engine = Engine.in_process(tiny_dir, DPLayout(2, "ep"), **options)
+    chosen: list[list[tuple[int | None, int | None]]] = []
+    padded: list[int] = []
+    for rank in engine.executor.ranks:
+        graphs = rank.runner.token_graphs
+        assert isinstance(graphs, TokenGraphs)
+        seen: list[tuple[int | None, int | None]] = []
+        chosen.append(seen)
+        use, pad = graphs.use_step_buckets, graphs.pad_layer
+
+        def using(encoder: int | None, decoder: int | None, _use=use, _seen=seen) -> None:
+            _seen.append((encoder, decoder))
+            _use(encoder, decoder)
+
+        def padding(layer: object, moe: object, _pad=pad, _graphs=graphs) -> object:
+            if _graphs._step_buckets is not None and any(_graphs._step_buckets):
+                padded.append(1)
+            return _pad(layer, moe)
+
+        graphs.use_step_buckets, graphs.pad_layer = using, padding  # type: ignore[method-assign]
+    _assert_same_outputs(_workload(engine, **workload), eager)
+    first, second = chosen
+    assert first == second, "every step's buckets were the same on both ranks"
+    assert any(encoder is not None for encoder, _ in first), "some steps ran the token graphs"
+    assert any(encoder is None for encoder, _ in first), "some steps were beyond the largest bucket"
+    if decoder_replay:
+        assert any(
+            encoder is not None and (decoder is None or decoder < encoder) for encoder, decoder in first
+        ), "some steps ran the decoder on fewer rows, at a bucket of their own"
+    assert padded, "a rank whose rows did not reach a layer replayed its close part on padding"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
