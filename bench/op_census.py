@@ -13,6 +13,15 @@ counted: on a GPU they do not exist. The table lists the sites by ops per step: 
 fusion at that site would remove. ``.item()``-style host syncs are ops too (aten
 ``_local_scalar_dense``); the census lists them apart.
 
+It also splits the step's ops by what the TR_HYBRID graph mode would do with them:
+those issued inside a layer's token-wise parts (model/runtime.PagedRuntime's
+``open_layer``, ``close_layer`` and ``pad_layer``, which cluster/token_graphs.py
+records) become graph replays, one per part called; the rest (attention, sampling,
+the step's inputs) stay eager launches. Its projection of a TR_HYBRID step's launches
+is the ops outside the parts, plus one replay per part, plus the copies into the
+parts' buffers (the first layer's streams and pre, each Engram layer's table rows and
+each layer's attention output).
+
 Prints a table and writes JSON. On a CPU, in a few minutes:
     TRITON_INTERPRET=1 python3 -m bench.op_census --small --kernel-backend triton --no-batch-invariant
 On the GPU machine, from the repo root:
@@ -72,20 +81,42 @@ def _site(frame: FrameType | None, depth: int) -> str | None:
     return " <- ".join(chain) or None
 
 
+# The runtime's token-wise parts of a layer, which TR_HYBRID records as graphs.
+TOKEN_PARTS = frozenset({"open_layer", "close_layer", "pad_layer"})
+RUNTIME_FILE = str(REPO / "model" / "runtime.py")
+
+
+def _in_token_part(frame: FrameType | None) -> bool:
+    """Whether one of the runtime's token-wise parts is on the stack."""
+    while frame is not None:
+        if frame.f_code.co_name in TOKEN_PARTS and _repo_path(frame.f_code.co_filename) == RUNTIME_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class OpCensus(TorchDispatchMode):
-    """Counts the ops dispatched while active, by (site, op)."""
+    """Counts the ops dispatched while active, by (site, op), and how many of them a
+    token-wise part issued (``in_parts``)."""
 
     def __init__(self, depth: int) -> None:
         super().__init__()
         self.depth = depth
         self.ops: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.in_parts = 0
+
+    def count(self, site: str, op: str, frame: FrameType | None) -> None:
+        self.ops[(site, op)] += 1
+        if _in_token_part(frame):
+            self.in_parts += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if not _is_view(func) and func.overloadpacket.__name__ not in ALLOCATION_OPS:
-            site = _site(sys._getframe(1), self.depth)
+            frame = sys._getframe(1)
+            site = _site(frame, self.depth)
             if site is not None:
-                self.ops[(site, func.overloadpacket.__name__)] += 1
+                self.count(site, func.overloadpacket.__name__, frame)
         return out
 
 
@@ -101,7 +132,7 @@ def _count_triton_launches(census: OpCensus) -> list[object]:
 
         def run(self, *args, __original=original, **kwargs):  # type: ignore[no-untyped-def]
             name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "kernel")
-            census.ops[(f"triton:{name}", "launch")] += 1
+            census.count(f"triton:{name}", "launch", sys._getframe(1))
             with torch.utils._python_dispatch._disable_current_modes():
                 return __original(self, *args, **kwargs)
 
@@ -110,12 +141,43 @@ def _count_triton_launches(census: OpCensus) -> list[object]:
     return restore
 
 
-def census_step(engine, batch: int, prompt_len: int, warmup: int, depth: int) -> collections.Counter[tuple[str, str]]:  # type: ignore[no-untyped-def]
+@dataclasses.dataclass
+class PartCalls:
+    """How often a step called each token-wise part, and with Engram table rows."""
+
+    open_layer: int = 0
+    close_layer: int = 0
+    pad_layer: int = 0
+    engram_rows: int = 0
+
+    @property
+    def replays(self) -> int:
+        return self.open_layer + self.close_layer + self.pad_layer
+
+
+def _count_part_calls(runtime, calls: PartCalls) -> None:  # type: ignore[no-untyped-def]
+    """Wraps the runtime's parts (on the instance) so each call is counted."""
+    for name in ("open_layer", "close_layer", "pad_layer"):
+        original = getattr(runtime, name)
+
+        def counted(*args, __original=original, __name=name, **kwargs):  # type: ignore[no-untyped-def]
+            setattr(calls, __name, getattr(calls, __name) + 1)
+            if __name == "open_layer" and args[3] is not None:
+                calls.engram_rows += 1
+            return __original(*args, **kwargs)
+
+        setattr(runtime, name, counted)
+
+
+def census_step(engine, batch: int, prompt_len: int, warmup: int, depth: int) -> tuple[OpCensus, PartCalls]:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_tokens=warmup + 4, temperature=0.0, ignore_eos=True)
     ids = [f"c{batch}-{i}" for i in range(batch)]
     start_decoding(engine, dict(zip(ids, random_prompts(batch, prompt_len, engine.config.vocab_size, seed=batch))),
                    params, warmup)
     census = OpCensus(depth)
+    calls = PartCalls()
+    runtime = engine.runner.runtime
+    _count_part_calls(runtime, calls)
     restore = _count_triton_launches(census)
     try:
         with census:
@@ -123,11 +185,13 @@ def census_step(engine, batch: int, prompt_len: int, warmup: int, depth: int) ->
     finally:
         for cls, original in restore:  # type: ignore[misc]
             cls.run = original
+        for name in ("open_layer", "close_layer", "pad_layer"):
+            delattr(runtime, name)
     if len(outputs) != batch:
         raise RuntimeError(f"batch {batch}: the censused step produced {len(outputs)} tokens (expected {batch})")
     for rid in ids:
         engine.abort(rid)
-    return census.ops
+    return census, calls
 
 
 def main() -> None:
@@ -148,7 +212,8 @@ def main() -> None:
         args, max_num_seqs=args.batch, max_num_batched_tokens=max(workload.max_num_batched_tokens, args.batch),
         tokens_per_request=prompt_len + 16,
     )
-    ops = census_step(engine, args.batch, prompt_len, warmup=2, depth=args.depth)
+    census, calls = census_step(engine, args.batch, prompt_len, warmup=2, depth=args.depth)
+    ops = census.ops
     by_site: collections.Counter[str] = collections.Counter()
     for (site, _op), n in ops.items():
         by_site[site] += n
@@ -170,12 +235,27 @@ def main() -> None:
         "ops_per_step": total,
         "triton_launches_per_step": sum(n for (s, _), n in ops.items() if s.startswith("triton:")),
         "host_syncs": syncs,
+        "tr_hybrid": {
+            "ops_in_token_parts": census.in_parts,
+            "ops_outside": total - census.in_parts,
+            "part_calls": dataclasses.asdict(calls),
+            # The first layer's streams and pre, each Engram layer's table rows and each
+            # layer's attention output are copied into the parts' buffers.
+            "buffer_copies": 2 + calls.engram_rows + calls.close_layer,
+            "projected_launches": total - census.in_parts + calls.replays + 2 + calls.engram_rows + calls.close_layer,
+        },
         "sites": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\n{total} ops in one decode step at batch {args.batch} "
           f"({result['triton_launches_per_step']} Triton launches); host syncs: {syncs or 'none'}")
+    hybrid = result["tr_hybrid"]
+    print(
+        f"TR_HYBRID: {hybrid['ops_in_token_parts']} of them inside the token-wise parts ({calls.replays} part calls: "
+        f"graph replays), {hybrid['ops_outside']} outside (eager); projected launches per step: "
+        f"{hybrid['projected_launches']} (with {hybrid['buffer_copies']} copies into the parts' buffers)"
+    )
     print("| ops | site | most frequent ops |")
     print("|---:|---|---|")
     for row in rows[: args.top]:
