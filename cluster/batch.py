@@ -195,7 +195,7 @@ class RankStepInfo:
     agree (cluster/tbo.runs_split). ``decode_pages``: ``ScheduledBatch.decode_pages``
     of the rank's batch (-1: not a plain decode; 0: no row), from which every rank of a
     replica with decode graphs picks the same graph width, or none
-    (cluster/ranks.common_decode_width)."""
+    (cluster/ranks.DPRank._common_decode_width)."""
 
     num_tokens: int
     is_prefill: bool

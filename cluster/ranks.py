@@ -231,7 +231,6 @@ class DPRank:
             return self.runner.execute(batch)
         return self.runner.execute(batch, [(part, self.exchange.microbatch(i)) for i, part in enumerate(parts)])
 
-
     def _common_decode_width(self, metadata: DPMetadata) -> DecodeWidth | None:
         """The decode graph every rank of the step replays (each computes the same from
         the same metadata): when every rank with rows runs a plain decode, the bucket
@@ -242,7 +241,6 @@ class DPRank:
         if graphs is None or any(r.decode_pages < 0 for r in ranks) or not any(r.num_tokens for r in ranks):
             return None
         return graphs.width_of(max(r.num_tokens for r in ranks), max(r.decode_pages for r in ranks))
-
 
     def _begin_token_step(self, metadata: DPMetadata) -> None:
         """Under TR_HYBRID, every rank's buckets of the step (each rank computes the
