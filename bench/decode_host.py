@@ -69,8 +69,10 @@ TIMED: tuple[tuple[str, Any, str], ...] = (
     ("addresses", cuda_graphs, "build_decode_addresses"),
     ("staging", StaticDecodeStep, "load"),
     ("forward", DecodeGraphs, "_run_static"),
-    ("sampling", ModelRunner, "_sample"),
+    ("sampling", ModelRunner, "_launch_sampling"),
+    ("sampling", ModelRunner, "_drawn"),
     ("cursors", ModelRunner, "_committed_cursors"),
+    ("cursors", ModelRunner, "_check_positions"),
     ("cursors", ModelRunner, "_advance_cursors"),
     ("outputs", Engine, "_apply"),
 )

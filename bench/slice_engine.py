@@ -80,6 +80,10 @@ def add_slice_options(parser: argparse.ArgumentParser) -> None:
         help="the engine's cudagraph_mode (full: decode steps replayed from CUDA graphs, Triton kernels on CUDA)",
     )
     parser.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+        help="the engine's async_scheduling (the next step scheduled and launched while the previous one runs)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None,
         help="torch intra-op threads on the CPU (default 1: on a shared box more threads spin against each other)",
     )
@@ -163,6 +167,7 @@ def build_slice_engine(
         max_model_len=tokens_per_request,
         cudagraph_mode=args.cudagraph_mode,
         cudagraph_batch_sizes=graph_batch_sizes if args.cudagraph_mode != "none" else None,
+        async_scheduling=args.async_scheduling,
     )
     geometry = RankLayout.build(params.config, options).geometry
     # One page more than the requests need: the sizing must never be what preempts.
@@ -247,6 +252,7 @@ def environment(args: argparse.Namespace, engine: Engine, ceilings: dict[str, fl
         "kernel_backend": backend,
         "batch_invariant": engine.options.batch_invariant,
         "cudagraph_mode": engine.options.cudagraph_mode,
+        "async_scheduling": engine.options.async_scheduling,
         "block_size": engine.options.block_size,
         "kv_cache_dtype": engine.options.kv_cache_dtype,
         "index_cache_dtype": engine.options.index_cache_dtype,

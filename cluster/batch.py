@@ -33,6 +33,12 @@ from dsv41.cluster.sampling_guide import SamplingGuide
 from dsv41.cluster.sampling_params import SamplingParams
 
 
+# The token of a row whose token the host does not know yet (async scheduling): the
+# one its request's previous step samples, which the rank reads from that step's
+# draws on the device (cluster/cuda_graphs.DeviceStepState.feed).
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass(frozen=True)
 class SlotReset:
     """A fresh slot for a forward that starts at ``position`` without an image: rings
@@ -98,6 +104,11 @@ class ScheduledSegment:
                 f"ScheduledSegment {self.request_id}: num_draft_tokens {self.num_draft_tokens} (allowed: 0, or "
                 f"1..{len(self.token_ids) - 1} on a sampling segment that stores no image and wants no prompt logits)"
             )
+        if self.has_placeholder and not (self.length == 1 and self.sample and self.start >= self.num_prompt_tokens):
+            raise ValueError(
+                f"ScheduledSegment {self.request_id}: PLACEHOLDER_TOKEN in {self.length} rows from {self.start} "
+                "(allowed: as the one row of a sampled decode, after the prompt)"
+            )
         if self.num_prompt_tokens < 1:
             raise ValueError(
                 f"ScheduledSegment {self.request_id}: num_prompt_tokens {self.num_prompt_tokens} (allowed: >= 1)"
@@ -117,6 +128,11 @@ class ScheduledSegment:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    @property
+    def has_placeholder(self) -> bool:
+        """Its row's token is its request's previous step's draw, not known yet."""
+        return PLACEHOLDER_TOKEN in self.token_ids
 
     @property
     def is_plain_decode(self) -> bool:

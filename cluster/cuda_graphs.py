@@ -2,10 +2,12 @@
 
 Owns the graph mode's declaration (``DecodeBuckets``: the batch-size and PAGE-count
 buckets a replica captures, and which one a step runs at), the persistent step
-(``StaticDecodeStep``: one bucket's inputs at fixed addresses, token ids, Engram
-n-grams and addresses staged on the host in one pinned int64 buffer and moved in one
-copy per step, and the forward that reads only them: it hashes the n-grams and reads
-the Engram tables' rows on the device, model/runtime.PagedRuntime.engram_rows) and
+(``StaticDecodeStep``: one bucket's inputs at fixed addresses, token ids, token-feed
+rows, slots and addresses staged on the host in one pinned int64 buffer and moved in
+one copy per step, and the forward that reads only them and the ``DeviceStepState``:
+it takes a row's token from the token feed where the host does not know it yet, its
+Engram n-grams from its slot's cursor, hashes them and reads the Engram tables' rows
+on the device (model/runtime.PagedRuntime.engram_rows), and advances the cursors) and
 ``DecodeGraphs``: every bucket's step captured once at startup (largest first, one
 memory pool, capture time and memory reported as progress) and a decode step run as
 one replay. A step is run at its bucket's width (cache/addressing.DecodeWidth:
@@ -37,6 +39,8 @@ from dsv41.cache.addressing import (
     build_decode_addresses,
     decode_pages,
 )
+from dsv41.cache.geometry import CURSOR_POSITION
+from dsv41.model.engram import EngramHashing
 from dsv41.model.runtime import PagedRuntime, PagedStore
 
 CUDAGRAPH_MODES = ("none", "full", "tr_hybrid")
@@ -134,12 +138,28 @@ def with_leaves(record: Any, leaves: Iterator[torch.Tensor]) -> Any:
     return record
 
 
+@dataclass(frozen=True)
+class DeviceStepState:
+    """What a decode graph reads and writes beyond the pools' planes, at fixed
+    addresses: the slots' cursors (``[slots, 1 + history]``: position, then the
+    Engram history), the token map (vocabulary id to compressed Engram id) and the
+    token feed (the previous step's sampled tokens, one a row: what a row whose token
+    the host does not know yet reads, cluster/batch.PLACEHOLDER_TOKEN)."""
+
+    cursor: torch.Tensor
+    token_map: torch.Tensor
+    feed: torch.Tensor
+    hashing: EngramHashing | None
+
+
 class StaticDecodeStep:
-    """One width's persistent decode step: the token ids, Engram n-grams
-    (``ngram_width`` compressed ids a row) and addresses of ``width.requests`` rows,
-    all int64, in one host buffer (pinned on a GPU) and one device buffer at fixed
-    addresses, and the forward that reads only the device buffer (``forward``: what a
-    graph captures)."""
+    """One width's persistent decode step: the token ids, token-feed rows and slots
+    of ``width.requests`` rows and their addresses, all int64, in one host buffer
+    (pinned on a GPU) and one device buffer at fixed addresses, and the forward that
+    reads only the device buffer and ``state`` (``forward``: what a graph captures).
+    The forward takes each row's Engram n-grams from its slot's cursor and its token,
+    and advances the cursors of the real rows, so a decode step reads no cursor on
+    the host and writes none from it."""
 
     def __init__(
         self,
@@ -148,51 +168,56 @@ class StaticDecodeStep:
         shape: PoolShape,
         width: DecodeWidth,
         device: torch.device,
-        ngram_width: int,
+        state: DeviceStepState,
     ) -> None:
         self.runtime = runtime
         self.store = store
         self.shape = shape
         self.width = width
         self.device = device
+        self.state = state
         self.template = build_decode_addresses([], _NO_PAGES, shape, width)
         rows = width.requests
         self.int_leaves = [
             torch.zeros(rows, dtype=torch.long),
-            torch.zeros(rows, ngram_width, dtype=torch.long),
+            torch.zeros(rows, dtype=torch.long),
+            torch.zeros(rows, dtype=torch.long),
             *tensor_leaves(self.template),
         ]
         pin = device.type == "cuda"
         int_total = sum(leaf.numel() for leaf in self.int_leaves)
         self.host_ints = torch.zeros(int_total, dtype=torch.long, pin_memory=pin)
         self.device_ints = torch.zeros(int_total, dtype=torch.long, device=device)
+        self.row_index = torch.arange(rows, device=device)
 
     def load(
         self,
         token_ids: torch.Tensor,
+        feed_rows: torch.Tensor,
         segments: Sequence[SegmentSpec],
         page_tables: torch.Tensor,
-        ngrams: torch.Tensor,
     ) -> None:
-        """Stages a decode step (``token_ids`` [n] host, ``segments``' specs and their
-        page tables, the rows' Engram n-grams [n, ngram_width] host; padding rows read
-        n-grams of id 0, rows the tables hold, and their results are never read) at
-        this width and moves it to the device buffer: one copy."""
+        """Stages a decode step (``token_ids`` [n] host, ``feed_rows`` [n] host: the
+        token feed's row a row reads its token from, -1 where ``token_ids`` holds it;
+        ``segments``' specs and their page tables) at this width and moves it to the
+        device buffer: one copy. Padding rows read token 0 and slot 0's cursor, write
+        no cursor, and their results are never read."""
         rows = self.width.requests
-        if token_ids.numel() != len(segments):
-            raise ValueError(f"token_ids: {token_ids.numel()} for {len(segments)} segments (allowed: one each)")
-        ngram_shape = self.int_leaves[1].shape
-        if ngrams.dim() != 2 or ngrams.shape[0] != len(segments) or ngrams.shape[1] != ngram_shape[1]:
+        if token_ids.numel() != len(segments) or feed_rows.numel() != len(segments):
             raise ValueError(
-                f"ngrams: {tuple(ngrams.shape)} (allowed: [{len(segments)}, {ngram_shape[1]}], one row a segment)"
+                f"token_ids / feed_rows: {token_ids.numel()} / {feed_rows.numel()} for {len(segments)} segments "
+                "(allowed: one each)"
             )
         tokens = torch.zeros(rows, dtype=torch.long)
         tokens[: token_ids.numel()] = token_ids
-        staged_ngrams = torch.zeros(ngram_shape, dtype=torch.long)
-        staged_ngrams[: ngrams.shape[0]] = ngrams
+        feed = torch.full((rows,), -1, dtype=torch.long)
+        feed[: feed_rows.numel()] = feed_rows
+        slots = torch.full((rows,), -1, dtype=torch.long)
+        slots[: len(segments)] = torch.tensor([seg.slot for seg in segments], dtype=torch.long)
         leaves = [
             tokens,
-            staged_ngrams,
+            feed,
+            slots,
             *tensor_leaves(build_decode_addresses(segments, page_tables, self.shape, self.width)),
         ]
         if len(leaves) != len(self.int_leaves):
@@ -206,7 +231,7 @@ class StaticDecodeStep:
 
     def forward(self) -> torch.Tensor:
         """The logits [width.requests, vocab] of the staged step, read from the device
-        buffers alone."""
+        buffers alone; the real rows' cursors advanced by one token."""
         views = []
         at = 0
         for leaf in self.int_leaves:
@@ -215,8 +240,29 @@ class StaticDecodeStep:
             # kernel of the graph.
             views.append(view != 0 if leaf.dtype == torch.bool else view)
             at += leaf.numel()
-        tokens, ngrams, plan = views[0], views[1], with_leaves(self.template, iter(views[2:]))
-        return self.runtime.forward_staged(tokens, ngrams, plan, self.store)
+        staged_tokens, feed, slots = views[0], views[1], views[2]
+        plan = with_leaves(self.template, iter(views[3:]))
+        state = self.state
+        tokens = torch.where(feed >= 0, state.feed[feed.clamp(min=0)], staged_tokens)
+        real = slots >= 0
+        slot_rows = slots.clamp(min=0)
+        cursors = state.cursor[slot_rows]
+        compressed = state.token_map[tokens]
+        histories = cursors[:, CURSOR_POSITION + 1 :]
+        if state.hashing is None:
+            ngrams = compressed.unsqueeze(1)
+            advanced_history = histories
+        else:
+            ngrams = state.hashing.decode_ngram_ids(compressed, histories)
+            advanced_history = state.hashing.decode_next_history(compressed, histories)
+        logits = self.runtime.forward_staged(tokens, ngrams, plan, self.store)
+        advanced = torch.cat((cursors[:, : CURSOR_POSITION + 1] + 1, advanced_history), dim=1)
+        written = torch.where(real.unsqueeze(1), advanced, cursors)
+        # Real rows come first: a padding row writes row 0's value to row 0's slot (its
+        # own, unchanged, when no row is real), so no two writes to a slot differ.
+        source = torch.where(real, self.row_index, 0)
+        state.cursor.index_put_((slot_rows[source],), written[source])
+        return logits
 
 
 @dataclass(frozen=True)
@@ -285,6 +331,7 @@ class DecodeGraphs:
         shape: PoolShape,
         buckets: DecodeBuckets,
         device: torch.device,
+        state: DeviceStepState,
         *,
         capture: bool,
         begin_width: Callable[[DecodeWidth], None] | None = None,
@@ -295,14 +342,9 @@ class DecodeGraphs:
         self.capture = capture
         self.device = device
         self.begin_width = begin_width
-        params = runtime.params
-        self.ngram_width = 1 if params.engram_hashing is None else params.engram_hashing.max_ngram_size
-        self.steps = {
-            width: StaticDecodeStep(runtime, store, shape, width, device, self.ngram_width)
-            for width in buckets.widths()
-        }
+        self.steps = {width: StaticDecodeStep(runtime, store, shape, width, device, state) for width in buckets.widths()}
         self.shape = shape
-        vocab = params.head.shape[0]
+        vocab = runtime.params.head.shape[0]
         # Every graph writes its logits here (a copy inside the graph), so no graph
         # keeps an output of its own.
         self.logits = torch.zeros(buckets.batch_sizes[-1], vocab, dtype=torch.float32, device=device)
@@ -313,9 +355,10 @@ class DecodeGraphs:
     def _run_static(self, step: StaticDecodeStep) -> None:
         self.logits[: step.width.requests].copy_(step.forward())
 
-    def _load_padding(self, step: StaticDecodeStep) -> None:
-        no_ngrams = torch.zeros(0, self.ngram_width, dtype=torch.long)
-        step.load(torch.zeros(0, dtype=torch.long), [], _NO_PAGES, no_ngrams)
+    @staticmethod
+    def _load_padding(step: StaticDecodeStep) -> None:
+        none = torch.zeros(0, dtype=torch.long)
+        step.load(none, none, [], _NO_PAGES)
 
     def capture_all(self, progress: Callable[[str], None] = logger.info) -> CaptureReport:
         """Runs every bucket's step once on padding (compiling its kernels) and, when
@@ -363,15 +406,15 @@ class DecodeGraphs:
         self,
         width: DecodeWidth,
         token_ids: torch.Tensor,
+        feed_rows: torch.Tensor,
         segments: Sequence[SegmentSpec],
         page_tables: torch.Tensor,
-        ngrams: torch.Tensor,
     ) -> torch.Tensor:
-        """The logits [len(segments), vocab] of a decode step run at ``width``: staged
-        (``ngrams``: the rows' Engram n-grams), then the bucket's graph replayed (or its
-        static step run)."""
+        """The logits [len(segments), vocab] of a decode step run at ``width``
+        (``StaticDecodeStep.load`` says what it takes), then the bucket's graph
+        replayed (or its static step run); its rows' cursors advanced on the device."""
         step = self.steps[width]
-        step.load(token_ids, segments, page_tables, ngrams)
+        step.load(token_ids, feed_rows, segments, page_tables)
         self._replay(step)
         return self.logits[: len(segments)]
 

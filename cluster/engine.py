@@ -8,7 +8,8 @@ the placement of each request on one rank, one step of every rank at a time thro
 ``DPStepExecutor`` (cluster/ranks.py: the one rank in this thread, ranks in threads, or
 Ray actors), stop checking and the delta outputs handed back, and the restart after a
 lost rank. A replica of one rank is this same loop with one scheduler; it also offers
-``prompt_logits``, the parity path of ``dsv41 logits``.
+``prompt_logits``, the parity path of ``dsv41 logits``, and async scheduling (one step
+launched while the previous one's draws are on their way, ``_step_async``).
 
 Must not import: actors, deploy, ray.
 """
@@ -41,9 +42,18 @@ from dsv41.cluster.options import (
     engine_options,
 )
 from dsv41.cluster.placement import RankLoad, place
-from dsv41.cluster.ranks import DPError, DPLayout, DPRank, DPStepExecutor, LocalRank, RankFailure, ThreadedRanks
+from dsv41.cluster.ranks import (
+    DPError,
+    DPLayout,
+    DPRank,
+    DPStepExecutor,
+    LocalRank,
+    RankFailure,
+    StepLauncher,
+    ThreadedRanks,
+)
 from dsv41.cluster.request import CumulativeOutputs, Request, RequestOutput, RequestStatus, SeedSource
-from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
+from dsv41.cluster.runner import LaunchedStep, ModelRunner, StepResult, stage_rows
 from dsv41.cluster.sampler import prompt_logprobs
 from dsv41.cluster.sampling_guide import SamplingGuide, penalty_counts
 from dsv41.cluster.sampling_params import SamplingParams, SamplingParamsError
@@ -61,6 +71,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PARITY_REQUEST_ID = "__prompt_logits__"
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """Under async scheduling, the step the rank runs while the next is scheduled:
+    its batch, its launch, and the requests it was scheduled for (a request id that
+    finished and was reused since names another request, whose tokens these are not)."""
+
+    batch: ScheduledBatch
+    launched: LaunchedStep
+    requests: dict[str, Request]
 
 
 @dataclass(frozen=True)
@@ -88,6 +109,11 @@ class Engine(EngineClient):
         if not isinstance(world, int) or world < 1:
             raise DPError(f"world: {world!r} (allowed: an int >= 1)")
         check_replica_options(config, options, world)
+        if options.async_scheduling and not isinstance(executor, StepLauncher):
+            raise EngineError(
+                f"async_scheduling: True with ranks run by a {type(executor).__name__} (allowed: one rank in this "
+                "thread, Engine.from_pretrained / from_params)"
+            )
         self.config = config
         self.tokenizer = tokenizer
         self.options = options
@@ -109,6 +135,7 @@ class Engine(EngineClient):
         self._children: dict[str, tuple[str, ...]] = {}
         self._rank_of: dict[str, int] = {}
         self._step_id = 0
+        self._in_flight: InFlightStep | None = None
         self.num_restarts = 0
         self._structured: StructuredOutputManager | None = None
         logger.info(
@@ -153,6 +180,8 @@ class Engine(EngineClient):
             batch_invariant=bool(options.batch_invariant),
             decoder_replay=options.decoder_swa_bounded_replay,
             decode_graphs=layout.decode_buckets(params.config, options),
+            token_graphs=layout.token_buckets(options),
+            feed_samples=options.async_scheduling,
         )
         return cls(params.config, tokenizer, options, 1, LocalRank(rank), offload)
 
@@ -325,7 +354,7 @@ class Engine(EngineClient):
         """True while a request runs or waits, or while a rank still holds a request
         that left it: the step that tells it to drop them is work too, else an idle
         engine's ranks would keep the last requests' state until the next arrival."""
-        return any(s.has_unfinished() or s.has_releases() for s in self.schedulers)
+        return self._in_flight is not None or any(s.has_unfinished() or s.has_releases() for s in self.schedulers)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -341,7 +370,10 @@ class Engine(EngineClient):
         """Schedules and runs one step of every rank; returns the delta outputs of the
         requests that got a token or finished in it (after a lost rank: every request
         in flight, ended in error, and the ranks restarted). A step with no rows still
-        runs when it releases requests, so that no rank holds a request that left."""
+        runs when it releases requests, so that no rank holds a request that left.
+        Under async scheduling the outputs are the previous step's (``_step_async``)."""
+        if self.options.async_scheduling:
+            return self._step_async()
         batches = tuple(self._guided(s.schedule()) for s in self.schedulers)
         if all(b.is_empty and not b.released_request_ids for b in batches):
             return []
@@ -365,6 +397,56 @@ class Engine(EngineClient):
         for scheduler, batch, result in zip(self.schedulers, batches, results):
             outputs.extend(self._apply(scheduler, batch, result, sampled_at))
         return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling (one rank): schedules and launches a step while the
+        previous one runs on the device, then waits for the previous one's draws and
+        returns its outputs, so the host's scheduling, staging and output work of one
+        step overlaps the device's work of the other. A row whose token the running
+        step draws carries a placeholder, read on the device. A request that stops at
+        a step has a row in the next, whose draw is dropped; the tokens of every
+        request are the synchronous loop's. When a running request's sampling reads
+        its tokens on the host (a grammar, penalties), the step in flight is finished
+        before scheduling."""
+        outputs: list[RequestOutput] = []
+        scheduler = self.scheduler
+        if self._in_flight is not None and any(
+            r.num_pending_tokens and (r.params.uses_penalties or r.params.structured_outputs is not None)
+            for r in scheduler.running
+        ):
+            outputs.extend(self._finish_in_flight())
+        batch = self._guided(scheduler.schedule())
+        if batch.is_empty:
+            # Nothing to run ahead: the rank drops what left it, the step in flight ends.
+            if batch.released_request_ids:
+                self._step_id += 1
+                self._launcher().launch(batch)
+            outputs.extend(self._finish_in_flight())
+            return outputs
+        self._mark_scheduled((batch,), time.monotonic())
+        self._step_id += 1
+        requests = {seg.request_id: self._requests[seg.request_id] for seg in batch.segments}
+        launched = self._launcher().launch(batch)
+        previous, self._in_flight = self._in_flight, InFlightStep(batch, launched, requests)
+        outputs.extend(self._finish(previous))
+        return outputs
+
+    def _launcher(self) -> StepLauncher:
+        launcher = self.executor
+        if not isinstance(launcher, StepLauncher):
+            raise EngineError(f"async_scheduling: the engine's ranks are a {type(launcher).__name__}, which launches no step")
+        return launcher
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        previous, self._in_flight = self._in_flight, None
+        return self._finish(previous)
+
+    def _finish(self, step: InFlightStep | None) -> list[RequestOutput]:
+        """Waits for a launched step's draws and commits it."""
+        if step is None:
+            return []
+        result = step.launched.result()
+        return self._apply(self.scheduler, step.batch, result, time.monotonic(), step.requests)
 
     def _guided(self, batch: ScheduledBatch) -> ScheduledBatch:
         """The batch with a SamplingGuide on each sampling segment whose request has a
@@ -398,18 +480,29 @@ class Engine(EngineClient):
                     request.scheduled_time = now
 
     def _apply(
-        self, scheduler: Scheduler, batch: ScheduledBatch, result: StepResult, sampled_at: float
+        self,
+        scheduler: Scheduler,
+        batch: ScheduledBatch,
+        result: StepResult,
+        sampled_at: float,
+        scheduled_for: dict[str, Request] | None = None,
     ) -> list[RequestOutput]:
         """Commits a batch's forward on its scheduler; returns the requests that got a
-        token or finished in it."""
+        token or finished in it. ``scheduled_for``: the requests the batch was
+        scheduled for (async scheduling), where a live request under the same id is
+        another's."""
         outputs: list[RequestOutput] = []
         for seg in batch.segments:
             request = self._requests.get(seg.request_id)
+            if scheduled_for is not None and request is not scheduled_for.get(seg.request_id):
+                request = None
             if request is not None and seg.request_id in result.row_logits:
                 self._record_prompt_logprobs(request, seg, result.row_logits[seg.request_id])
             if request is None or not seg.sample:
                 scheduler.commit(seg, request)
                 continue
+            if self.options.async_scheduling:
+                request.num_pending_tokens -= 1
             # A verify emits its accepted drafts, then the target's token; the tokens
             # go in before the commit, which hashes the PAGEs the kept rows fill.
             accepted = result.accepted.get(seg.request_id, ())
@@ -457,6 +550,8 @@ class Engine(EngineClient):
         self._requests.clear()
         self._children.clear()
         self._rank_of.clear()
+        # Its draws are dropped; the device finishes it before any later step.
+        self._in_flight = None
         if self._structured is not None:
             self._structured.clear()
         held = [s.requests_on_rank() if ranks_kept else () for s in self.schedulers]
@@ -515,7 +610,7 @@ class Engine(EngineClient):
         one chunk) outside the scheduler. The engine must be idle; nothing of the run
         stays cached."""
         runner = self.runner
-        if self.scheduler.has_unfinished():
+        if self.scheduler.has_unfinished() or self._in_flight is not None:
             raise EngineError("prompt_logits: the engine is serving requests (allowed only when idle)")
         prompt = tuple(token_ids)
         sizes = itertools.cycle(chunk_sizes or (len(prompt),))

@@ -114,6 +114,11 @@ class EngineOptions:
     # rows under "tr_hybrid" (None: powers of two up to max_num_batched_tokens or 512).
     cudagraph_mode: str = "none"
     cudagraph_batch_sizes: tuple[int, ...] | None = None
+    # Async scheduling (vLLM's --async-scheduling; cluster/engine.Engine._step_async):
+    # the next step is scheduled and launched while the previous one runs on the
+    # device, a decode row whose token is still being drawn reading it there. One rank
+    # in this thread; not with speculation or an offload store.
+    async_scheduling: bool = False
     # How the FP8 / FP4 weights of a quantised checkpoint live on the device: "stored"
     # (the checkpoint's bytes, model/stored_weights.py; every kernel decodes its tiles
     # exactly) or "decoded" (the compute dtype, 2-4x the bytes).
@@ -161,6 +166,7 @@ class EngineOptions:
                 raise EngineError(f"{name}: {value!r} (allowed: a positive integer)")
         self._check_speculation()
         self._check_graphs()
+        self._check_async_scheduling()
         for name in ("enable_tbo_prefill", "tbo_prefill_token_split"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineError(f"{name}: {getattr(self, name)!r} (allowed: True, False)")
@@ -192,6 +198,22 @@ class EngineOptions:
             )
         if self.gpu_memory_bytes is None and self.cache_memory_bytes is None:
             object.__setattr__(self, "cache_memory_bytes", DEFAULT_CACHE_BYTES)
+
+    def _check_async_scheduling(self) -> None:
+        if not isinstance(self.async_scheduling, bool):
+            raise EngineError(f"async_scheduling: {self.async_scheduling!r} (allowed: True, False)")
+        if not self.async_scheduling:
+            return
+        if self.speculative_method is not None:
+            raise EngineError(
+                f"async_scheduling: True with speculative_method {self.speculative_method!r} (allowed: None; a "
+                "verify's kept rows are known only once its draws are on the host)"
+            )
+        if self.offload_host_bytes:
+            raise EngineError(
+                "async_scheduling: True with offload_host_bytes (allowed: 0; a PAGE a placeholder row completes is "
+                "keyed by the hash of a token not known when the step is scheduled)"
+            )
 
     def _check_graphs(self) -> None:
         """Refuses a graph mode this replica cannot capture, before any weight."""
@@ -297,6 +319,11 @@ def check_replica_options(config: V41Config, options: EngineOptions, world: int)
         raise EngineError(
             "cudagraph_mode: 'tr_hybrid' with enable_tbo_prefill (allowed: one of them; a split step's microbatches "
             "yield inside their MoE, which a token graph records whole)"
+        )
+    if options.async_scheduling and world != 1:
+        raise EngineError(
+            f"async_scheduling: True with {world} DP ranks (allowed: one rank; the DP metadata of a step is built "
+            "from every rank's rows, and a placeholder row's draw is read on its own rank's device)"
         )
     if options.enable_tbo_prefill and world < 2:
         raise EngineError(
@@ -419,6 +446,7 @@ class RankLayout:
                 long_prefill_token_threshold=options.long_prefill_token_threshold,
                 engram_history=config.engram_max_ngram_size - 1,
                 decoder_replay_window=config.sliding_window if options.decoder_swa_bounded_replay else None,
+                async_scheduling=options.async_scheduling,
             ),
             block_manager,
             layout_id=self.geometry.layout_id,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from dsv41.cluster.cuda_graphs import DecodeBuckets
 from dsv41.cluster.distributed import DPExpertExchange, GroupSpec, open_process_group
 from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.options import EngineOptions, RankLayout, check_replica_options
-from dsv41.cluster.runner import ModelRunner, StepResult, stage_rows
+from dsv41.cluster.runner import LaunchedStep, ModelRunner, StepResult, stage_rows
 from dsv41.cluster.tbo import TBOOptions, microbatch_rows, runs_split, split
 from dsv41.model.kernels import load_kernels, register_gpu_linalg_kernels
 from dsv41.model.kernels.interface import PagedKernels
@@ -81,6 +81,14 @@ class DPStepExecutor(Protocol):
     def restart(self) -> None: ...
 
 
+@runtime_checkable
+class StepLauncher(Protocol):
+    """An executor of one rank that can issue a step without waiting for its draws
+    (async scheduling: LocalRank)."""
+
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep: ...
+
+
 class DPRank:
     """One DP rank's execution: its pools and runner, and its side of the MoE
     exchange (None when the replica has one rank and holds every expert)."""
@@ -100,6 +108,7 @@ class DPRank:
         tbo: TBOOptions | None = None,
         decode_graphs: DecodeBuckets | None = None,
         token_graphs: Sequence[int] | None = None,
+        feed_samples: bool = False,
     ) -> None:
         if tbo is not None and exchange is None:
             raise DPError(f"tbo: {tbo} on a rank without an exchange (allowed: a rank of a replica of >= 2 ranks)")
@@ -129,6 +138,7 @@ class DPRank:
             begin_decode_width=None if exchange is None else lambda width: exchange.begin_uniform_step(width.requests),
             token_graphs=token_graphs,
             begin_token_rows=None if exchange is None else exchange.begin_uniform_step,
+            feed_samples=feed_samples,
         )
 
     @classmethod
@@ -179,6 +189,13 @@ class DPRank:
             token_graphs=layout.token_buckets(options),
         )
 
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Issues the batch of a rank alone (no exchange): a plain decode replays its
+        graph and is handed back with its draws in flight (ModelRunner.launch)."""
+        if self.exchange is not None:
+            raise DPError(f"rank {self.rank}: launch on a rank with an exchange (allowed: execute, with DPMetadata)")
+        return self.runner.launch(batch, width=self.runner.decode_width(batch.segments))
+
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor | None) -> StepResult:
         """Runs this rank's batch of a step (padding when it has no rows). Under
         decoder replay the decoder's layers run fewer rows: the exchange learns every
@@ -187,7 +204,7 @@ class DPRank:
         from the metadata (cluster/tbo.runs_split), its forward runs as the two
         microbatches the metadata names, each with its MoE's own counts."""
         if self.exchange is None:
-            return self.runner.execute(batch, width=self.runner.decode_width(batch.segments))
+            return self.launch(batch).result()
         if metadata_wire is None:
             raise DPError(f"rank {self.rank}: a step without DPMetadata (allowed only for a replica of one rank)")
         metadata = DPMetadata.from_wire(metadata_wire)
@@ -319,6 +336,10 @@ class LocalRank:
     def execute(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[StepResult]:
         (batch,) = batches
         return [self.rank.execute(batch, None)]
+
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Issues the step's batch without waiting for its draws (async scheduling)."""
+        return self.rank.launch(batch)
 
     def restart(self) -> None:
         raise RankFailure("a rank in this thread does not restart: its failure is the engine's")

@@ -249,7 +249,10 @@ class OutputText:
 class Request:
     """The scheduler's mutable record of one request (compared by identity).
 
-    ``num_computed_tokens`` is the cursor: tokens whose KV the cache holds.
+    ``num_computed_tokens`` is the cursor: tokens whose KV the cache holds (under
+    async scheduling, also those a step in flight computes).
+    ``num_pending_tokens``: under async scheduling, the tokens steps in flight draw
+    for it, scheduled before they are known (cluster/batch.PLACEHOLDER_TOKEN).
     ``sampling_seed`` is the seed the sampler actually uses (``params.seed`` or one
     drawn from the engine's :class:`SeedSource`). ``output_text`` is the decoded
     output (an :class:`OutputText`: complete characters only until the request
@@ -265,6 +268,7 @@ class Request:
     arrival_time: float
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     stop_reason: int | str | None = None
     output_text: OutputText = field(default_factory=OutputText)
     output_token_ids: list[int] = field(init=False, default_factory=list)

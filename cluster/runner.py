@@ -13,7 +13,10 @@ tables a gather of its rows: cluster/persistent_batch.py). Under decoder SWA
 bounded replay it also derives, from each segment, the rows its decoder runs
 (``decoder_view``; model/bounded_replay.py states the rule). With speculation
 (cluster/speculative.py) a verify segment's rows are all sampled, only its accepted
-prefix advances the cursor, and every sampling segment gets its next drafts.
+prefix advances the cursor, and every sampling segment gets its next drafts. A step is
+launched (``launch``: a decode graph's draws left in flight) and its result taken when
+wanted; under async scheduling each launch's draws stay in the token feed on the
+device, where the next step's placeholder rows read them.
 
 Must not import: actors, deploy, ray.
 """
@@ -40,10 +43,10 @@ from dsv41.cache.geometry import CURSOR_POSITION, V41PoolGeometry
 from dsv41.cache.plane_io import PlaneIO
 from dsv41.cache.pools import PoolSize, V41Pools
 from dsv41.cluster.batch import ScheduledBatch, ScheduledSegment
-from dsv41.cluster.cuda_graphs import DecodeBuckets, DecodeGraphs
+from dsv41.cluster.cuda_graphs import DecodeBuckets, DecodeGraphs, DeviceStepState
 from dsv41.cluster.offload_connector import OffloadConnector
 from dsv41.cluster.persistent_batch import PersistentBatch
-from dsv41.cluster.sampler import Sampler, SamplingMetadata
+from dsv41.cluster.sampler import PendingSamples, Sampler, SamplingMetadata
 from dsv41.cluster.speculative import DraftRequest, Speculator, accepted_count
 from dsv41.cluster.token_graphs import TokenGraphs
 from dsv41.model.bounded_replay import tail_start
@@ -116,6 +119,29 @@ class StepResult:
     drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
+class LaunchedStep:
+    """A step whose forward and draws are issued on the device: ``result`` waits for
+    its draws to reach the host and returns its StepResult (computed once)."""
+
+    def __init__(self, finish: Callable[[], StepResult]) -> None:
+        self._finish: Callable[[], StepResult] | None = finish
+        self._result: StepResult | None = None
+
+    @classmethod
+    def done(cls, result: StepResult) -> "LaunchedStep":
+        step = cls(lambda: result)
+        step.result()
+        return step
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            if self._finish is None:
+                raise RuntimeError("a launched step's result failed before; it has none")
+            finish, self._finish = self._finish, None
+            self._result = finish()
+        return self._result
+
+
 class ModelRunner:
     """Runs steps over its own pools; of its requests it holds their STATE slots and
     what its PersistentBatch keeps (``requests``)."""
@@ -136,6 +162,7 @@ class ModelRunner:
         begin_decode_width: Callable[[DecodeWidth], None] | None = None,
         token_graphs: Sequence[int] | None = None,
         begin_token_rows: Callable[[int], None] | None = None,
+        feed_samples: bool = False,
     ) -> None:
         config = params.config
         self.decoder_replay = decoder_replay
@@ -153,6 +180,15 @@ class ModelRunner:
         self.shape = PoolShape.of(geometry, config.sliding_window)
         self.hashing = params.engram_hashing
         self.history_len = config.engram_max_ngram_size - 1
+        # Each slot's committed position as the host last set it (what a step's segments
+        # are checked against without reading the device's cursors).
+        self._positions = [0] * size.num_slots
+        # Async scheduling: each step's draws stay on the device (the token feed, one
+        # row per sampling segment) for the next step's rows the host cannot fill yet.
+        self.feed_samples = feed_samples
+        self._feed = torch.zeros(max(size.num_slots, 1), dtype=torch.long, device=self.pools.device)
+        self._feed_rows: dict[str, int] = {}
+        self._last: LaunchedStep | None = None
         self.speculator = None
         if geometry.num_speculative_tokens:
             self.speculator = Speculator(
@@ -166,16 +202,25 @@ class ModelRunner:
         # FULL graph mode: every bucket's decode step captured now (on a CUDA device;
         # elsewhere the same static steps run eagerly).
         self.graphs = None
+        if feed_samples and self.speculator is not None:
+            raise ValueError("feed_samples: with speculation (allowed: without a speculator)")
         if decode_graphs is not None:
             if self.speculator is not None:
                 raise ValueError("decode_graphs: with speculation (allowed: decode graphs without a speculator)")
             device = self.pools.device
+            state = DeviceStepState(
+                cursor=self.pools.cursor,
+                token_map=params.token_map.to(device),
+                feed=self._feed,
+                hashing=params.engram_hashing,
+            )
             self.graphs = DecodeGraphs(
                 self.runtime,
                 self.store,
                 self.shape,
                 decode_graphs,
                 device,
+                state,
                 capture=device.type == "cuda",
                 begin_width=begin_decode_width,
             )
@@ -198,15 +243,43 @@ class ModelRunner:
         microbatches: Sequence[tuple[ScheduledBatch, MoESteps]] = (),
         width: DecodeWidth | None = None,
     ) -> StepResult:
-        """Runs ``batch``; with ``microbatches`` (prefill two-batch overlap: its rows
+        """Runs ``batch`` to its result (``launch``, then its result)."""
+        return self.launch(batch, microbatches, width).result()
+
+    def launch(
+        self,
+        batch: ScheduledBatch,
+        microbatches: Sequence[tuple[ScheduledBatch, MoESteps]] = (),
+        width: DecodeWidth | None = None,
+    ) -> LaunchedStep:
+        """Issues ``batch``; with ``microbatches`` (prefill two-batch overlap: its rows
         cut in consecutive parts, cluster/tbo.split_batch, each with its MoE) its
         forward runs as those parts interleaved, everything around it as one step; with
         ``width`` (a plain decode, ``decode_width``'s or, under DP attention, the width
-        every rank agreed on) its forward is that decode graph's replay."""
+        every rank agreed on) its forward is that decode graph's replay, and the step
+        is handed back with its draws still on their way to the host: nothing here
+        waits for the device. Any other step runs to its result first. A row whose
+        token is a placeholder reads the previous launch's draw: a graph on the device
+        (the token feed), an eager step once that launch's result is in."""
         self.requests.update(batch)
         if batch.is_empty:
-            return StepResult(step_id=batch.step_id)
-        segments = batch.segments
+            return LaunchedStep.done(StepResult(step_id=batch.step_id))
+        if width is not None:
+            if microbatches:
+                raise ValueError(f"width: {width} with microbatches (allowed: a decode graph runs unsplit)")
+            step = self._launch_decode_graph(batch, width)
+        else:
+            segments = self._with_known_tokens(batch.segments)
+            step = LaunchedStep.done(self._run_eager(batch.step_id, segments, microbatches))
+        self._last = step
+        return step
+
+    def _run_eager(
+        self,
+        step_id: int,
+        segments: tuple[ScheduledSegment, ...],
+        microbatches: Sequence[tuple[ScheduledBatch, MoESteps]],
+    ) -> StepResult:
         # Fills first: a segment later in the batch may restore or read what an
         # earlier one fetched.
         for seg in segments:
@@ -225,12 +298,8 @@ class ModelRunner:
         logit_rows, logit_ranges, sample_rows = self.logit_rows(segments)
         device = self.pools.device
         ngrams = self._ngrams(segments, compressed, histories)
-        if width is not None:
-            if microbatches:
-                raise ValueError(f"width: {width} with microbatches (allowed: a decode graph runs unsplit)")
-            addresses, decoder = None, None
-            output = StepOutput(logits=self._graph_logits(segments, tokens, ngrams, width), selections={}, layer_inputs={})
-        elif not microbatches:
+        decoder = None
+        if not microbatches:
             addresses, decoder = self._plan(segments)
             output = self.runtime.forward(
                 tokens.to(device),
@@ -252,7 +321,8 @@ class ModelRunner:
                 part_rows = self.logit_rows(part.segments)[0]
                 parts.append(Microbatch(part_tokens.to(device), plan, part_rows.to(device), part_decoder, moe))
             output = self.runtime.forward_microbatches(parts, ngrams, self.store)
-        accepted, sampled, committed = self._verify(segments, self._sample(segments, output.logits, sample_rows))
+        drawn = self._drawn(*self._launch_sampling(segments, output.logits[sample_rows]))
+        accepted, sampled, committed = self._verify(segments, drawn)
         self._advance_cursors(segments, compressed, cursors, committed)
         drafts_next: dict[str, tuple[int, ...]] = {}
         if self.speculator is not None:
@@ -260,12 +330,7 @@ class ModelRunner:
             drafts_next = self._speculate(
                 self.speculator, segments, output.layer_inputs, stage, committed, accepted, sampled
             )
-        for seg in segments:
-            if seg.store_after is not None:
-                self.checkpoints.store(seg.slot, seg.store_after)
-        for seg in segments:
-            for unit in seg.publish:
-                self._connector().publish(unit.key, self.pools.read_pages(unit.pages))
+        self._store_and_publish(segments)
         row_logits = {rid: output.logits[a:b].cpu() for rid, (a, b) in logit_ranges.items()}
         row_selections = {}
         base = 0
@@ -276,13 +341,77 @@ class ModelRunner:
                 }
             base += seg.length
         return StepResult(
-            step_id=batch.step_id,
+            step_id=step_id,
             sampled=sampled,
             row_logits=row_logits,
             row_selections=row_selections,
             accepted={rid: tokens for rid, tokens in accepted.items() if tokens},
             drafts=drafts_next,
         )
+
+    def _launch_decode_graph(self, batch: ScheduledBatch, width: DecodeWidth) -> LaunchedStep:
+        """A plain decode step replayed from the graph of ``width``: staged (token
+        ids, token-feed rows, addresses: one copy), replayed, its draws issued; the
+        graph advances the cursors itself. Its result waits for the draws."""
+        if self.graphs is None:
+            raise ValueError(f"width: {width} on a runner without decode graphs (allowed: None)")
+        segments = batch.segments
+        if not all(seg.is_plain_decode for seg in segments):
+            raise ValueError(f"width: {width} for step {batch.step_id}, which is not a plain decode (allowed: None)")
+        self._check_positions(segments)
+        feed_rows = torch.tensor([self._feed_row(seg) for seg in segments], dtype=torch.long)
+        tokens = torch.tensor([0 if seg.has_placeholder else seg.token_ids[0] for seg in segments], dtype=torch.long)
+        page_tables = self.requests.page_tables(segments, self.shape.block_size)
+        logits = self.graphs.run(width, tokens, feed_rows, self._specs(segments), page_tables)
+        per_row, pending = self._launch_sampling(segments, logits)
+        for seg in segments:
+            self._positions[seg.slot] = seg.end
+        self._store_and_publish(segments)
+
+        def finish() -> StepResult:
+            _, sampled, _ = self._verify(segments, self._drawn(per_row, pending))
+            return StepResult(step_id=batch.step_id, sampled=sampled)
+
+        return LaunchedStep(finish)
+
+    def _store_and_publish(self, segments: tuple[ScheduledSegment, ...]) -> None:
+        """After a forward: the checkpoint images its segments store, then the PAGEs
+        and images they publish to the offload store."""
+        for seg in segments:
+            if seg.store_after is not None:
+                self.checkpoints.store(seg.slot, seg.store_after)
+        for seg in segments:
+            for unit in seg.publish:
+                self._connector().publish(unit.key, self.pools.read_pages(unit.pages))
+
+    def _feed_row(self, seg: ScheduledSegment) -> int:
+        """The token-feed row a graph reads ``seg``'s token from (-1: its token is
+        staged)."""
+        if not seg.has_placeholder:
+            return -1
+        if not self.feed_samples:
+            raise RuntimeError(f"request {seg.request_id}: a placeholder token on a rank that does not feed its draws")
+        row = self._feed_rows.get(seg.request_id)
+        if row is None:
+            raise RuntimeError(f"request {seg.request_id}: a placeholder token, but the previous step drew none for it")
+        return row
+
+    def _with_known_tokens(self, segments: tuple[ScheduledSegment, ...]) -> tuple[ScheduledSegment, ...]:
+        """``segments`` with each placeholder replaced by the previous launch's draw
+        (waiting for its result: an eager step's Engram n-grams are host work)."""
+        if not any(seg.has_placeholder for seg in segments):
+            return segments
+        if not self.feed_samples or self._last is None:
+            raise RuntimeError("a placeholder token with no launched step before it on this rank")
+        sampled = self._last.result().sampled
+        resolved = []
+        for seg in segments:
+            if seg.has_placeholder:
+                if seg.request_id not in sampled:
+                    raise RuntimeError(f"request {seg.request_id}: a placeholder token, but the previous step drew none for it")
+                seg = dataclasses.replace(seg, token_ids=(sampled[seg.request_id].token_id,))
+            resolved.append(seg)
+        return tuple(resolved)
 
     @torch.no_grad()
     def execute_padding(self, batch: ScheduledBatch, width: DecodeWidth | None = None) -> StepResult:
@@ -367,16 +496,6 @@ class ModelRunner:
             return None
         return self.graphs.width_for(self._specs(tuple(segments)))
 
-    def _graph_logits(
-        self, segments: tuple[ScheduledSegment, ...], tokens: torch.Tensor, ngrams: torch.Tensor, width: DecodeWidth
-    ) -> torch.Tensor:
-        """The logits of a plain decode step replayed from the graph of ``width``."""
-        if self.graphs is None:
-            raise ValueError(f"width: {width} on a runner without decode graphs (allowed: None)")
-        specs = self._specs(segments)
-        page_tables = self.requests.page_tables(segments, self.shape.block_size)
-        return self.graphs.run(width, tokens, specs, page_tables, ngrams)
-
     @staticmethod
     def _specs(segments: tuple[ScheduledSegment, ...]) -> list[SegmentSpec]:
         return [
@@ -414,27 +533,32 @@ class ModelRunner:
             self.pools.reset_state(seg.slot)
             cursor = self.pools.cursor[seg.slot]
             cursor[CURSOR_POSITION] = seg.reset.position
+            self._positions[seg.slot] = seg.reset.position
             if self.hashing is not None and seg.reset.history_token_ids:
                 history = self.params.token_map[torch.tensor(seg.reset.history_token_ids, dtype=torch.long)]
                 cursor[CURSOR_POSITION + 1 + self.history_len - history.numel() :] = history
         elif seg.restore is not None:
             self.checkpoints.restore(seg.restore, seg.slot)
+            self._positions[seg.slot] = seg.restore.num_tokens
 
     def _committed_cursors(self, segments: tuple[ScheduledSegment, ...]) -> torch.Tensor:
         """Each segment's slot cursor [S, 1 + history] (position, Engram history) on the
         host, read in one copy; an error unless each slot is committed at its
         segment's start."""
         cursors = self.pools.cursor[[seg.slot for seg in segments]].cpu()
-        starts = torch.tensor([seg.start for seg in segments], dtype=cursors.dtype)
-        wrong = (cursors[:, CURSOR_POSITION] != starts).nonzero()
-        if wrong.numel():
-            first = int(wrong[0, 0])
-            seg = segments[first]
-            raise RuntimeError(
-                f"request {seg.request_id}: slot {seg.slot} is committed at {int(cursors[first, CURSOR_POSITION])}, "
-                f"but the step computes from {seg.start}"
-            )
+        self._check_positions(segments, cursors[:, CURSOR_POSITION].tolist())
         return cursors
+
+    def _check_positions(self, segments: tuple[ScheduledSegment, ...], positions: list[int] | None = None) -> None:
+        """An error unless each segment's slot is committed at its start: per
+        ``positions`` (read from the device), else per the host's own record."""
+        for i, seg in enumerate(segments):
+            committed = self._positions[seg.slot] if positions is None else positions[i]
+            if committed != seg.start:
+                raise RuntimeError(
+                    f"request {seg.request_id}: slot {seg.slot} is committed at {committed}, "
+                    f"but the step computes from {seg.start}"
+                )
 
     @staticmethod
     def _lengths(segments: tuple[ScheduledSegment, ...]) -> torch.Tensor:
@@ -467,6 +591,8 @@ class ModelRunner:
         slots = torch.tensor([seg.slot for seg in segments], dtype=rows.dtype).unsqueeze(1)
         written = torch.cat((slots, rows), dim=1).to(self.pools.device)
         self.pools.cursor[written[:, 0]] = written[:, 1:]
+        for seg, position in zip(segments, rows[:, CURSOR_POSITION].tolist()):
+            self._positions[seg.slot] = position
 
     @staticmethod
     def logit_rows(
@@ -493,14 +619,18 @@ class ModelRunner:
             base += seg.length
         return torch.tensor(rows, dtype=torch.long), ranges, sample_rows
 
-    def _sample(
-        self, segments: tuple[ScheduledSegment, ...], logits: torch.Tensor, sample_rows: list[int]
-    ) -> dict[str, tuple[SampledToken, ...]]:
-        """Every sampling segment's drawn tokens: one, or a verify's one per row, each
-        at the output index its token would have (the anchor's row first)."""
+    def _launch_sampling(
+        self, segments: tuple[ScheduledSegment, ...], logits: torch.Tensor
+    ) -> tuple[list[tuple[ScheduledSegment, int]], PendingSamples | None]:
+        """Issues the draws of every sampling segment's rows from their ``logits``
+        (one row, or a verify's one per row, each at the output index its token would
+        have, the anchor's row first): the rows, each a (segment, index in its
+        verify), and the pending draws (None when nothing samples). Under
+        ``feed_samples`` the draws are also left in the token feed, one row per
+        segment, for the next step."""
         sampling = [seg for seg in segments if seg.sample]
         if not sampling:
-            return {}
+            return [], None
         per_row = [(seg, i) for seg in sampling for i in range(seg.num_draft_tokens + 1)]
         # A guide is the request's state after its committed tokens: it cannot mask or
         # penalise rows after drafts, so the engine refuses such requests under
@@ -518,9 +648,22 @@ class ModelRunner:
             vocab_size=self.sampler.vocab_size,
             eos_token_id=self.eos_token_id,
         )
-        out = self.sampler(logits[sample_rows], metadata)
-        drawn: dict[str, list[SampledToken]] = {seg.request_id: [] for seg in sampling}
+        pending = self.sampler.launch(logits, metadata)
+        if self.feed_samples:
+            # A refused row (-1) is never read: its step's result raises first.
+            self._feed[: len(per_row)].copy_(pending.token_ids.clamp(min=0))
+            self._feed_rows = {seg.request_id: row for row, (seg, _) in enumerate(per_row)}
+        return per_row, pending
+
+    @staticmethod
+    def _drawn(
+        per_row: list[tuple[ScheduledSegment, int]], pending: PendingSamples | None
+    ) -> dict[str, tuple[SampledToken, ...]]:
+        """Every sampling segment's drawn tokens, once the draws are on the host."""
+        if pending is None:
+            return {}
+        out = pending.output()
+        drawn: dict[str, list[SampledToken]] = {seg.request_id: [] for seg, _ in per_row}
         for (seg, _), token, logprobs in zip(per_row, out.token_ids.tolist(), out.logprobs):
             drawn[seg.request_id].append(SampledToken(int(token), logprobs))
         return {rid: tuple(tokens) for rid, tokens in drawn.items()}
-

@@ -256,7 +256,7 @@ def _moved_rows(rows: dict[str, torch.Tensor], device: torch.device | str) -> di
     moved: dict[str, torch.Tensor] = {}
     for dtype in {t.dtype for t in rows.values()}:
         names = [name for name, t in rows.items() if t.dtype == dtype]
-        joined = torch.cat([rows[name] for name in names]).to(device)
+        joined = _to_device(torch.cat([rows[name] for name in names]), device)
         for name, part in zip(names, joined.split([rows[name].numel() for name in names])):
             moved[name] = part
     return moved
@@ -268,7 +268,16 @@ def _packed_masks(guides: Sequence[SamplingGuide], words: int, device: torch.dev
     if len(data) != len(guides) * words * BITMASK_WORD_BYTES:
         sizes = sorted({len(guide.allowed_tokens) // BITMASK_WORD_BYTES for guide in guides})
         raise SamplerError(f"guides: token masks of {sizes} words (allowed: {words})")
-    return torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(guides), words).to(device)
+    return _to_device(torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(guides), words), device)
+
+
+def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` on ``device``; on a CUDA device copied from page-locked memory without
+    waiting: a blocking copy would wait for every launch before it (a graph replay
+    whose draws these rows make), and the host would stop feeding the device."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def unpack_token_mask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -285,6 +294,81 @@ class SamplerOutput:
 
     token_ids: torch.Tensor  # [R] int64, on the host (the step's one copy back)
     logprobs: tuple[dict[int, float] | None, ...]
+
+
+@dataclass(frozen=True)
+class _LogprobRows:
+    """Log-softmax entries of some rows: each row's chosen token and its logprob,
+    and its top ``counts[i]`` values and ids (``[n, max count]``), on the device they
+    were computed on or (``to_host``) copied to the host."""
+
+    counts: tuple[int, ...]
+    chosen_ids: torch.Tensor
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, chosen_ids: torch.Tensor, counts: Sequence[int]) -> "_LogprobRows":
+        chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+        top_values, top_ids = logprobs.topk(min(max(counts, default=0), logprobs.shape[1]), dim=-1)
+        return cls(tuple(counts), chosen_ids, chosen, top_values, top_ids)
+
+    def to_host(self, pinned: bool) -> "_LogprobRows":
+        tensors = (self.chosen_ids, self.chosen, self.top_values, self.top_ids)
+        return _LogprobRows(self.counts, *(_to_host(t, pinned) for t in tensors))
+
+    def entries(self) -> list[dict[int, float]]:
+        """Per row ``{token: logprob}``: the top ``counts[i]`` tokens and the chosen one
+        (of host tensors)."""
+        top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+        out = []
+        for i, (count, token, logprob) in enumerate(zip(self.counts, self.chosen_ids.tolist(), self.chosen.tolist())):
+            entry = dict(zip(top_ids[i][:count], top_values[i][:count]))
+            entry[token] = logprob
+            out.append(entry)
+        return out
+
+
+def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A host copy of ``tensor``; ``pinned`` (a CUDA tensor): into page-locked memory,
+    issued without waiting (whoever reads it waits on an event recorded after it)."""
+    if not pinned:
+        return tensor.cpu()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+class PendingSamples:
+    """A step's draws with their copy to the host in flight: ``token_ids`` on the
+    logits' device (-1 where a row had no distribution), which the next step may read
+    there before the host has them; ``output`` waits for the copies, refuses such rows
+    and returns the SamplerOutput (once; later calls return it again)."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: tuple[list[int], _LogprobRows] | None, num_rows: int) -> None:
+        pinned = token_ids.device.type == "cuda"
+        self.token_ids = token_ids
+        self._host_ids = _to_host(token_ids, pinned)
+        self._logprobs = None if logprobs is None else (logprobs[0], logprobs[1].to_host(pinned))
+        self._num_rows = num_rows
+        self._copied = torch.cuda.Event() if pinned else None
+        if self._copied is not None:
+            self._copied.record()
+        self._output: SamplerOutput | None = None
+
+    def output(self) -> SamplerOutput:
+        if self._output is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            _refuse_rows((self._host_ids < 0).nonzero().squeeze(1).tolist())
+            entries: list[dict[int, float] | None] = [None] * self._num_rows
+            if self._logprobs is not None:
+                rows, logprobs = self._logprobs
+                for row, entry in zip(rows, logprobs.entries()):
+                    entries[row] = entry
+            self._output = SamplerOutput(token_ids=self._host_ids, logprobs=tuple(entries))
+        return self._output
 
 
 class Sampler:
@@ -309,6 +393,11 @@ class Sampler:
         self.vocab_size = vocab_size
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        return self.launch(logits, metadata).output()
+
+    def launch(self, logits: torch.Tensor, metadata: SamplingMetadata) -> PendingSamples:
+        """The step's draws issued on the logits' device and their copy to the host,
+        nothing waiting for the device (``PendingSamples.output`` does)."""
         _check_logits_shape(logits, self.vocab_size, metadata.num_rows)
         raw = logits
         if metadata.allowed_rows is not None:
@@ -344,9 +433,7 @@ class Sampler:
         # A row whose max is not finite is marked -1 and refused once the tokens are on
         # the host: the step's one copy back, with no sync before it.
         marked = torch.where(_has_distribution(raw_max), token_ids, -1)
-        host_ids = marked.cpu()
-        _refuse_rows((host_ids < 0).nonzero().squeeze(1).tolist())
-        return SamplerOutput(token_ids=host_ids, logprobs=_row_logprobs(reported, token_ids, metadata.num_logprobs))
+        return PendingSamples(marked, _row_logprobs(reported, token_ids, metadata.num_logprobs), metadata.num_rows)
 
 
 def _apply_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -401,7 +488,8 @@ def prompt_logprobs(
         )
     if targets.numel() and not bool(((targets >= 0) & (targets < logits.shape[1])).all()):
         raise SamplerError(f"next_token_ids: must lie in 0..{logits.shape[1] - 1}")
-    return _logprob_entries(torch.log_softmax(logits, dim=-1), targets, [num_logprobs] * logits.shape[0])
+    counts = [num_logprobs] * logits.shape[0]
+    return _LogprobRows.of(torch.log_softmax(logits, dim=-1), targets, counts).to_host(pinned=False).entries()
 
 
 def _check_logits_shape(logits: torch.Tensor, vocab_size: int, num_rows: int) -> None:
@@ -450,30 +538,13 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 def _row_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int | None]
-) -> tuple[dict[int, float] | None, ...]:
+) -> tuple[list[int], _LogprobRows] | None:
+    """The rows that ask for logprobs and their entries of the raw log-softmax,
+    computed on the logits' device (None when no row asks)."""
     rows = [i for i, k in enumerate(num_logprobs) if k is not None]
-    entries: list[dict[int, float] | None] = [None] * len(num_logprobs)
-    if rows:
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
-        counts = [num_logprobs[i] for i in rows]
-        row_entries = _logprob_entries(raw_logprobs, token_ids.index_select(0, index), counts)
-        for row, entry in zip(rows, row_entries):
-            entries[row] = entry
-    return tuple(entries)
-
-
-def _logprob_entries(
-    logprobs: torch.Tensor, chosen: torch.Tensor, top_counts: Sequence[int]
-) -> list[dict[int, float]]:
-    """Per row: ``{token: logprob}`` of the top ``top_counts[row]`` tokens and the chosen one."""
-    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    max_count = min(max(top_counts, default=0), logprobs.shape[1])
-    top_values, top_ids = logprobs.topk(max_count, dim=-1)
-    top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-    entries = []
-    for row, (token, token_logprob, count) in enumerate(zip(chosen.tolist(), chosen_logprobs, top_counts)):
-        entry = dict(zip(top_ids_list[row][:count], top_values_list[row][:count]))
-        entry[token] = token_logprob
-        entries.append(entry)
-    return entries
+    if not rows:
+        return None
+    index = _to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
+    counts = [int(num_logprobs[i]) for i in rows]
+    return rows, _LogprobRows.of(logprobs, token_ids.index_select(0, index), counts)

@@ -24,6 +24,11 @@ With speculation (drafts from the runner) a decoding request's step is a verify:
 its anchor and the drafts its last step left (cut to the token budget and to what the
 request may still generate), PAGEs grown for every row, and the commit keeps the
 accepted prefix alone, handing back lookahead PAGEs no kept row reaches.
+Under async scheduling (``SchedulerConfig.async_scheduling``) a step is scheduled while
+the previous one runs: a request's cursor advances when its rows are scheduled, a
+decode row whose token the step in flight draws carries PLACEHOLDER_TOKEN at the
+output index that token will have, a request whose last allowed token is in flight
+gets no row, and a preempted request is readmitted only once its draw is in.
 
 Must not import: model arithmetic, actors, deploy, ray.
 """
@@ -37,7 +42,7 @@ from typing import Iterable
 
 from dsv41.cache.block_manager import BlockManager, PrefixHit, StateImage, StateTransfer
 from dsv41.cache.offload import OffloadKey, UnitKind
-from dsv41.cluster.batch import NewRequestData, ScheduledBatch, ScheduledSegment, SlotReset
+from dsv41.cluster.batch import PLACEHOLDER_TOKEN, NewRequestData, ScheduledBatch, ScheduledSegment, SlotReset
 from dsv41.cluster.offload_connector import OffloadConnector, PageFill, PagePublish
 from dsv41.cluster.request import Request, RequestStatus
 from dsv41.model.bounded_replay import tail_start
@@ -58,6 +63,11 @@ class SchedulerConfig:
     # no image above its prompt's tail: a slot restored there would hold no decoder
     # row of the tail below the image.
     decoder_replay_window: int | None = None
+    # Async scheduling: a step is scheduled while the previous one runs, so a
+    # request's rows advance its cursor when scheduled (not when its results are
+    # committed), and a decode row whose token the previous step draws carries
+    # PLACEHOLDER_TOKEN (Request.num_pending_tokens counts those draws).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -155,6 +165,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_output_tokens + request.num_pending_tokens >= request.params.max_tokens:
+                # Its last token is still being drawn (async scheduling): nothing to run.
+                i += 1
+                continue
             count = self._chunk(request, budget)
             if self._grow_or_preempt(request, request.num_computed_tokens + count):
                 plans.append((request, count))
@@ -164,27 +178,33 @@ class Scheduler:
         preempted = self.num_preemptions > preemptions_before
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             request = self.waiting[0]
-            if not self._admit(request):
+            # A request preempted while a step in flight draws for it waits for the draw.
+            if request.num_pending_tokens or not self._admit(request):
                 break
             self.waiting.popleft()
             self.running.append(request)
             count = self._chunk(request, budget)
             plans.append((request, count))
             budget -= count
-        if self.waiting and not self.running and not preempted:
+        if self.waiting and not self.running and not preempted and not self.waiting[0].num_pending_tokens:
             request = self.waiting[0]
             raise SchedulerError(
                 f"request {request.request_id!r}: {request.num_tokens} tokens cannot be admitted into empty pools "
                 f"({self.block_manager.stats()}); the engine should have refused it"
             )
         segments = tuple(self._segment(request, count) for request, count in plans)
+        if self.config.async_scheduling:
+            for (request, _), seg in zip(plans, segments):
+                request.num_computed_tokens = seg.end
+                request.num_pending_tokens += seg.sample
         return ScheduledBatch(step_id=self._step_id, segments=segments, released_request_ids=self.take_releases())
 
     def _chunk(self, request: Request, budget: int) -> int:
         """The rows of ``request`` this step runs: its next prefill chunk, or its
         decode row and the drafts it verifies."""
         start = request.num_computed_tokens
-        if start == request.num_tokens - 1 and request.num_output_tokens:
+        pending = request.num_pending_tokens
+        if start == request.num_tokens + pending - 1 and request.num_output_tokens + pending:
             return 1 + self._num_drafts(request, budget)
         count = min(request.num_tokens - start, budget)
         if self.config.long_prefill_token_threshold and count > 1:
@@ -323,7 +343,8 @@ class Scheduler:
         prep, progress.prep = progress.prep, None
         fills, progress.fills = progress.fills, ()
         known = min(end, request.num_tokens)
-        drafts = progress.drafts[: end - known]
+        placeholders = (PLACEHOLDER_TOKEN,) * (min(end, request.num_tokens + request.num_pending_tokens) - known)
+        drafts = progress.drafts[: end - known - len(placeholders)]
         store_after = None
         if self.copies_images and end % self.cache.block_size == 0 and not drafts:
             pages = self.block_manager.allocate_pages(self.image_pages)
@@ -335,11 +356,11 @@ class Scheduler:
             request_id=rid,
             slot=self.block_manager.slot(rid),
             start=start,
-            token_ids=tuple(request.all_token_ids[start:known]) + drafts,
+            token_ids=tuple(request.all_token_ids[start:known]) + placeholders + drafts,
             write_from=progress.write_from,
             window_start=progress.window_start,
-            sample=known == request.num_tokens,
-            output_index=request.num_output_tokens,
+            sample=known + len(placeholders) == request.num_tokens + request.num_pending_tokens,
+            output_index=request.num_output_tokens + request.num_pending_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
             new_pages=new_pages,
             kept_pages=kept,
@@ -389,7 +410,8 @@ class Scheduler:
     ) -> None:
         """Records that ``segment``'s forward ran: the image it restored is let go,
         the request's cursor advances to ``committed_end`` (None: the segment's end; a
-        verify keeps its accepted prefix and hands back lookahead PAGEs past it), its
+        verify keeps its accepted prefix and hands back lookahead PAGEs past it; under
+        async scheduling it advanced when the segment was scheduled), its
         full PAGEs are published and a checkpoint image taken at a PAGE boundary is
         attached to the prefix index (or handed back when nothing wants it).
         ``drafts``: what the request's next step verifies (speculation)."""
@@ -402,7 +424,8 @@ class Scheduler:
                 )
             if segment.restore is not None:
                 self.block_manager.restored(request.request_id)
-            request.num_computed_tokens = end
+            if not self.config.async_scheduling:
+                request.num_computed_tokens = end
             self._progress[request.request_id].drafts = drafts
             if segment.num_draft_tokens:
                 self.num_verifies += 1

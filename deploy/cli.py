@@ -213,8 +213,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def _runtime_options(args: argparse.Namespace) -> dict[str, object]:
     """The engine options of how the runtime runs that generate, validate and serve
-    share: --method / --num-speculative-tokens, --cudagraph-mode and --weight-storage
-    (none when not given)."""
+    share: --method / --num-speculative-tokens, --cudagraph-mode, --weight-storage and
+    --async-scheduling (none when not given)."""
     options: dict[str, object] = {}
     if args.method is not None:
         options["speculative_method"] = args.method
@@ -224,10 +224,18 @@ def _runtime_options(args: argparse.Namespace) -> dict[str, object]:
         options["cudagraph_mode"] = args.cudagraph_mode
     if args.weight_storage is not None:
         options["weight_storage"] = args.weight_storage
+    if args.async_scheduling:
+        options["async_scheduling"] = True
     return options
 
 
 def _add_runtime_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule and launch each step while the previous one runs on the device (one DP rank in process; not "
+        "with speculation or an offload store)",
+    )
     p.add_argument("--method", choices=("dspark",), default=None, help="speculative decoding: DSpark (the mtp stages)")
     p.add_argument(
         "--num-speculative-tokens", type=int, default=None, help="drafts per step (default with --method dspark: 5)"

@@ -384,6 +384,22 @@ class EngramHashing:
         dead = (ngrams == DEAD).cummax(dim=1).values
         return torch.where(dead, torch.full_like(ngrams, self.pad_compressed_id), ngrams)
 
+    def decode_ngram_ids(self, compressed_ids: torch.Tensor, histories: torch.Tensor) -> torch.Tensor:
+        """``step_ngram_ids`` of a step whose every chunk is one id (a decode step):
+        row r is ``compressed_ids[r]`` after ``histories[r]``. Reads no value on the
+        host and checks nothing (what a captured graph runs; the ids come from the
+        device there)."""
+        ngrams = torch.cat((compressed_ids.unsqueeze(1), histories.flip(1)), dim=1)
+        dead = (ngrams == DEAD).cummax(dim=1).values
+        return torch.where(dead, torch.full_like(ngrams, self.pad_compressed_id), ngrams)
+
+    @staticmethod
+    def decode_next_history(compressed_ids: torch.Tensor, histories: torch.Tensor) -> torch.Tensor:
+        """``step_next_history`` of a decode step that keeps its one id per chunk:
+        each history shifted by one, the id appended. Host-free, like
+        ``decode_ngram_ids``."""
+        return torch.cat((histories[:, 1:], compressed_ids.unsqueeze(1)), dim=1)
+
     def row_ids(self, layer_id: int, ngram_ids: torch.Tensor) -> torch.Tensor:
         """int64 ``[R, (max_ngram_size - 1) * n_heads]`` table rows, ordered by n-gram
         size (2..max) then head: floor-mod(XOR_{k<n} id_k * mult[k], prime) + offset

@@ -1,6 +1,7 @@
 """AsyncEngine (no Ray): one step-loop thread driving a real tiny engine for asyncio
 callers, the engine on that thread or in a child process (deploy/engine_process.py):
-every property of the shared fixture's tests holds for both placements alike."""
+every property of the shared fixture's tests holds for both placements alike, and on the
+thread under async scheduling (outputs a step later, the same tokens)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ PROMPTS = [[5, 9, 200, 17, 3], [40, 41, 42], list(range(60, 100))]
 ENGINE_OPTIONS = {"block_size": 32, "max_model_len": 256}
 
 
-@pytest.fixture(scope="module", params=["thread", "process"])
+@pytest.fixture(scope="module", params=["thread", "thread-async-scheduling", "process"])
 def engine(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[AsyncEngine]:
-    if request.param == "thread":
-        stepped: Engine | EngineProcess = Engine.from_pretrained(tiny_dir, **ENGINE_OPTIONS)
+    if request.param.startswith("thread"):
+        async_scheduling = request.param == "thread-async-scheduling"
+        stepped: Engine | EngineProcess = Engine.from_pretrained(
+            tiny_dir, async_scheduling=async_scheduling, **ENGINE_OPTIONS
+        )
         interrupt = None
     else:
         stepped = EngineProcess(tiny_dir, ENGINE_OPTIONS)

@@ -261,6 +261,23 @@ def test_step_ngram_ids_and_histories_equal_each_chunks(
     ]
 
 
+@settings(max_examples=100, deadline=None)
+@given(step=_step_chunks())
+def test_decode_rows_equal_the_general_step(step: tuple[int, list[list[int]], list[list[int]], list[int]]) -> None:
+    """decode_ngram_ids and decode_next_history (what a decode graph runs on the
+    device) equal step_ngram_ids and step_next_history of one-id chunks kept whole,
+    for any histories, DEAD-padded or full."""
+    max_ngram_size, chunks, histories, _ = step
+    hashing = EngramHashing.from_sizes((1,), max_ngram_size, 2, 300, 60, 7)
+    ids = torch.tensor([chunk[0] if chunk else 5 for chunk in chunks], dtype=torch.int64)
+    history_tensor = torch.tensor(histories, dtype=torch.int64).view(len(chunks), max_ngram_size - 1)
+    ones = torch.ones(len(chunks), dtype=torch.int64)
+    assert torch.equal(hashing.decode_ngram_ids(ids, history_tensor), hashing.step_ngram_ids(ids, history_tensor, ones))
+    assert torch.equal(
+        hashing.decode_next_history(ids, history_tensor), hashing.step_next_history(ids, history_tensor, ones, ones)
+    )
+
+
 def test_bad_chunks_are_refused() -> None:
     """A negative id inside a chunk, a history of the wrong length, or an unknown layer
     is refused with an error naming the argument."""
