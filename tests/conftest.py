@@ -56,6 +56,22 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def cuda_engine_options() -> dict[str, object]:
+    """The tiny engines of the GPU graph tests: Triton kernels on the GPU,
+    batch-invariant, 64 PAGEs of 32 tokens, 6 requests of at most 128 tokens."""
+    return dict(
+        block_size=32,
+        max_num_seqs=6,
+        enable_prefix_caching=False,
+        kernel_backend="triton",
+        device="cuda",
+        batch_invariant=True,
+        num_pages=64,
+        max_model_len=128,
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_quantized_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """TINY quantised (FP8 / FP4 / FP8 Engram rows with E8M0 scales), same weights as tiny_dir."""
     return make_tiny(tmp_path_factory.mktemp("tiny-quantized"), quantized=True)

@@ -34,17 +34,6 @@ BUCKETS = DecodeBuckets(batch_sizes=(1, 2, 4), page_counts=(1, 2, 4))
 # padded or full and three beyond it; two PAGE counts.
 TRITON_BUCKETS = DecodeBuckets(batch_sizes=(2,), page_counts=(1, 2))
 TRITON_SEED = 17
-# The engines of the CUDA tests: Triton kernels on the GPU, batch-invariant.
-CUDA_OPTIONS = dict(
-    block_size=32,
-    max_num_seqs=6,
-    enable_prefix_caching=False,
-    kernel_backend="triton",
-    device="cuda",
-    batch_invariant=True,
-    num_pages=64,
-    max_model_len=128,
-)
 
 
 def test_default_buckets() -> None:
@@ -232,11 +221,13 @@ def test_decode_steps_at_bucket_widths_give_the_eager_engines_tokens(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_replayed_graphs_give_the_eager_engines_tokens_on_cuda(tiny_dir: Path) -> None:
+def test_replayed_graphs_give_the_eager_engines_tokens_on_cuda(
+    tiny_dir: Path, cuda_engine_options: dict[str, object]
+) -> None:
     """On a GPU (Triton kernels, batch-invariant): the engine with cudagraph_mode 'full'
     captures every bucket at startup and its decode steps, replayed, give the eager
     engine's tokens and logprobs bit for bit."""
-    options = CUDA_OPTIONS
+    options = cuda_engine_options
     eager = _workload(Engine.from_pretrained(tiny_dir, **options), seed=3, requests=7, longest=40, longest_prompt=70)
     engine = Engine.from_pretrained(tiny_dir, cudagraph_mode="full", cudagraph_batch_sizes=(1, 2, 4), **options)
     graphs = engine.runner.graphs
@@ -403,12 +394,14 @@ def test_dp2_token_graph_parts_run_each_steps_buckets_on_every_rank(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_replayed_token_graphs_give_the_eager_engines_tokens_on_cuda(tiny_dir: Path) -> None:
+def test_replayed_token_graphs_give_the_eager_engines_tokens_on_cuda(
+    tiny_dir: Path, cuda_engine_options: dict[str, object]
+) -> None:
     """On a GPU (Triton kernels, batch-invariant): the engine with cudagraph_mode
     'tr_hybrid' records every layer's two parts at every bucket at startup, and its
     steps, prefill and decode alike, give the eager engine's tokens and logprobs bit
     for bit."""
-    options = dict(CUDA_OPTIONS, max_num_batched_tokens=64)
+    options = dict(cuda_engine_options, max_num_batched_tokens=64)
     workload = dict(seed=11, requests=6, longest=12, longest_prompt=90)
     eager = _workload(Engine.from_pretrained(tiny_dir, **options), **workload)
     engine = Engine.from_pretrained(tiny_dir, cudagraph_mode="tr_hybrid", cudagraph_batch_sizes=(2, 8, 32), **options)
