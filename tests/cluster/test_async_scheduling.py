@@ -25,7 +25,7 @@ from dsv41.cluster.options import EngineError, RankLayout, engine_options
 from dsv41.cluster.ranks import DPLayout, DPRank, LocalRank
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
 from dsv41.cluster.runner import LaunchedStep
-from dsv41.cluster.sampling_params import SamplingParams
+from dsv41.cluster.sampling_params import SamplingParams, StructuredOutputs
 from dsv41.model.kernels import load_kernels
 from dsv41.model.source import ModelSource
 
@@ -160,16 +160,42 @@ def test_async_steps_give_the_synchronous_engines_outputs(tiny_dir: Path, graphs
 
 
 def test_rows_that_read_their_tokens_on_the_host_wait_for_the_step_in_flight(tiny_dir: Path) -> None:
-    """With repetition penalties on some requests (their sampling reads their tokens on
-    the host), async scheduling still gives the synchronous engine's outputs: those
-    requests' rows are scheduled only once the step in flight is committed, and the
-    others' rows still run ahead with placeholders."""
+    """With repetition penalties on some requests and grammars on two (their sampling
+    reads their tokens on the host), async scheduling still gives the synchronous
+    engine's outputs: those requests' rows are scheduled only once the step in flight
+    is committed, and the others' rows still run ahead with placeholders."""
     sync = _engine(tiny_dir, BUCKETS)
     arrivals = _arrivals(5, sync.config.vocab_size, penalties=True)
     assert any(params.uses_penalties for _, _, _, params, _ in arrivals)
+    for i, grammar in enumerate((StructuredOutputs(regex="[a-c]{3,8}x"), StructuredOutputs(choice=["alpha", "beta"]))):
+        params = SamplingParams(max_tokens=12, temperature=0.7, seed=i, structured_outputs=grammar)
+        arrivals.append((i + 1, f"grammar{i}", [5, 6, 7, 8 + i] * 5, params, None))
     want = _run(sync, arrivals)
     engine = _engine(tiny_dir, BUCKETS, async_scheduling=True)
     _assert_same(_run(engine, arrivals), want)
+
+
+def test_a_reused_request_id_gets_none_of_its_predecessors_draws(tiny_dir: Path) -> None:
+    """A request aborted while its row is in flight, and another added at once under
+    the same id: the new request's output is its own solo run's (the draw in flight is
+    the aborted one's and is dropped)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (solo,) = _engine(tiny_dir, BUCKETS).generate([[9, 10, 11, 12, 13]], params)
+    engine = _engine(tiny_dir, BUCKETS, async_scheduling=True)
+    engine.add_request("r", [50, 51, 52], params)
+    for _ in range(3):
+        engine.step()
+    assert engine.request("r") is not None and engine.request("r").num_pending_tokens == 1
+    assert engine.abort("r")
+    engine.add_request("r", [9, 10, 11, 12, 13], params)
+    whole = CumulativeOutputs()
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            cumulative = whole.add(out)
+            if out.finished:
+                final = cumulative
+    assert final is not None and final.token_ids == solo.token_ids
 
 
 def test_the_last_token_in_flight_is_not_scheduled_past(tiny_dir: Path) -> None:
