@@ -650,7 +650,8 @@ class ModelRunner:
         )
         pending = self.sampler.launch(logits, metadata)
         if self.feed_samples:
-            # A refused row (-1) is never read: its step's result raises first.
+            # A refused row (-1) feeds token 0 to its request's next row, whose draw is
+            # never committed: this step's result raises first.
             self._feed[: len(per_row)].copy_(pending.token_ids.clamp(min=0))
             self._feed_rows = {seg.request_id: row for row, (seg, _) in enumerate(per_row)}
         return per_row, pending
