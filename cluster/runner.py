@@ -263,6 +263,8 @@ class ModelRunner:
         (the token feed), an eager step once that launch's result is in."""
         self.requests.update(batch)
         if batch.is_empty:
+            # No draw is pending once a step has no rows: keep nothing of the requests.
+            self._last, self._feed_rows = None, {}
             return LaunchedStep.done(StepResult(step_id=batch.step_id))
         if width is not None:
             if microbatches:
@@ -271,7 +273,8 @@ class ModelRunner:
         else:
             segments = self._with_known_tokens(batch.segments)
             step = LaunchedStep.done(self._run_eager(batch.step_id, segments, microbatches))
-        self._last = step
+        if self.feed_samples:
+            self._last = step
         return step
 
     def _run_eager(

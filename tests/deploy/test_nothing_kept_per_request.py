@@ -37,12 +37,12 @@ PER_REQUEST_TYPES = (Request, RequestOutput, _Stream, _SampleTiming, CompletionW
 NOT_STATE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.CodeType, types.FrameType)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir: Path) -> Iterator[Any]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+def server(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[Any]:
     args = AppArgs(
         model=str(tiny_dir),
         served_model_name=MODEL,
-        engine={"block_size": 32, "max_model_len": 256, "max_num_seqs": 8},
+        engine={"block_size": 32, "max_model_len": 256, "max_num_seqs": 8, "async_scheduling": request.param},
         ray_metrics=False,
         heap_trim_idle_s=IDLE_S,
     )

@@ -21,7 +21,9 @@ def test_yaml_engine_options_and_cli_flags_select_dspark() -> None:
     assert (options.speculative_method, options.num_speculative_tokens) == ("dspark", 5)
     parsed = build_parser().parse_args(["generate", "--prompt", "x", "--max-tokens", "3", "--method", "dspark", "--num-speculative-tokens", "5"])
     assert _runtime_options(parsed) == {"speculative_method": "dspark", "num_speculative_tokens": 5}
-    unset = argparse.Namespace(method=None, num_speculative_tokens=None, cudagraph_mode=None, weight_storage=None)
+    unset = argparse.Namespace(
+        method=None, num_speculative_tokens=None, cudagraph_mode=None, weight_storage=None, async_scheduling=False
+    )
     assert _runtime_options(unset) == {}
 
 
@@ -33,6 +35,8 @@ def test_the_cli_flag_selects_the_graph_mode_and_its_refusal_names_why() -> None
     assert _runtime_options(parsed) == {"cudagraph_mode": "full"}
     parsed = build_parser().parse_args(["serve", "--weight-storage", "decoded"])
     assert _runtime_options(parsed) == {"weight_storage": "decoded"}
+    parsed = build_parser().parse_args(["generate", "--prompt", "x", "--max-tokens", "4", "--async-scheduling"])
+    assert _runtime_options(parsed) == {"async_scheduling": True}
     with pytest.raises(SystemExit, match="dsv41 generate: cudagraph_mode: 'full' with kernel_backend 'torch' on 'cpu'"):
         main(["generate", "--prompt", "x", "--max-tokens", "4", "--cudagraph-mode", "full"])
 
