@@ -147,15 +147,18 @@ def distinct_experts_per_step(engine: Engine, steps: int) -> float:
         counted.append(int(routing.expert_ids.unique().numel()))
         return original(layer, h)
 
-    # A replayed decode graph never calls the hook: count on eager steps.
-    graphs, engine.runner.graphs = engine.runner.graphs, None
+    # A replayed graph (a FULL decode step, or a TR_HYBRID part holding the MoE) never
+    # calls the hook: count on eager steps.
+    runner = engine.runner
+    graphs, token_graphs = runner.graphs, runner.token_graphs
+    runner.graphs = runner.token_graphs = None
     runtime.moe = counting
     try:
         for _ in range(steps):
             engine.step()
     finally:
         runtime.moe = original
-        engine.runner.graphs = graphs
+        runner.graphs, runner.token_graphs = graphs, token_graphs
     return sum(counted) / steps
 
 

@@ -82,7 +82,7 @@ def test_runtime_reads_engram_where_its_kernels_do(tiny_quantized_dir: Path) -> 
     params = load_model_params(tiny_quantized_dir, text_only=True)[0].to(DEVICE)
     on_device = PagedRuntime(params, kernels=TritonKernels())
     on_host = PagedRuntime(params, kernels=TorchKernels())
-    assert on_device.engram_device == torch.device(DEVICE) and on_host.engram_device == torch.device("cpu")
+    assert on_device.engram_device == params.embed.device and on_host.engram_device == torch.device("cpu")
     hashing = params.engram_hashing
     assert hashing is not None
     ngrams = torch.randint(0, params.config.engram_compressed_vocab_size, (37, hashing.max_ngram_size))
