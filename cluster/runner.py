@@ -55,7 +55,7 @@ from dsv41.model.kernels.interface import PagedKernels
 from dsv41.model.linalg import batch_invariant, cpu_threads
 from dsv41.model.microbatch import MoESteps
 from dsv41.model.params import LayerParams, ModelParams
-from dsv41.model.runtime import Microbatch, PagedRuntime, StepOutput
+from dsv41.model.runtime import Microbatch, PagedRuntime
 
 
 class DecoderReplayError(RuntimeError):
