@@ -75,20 +75,22 @@ MOE_EXPERTS = (64, 256)
 MOE_TOKENS = (1, 8, 32, 128, 256, 4096)
 MOE_CHECK_TOKENS = 32
 # The MXFP4 tiling sweep: (held experts, tokens) and the tilings it times; the decode
-# shapes run 16-row blocks, the prefill 64-row blocks. The first two are the defaults
-# (decode, prefill); the rest put the weight tile on the dot's left (weight_major).
-MOE_SWEEP_SHAPES = ((64, 8), (64, 32), (256, 32), (256, 128), (64, 4096))
+# shapes run 16-row blocks, the prefill 64-row blocks.
+MOE_SWEEP_SHAPES = ((64, 32), (256, 128), (64, 4096))
 MOE_SWEEP = (
     ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4),
     ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3),
-    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4, weight_major=True),
-    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=3, weight_major=True),
-    ExpertTiling(block_n=64, block_k=256, num_warps=4, num_stages=3, weight_major=True),
-    ExpertTiling(block_n=128, block_k=128, num_warps=4, num_stages=3, weight_major=True),
-    ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3, weight_major=True),
-    ExpertTiling(block_n=128, block_k=256, num_warps=8, num_stages=3, weight_major=True),
-    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4, mxfp4_dot="bits", weight_major=True),
-    ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3, mxfp4_dot="bits", weight_major=True),
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ExpertTiling(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    ExpertTiling(block_n=32, block_k=256, num_warps=4, num_stages=4),
+    ExpertTiling(block_n=128, block_k=64, num_warps=8, num_stages=4),
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4, mxfp4_dot="decoded"),
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4, mxfp4_dot="bits"),
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=3, mxfp4_dot="bits"),
+    ExpertTiling(block_n=64, block_k=256, num_warps=4, num_stages=3, mxfp4_dot="bits"),
+    ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3, mxfp4_dot="bits"),
+    ExpertTiling(block_n=128, block_k=64, num_warps=4, num_stages=4, mxfp4_dot="bits"),
+    ExpertTiling(block_n=32, block_k=256, num_warps=4, num_stages=4, mxfp4_dot="bits"),
 )
 COMPRESSION_PREFILL_ROWS = 4096
 # The dense projections' rows: decode batches and one 4096-token prefill.

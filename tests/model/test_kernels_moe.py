@@ -14,7 +14,6 @@ only where a sum in another order lands on the other side of a bf16 rounding bou
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from pathlib import Path
 
@@ -44,7 +43,6 @@ from dsv41.model.kernels.triton.moe import (  # noqa: E402
     PairBlocks,
     TritonExpertBank,
     align_pairs,
-    block_rows,
     build_expert_bank,
     build_packed_expert_bank,
     expert_down,
@@ -90,14 +88,12 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -
         assert float((got - want).norm() / want.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("weight_major", [False, True])
 @pytest.mark.parametrize("fmt", ["plain", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_gemm_equals_routed_expert_slots(dtype: torch.dtype, fmt: str, weight_major: bool) -> None:
+def test_grouped_gemm_equals_routed_expert_slots(dtype: torch.dtype, fmt: str) -> None:
     """6 held experts, rows routed to 4 of them (2 get no pair; one gets more pairs
     than a block holds), hidden and intermediate sizes that are not multiples of the
-    64-wide tiles: the kernels give routed_expert_slots' output, slot by slot, with
-    the dot either way round (the weight tile on the left under weight_major)."""
+    64-wide tiles: the kernels give routed_expert_slots' output, slot by slot."""
     hidden, inter, top_k, rows = 96, 96, 2, 17
     experts = _experts(range(6), hidden, inter, dtype, fmt, seed=1)
     routing = _routing(rows, top_k, [5, 0, 2, 3], seed=2)
@@ -105,11 +101,9 @@ def test_grouped_gemm_equals_routed_expert_slots(dtype: torch.dtype, fmt: str, w
     kernels = TritonKernels()
     bank = kernels.expert_bank(experts, fmt)
     assert isinstance(bank, TritonExpertBank) and bank.weight_format == fmt
-    block_m = block_rows(rows * top_k, len(bank.expert_ids))
-    tiling = dataclasses.replace(expert_tiling(fmt, block_m), weight_major=weight_major)
-    bf16_dot = dtype == torch.bfloat16 and DEVICE == "cuda"
-    got = grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=bf16_dot, tiling=tiling)
-    _assert_matches(got, routed_expert_slots(x, routing, experts, LIMIT), dtype)
+    _assert_matches(
+        kernels.routed_expert_slots(x, routing, bank, LIMIT), routed_expert_slots(x, routing, experts, LIMIT), dtype
+    )
 
 
 def _checkpoint_form(experts: dict[int, ExpertWeights]) -> dict[int, ExpertWeights]:
@@ -164,29 +158,27 @@ def test_mxfp4_tiles_decode_to_dequantize_fp4_weight_exactly(dtype: torch.dtype)
     want = dequantize_fp4_weight(w2.values, w2.scale.view(torch.uint8)).to(dtype).T
     on_gpu_bf16 = dtype == torch.bfloat16 and DEVICE == "cuda"
     bits = [ExpertTiling(block_n=64, block_k=64, mxfp4_dot="bits")] if on_gpu_bf16 else []
-    tilings = [expert_tiling("mxfp4", 16), expert_tiling("mxfp4", 64), *bits]
-    for tiling in [*tilings, *(dataclasses.replace(t, weight_major=True) for t in tilings)]:
+    for tiling in (expert_tiling("mxfp4", 16), expert_tiling("mxfp4", 64), *bits):
         out = torch.zeros(inter, hidden, dtype=dtype, device=DEVICE)
         expert_down(h, out, blocks, bank, tiling, bf16_dot=dtype == torch.bfloat16 and DEVICE == "cuda")
         assert torch.equal(out, want), tiling
 
 
-@pytest.mark.parametrize("weight_major", [False, True])
-def test_the_scaled_the_decoded_and_the_bit_mxfp4_dots_agree_bit_for_bit(weight_major: bool) -> None:
+def test_the_scaled_the_decoded_and_the_bit_mxfp4_dots_agree_bit_for_bit() -> None:
     """bf16 activations meet MXFP4 tiles in tl.dot_scaled by default; the "decoded"
     tiling option decodes them to fp32 here and runs a plain dot instead, and on a GPU
     "bits" decodes each byte straight to bf16. All see the same operand values in the
-    same K steps, the same way round: the outputs are equal, bit for bit."""
+    same K steps: the outputs are equal, bit for bit."""
     hidden, inter, top_k, rows = 96, 64, 2, 17
     experts = _experts(range(4), hidden, inter, torch.bfloat16, "mxfp4", seed=25)
     bank = build_expert_bank(experts, "mxfp4")
     routing = _routing(rows, top_k, [3, 1, 0], seed=26)
     x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(27)).to(torch.bfloat16).to(DEVICE)
     bf16_dot = DEVICE == "cuda"
-    scaled = ExpertTiling(block_n=32, block_k=64, weight_major=weight_major)
+    scaled = ExpertTiling(block_n=32, block_k=64)
     got = grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=bf16_dot, tiling=scaled)
     for mxfp4_dot in ("decoded", "bits") if DEVICE == "cuda" else ("decoded",):
-        tiling = dataclasses.replace(scaled, mxfp4_dot=mxfp4_dot)
+        tiling = ExpertTiling(block_n=32, block_k=64, mxfp4_dot=mxfp4_dot)
         assert torch.equal(grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=bf16_dot, tiling=tiling), got)
 
 

@@ -484,19 +484,13 @@ class ExpertTiling:
     fp32 decode below, rounded to bf16 exactly, then a bf16 tl.dot) or "bits" (each
     byte's pair decoded straight to bf16 by bit moves and two exact multiplies,
     decode.mxfp4_pairs_to_bf16, then a bf16 tl.dot; compiled NVIDIA kernels only). All
-    three give the same values; fp32 activations always meet the fp32 decode.
-    ``weight_major``: the dot computed transposed, a tile's ``block_n`` weight rows on
-    the tensor-core instruction's M side and the block's rows on its N side, so a
-    decode block of 16 rows fills the narrow side of the instruction and the decoded
-    weight is its register-fed operand (CUTLASS's mixed-input GEMMs swap A and B for
-    the same reason); the block's outputs are transposed once after the loop."""
+    three give the same values; fp32 activations always meet the fp32 decode."""
 
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
     mxfp4_dot: str = "scaled"
-    weight_major: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -537,16 +531,6 @@ def expert_tiling(weight_format: str, block_m: int) -> ExpertTiling:
 
 
 @triton.jit
-def tile_dot(acc, act, tile, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, WEIGHT_MAJOR: tl.constexpr):
-    """acc + act [M, K] @ tile [N, K]^T, or (WEIGHT_MAJOR) acc + tile @ act^T."""
-    if WEIGHT_MAJOR:
-        acc += tl.dot(tile.to(DOT), tl.trans(act.to(DOT)), input_precision=DOT_PRECISION)
-    else:
-        acc += tl.dot(act.to(DOT), tl.trans(tile.to(DOT)), input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
 def weight_dot(
     acc,
     act,
@@ -563,10 +547,8 @@ def weight_dot(
     DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WEIGHT_MAJOR: tl.constexpr,
 ):
-    """acc + act [M, BLOCK_K] @ w[rows, k0 : k0 + BLOCK_K]^T in fp32 (WEIGHT_MAJOR: acc
-    [rows, M] + its transpose, the dot with the weight tile as its left operand), w one expert's [out,
+    """acc + act [M, BLOCK_K] @ w[rows, k0 : k0 + BLOCK_K]^T in fp32, w one expert's [out,
     in] weight: as stored (plain), or MXFP4, whose tile's packed bytes [rows, BLOCK_K / 2]
     and scale bytes [rows, BLOCK_K / 32] are each loaded once. MXFP4_DOT (ExpertTiling's
     mxfp4_dot; "decoded" for fp32 activations): "scaled" has tl.dot_scaled decode them
@@ -588,20 +570,17 @@ def weight_dot(
         )
         if MXFP4_DOT == "scaled":
             # fast_math skips the NaN select for scale byte 255; banks hold bytes 1..254.
-            if WEIGHT_MAJOR:
-                acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(act), None, "bf16", acc=acc, fast_math=True)
-            else:
-                acc = tl.dot_scaled(act, None, "bf16", tl.trans(packed), scale, "e2m1", acc=acc, fast_math=True)
+            acc = tl.dot_scaled(act, None, "bf16", tl.trans(packed), scale, "e2m1", acc=acc, fast_math=True)
+        elif MXFP4_DOT == "bits":
+            # A byte's scale is its group's: 16 bytes (32 values) a group.
+            group_scale = tl.broadcast_to(e8m0_to_bf16(scale)[:, :, None], (rows.shape[0], BLOCK_K // 32, 16))
+            tile = mxfp4_pairs_to_bf16(packed, tl.reshape(group_scale, (rows.shape[0], BLOCK_K // 2)))
+            acc += tl.dot(act.to(DOT), tl.trans(tile.to(DOT)), input_precision=DOT_PRECISION)
         else:
-            if MXFP4_DOT == "bits":
-                # A byte's scale is its group's: 16 bytes (32 values) a group.
-                group_scale = tl.broadcast_to(e8m0_to_bf16(scale)[:, :, None], (rows.shape[0], BLOCK_K // 32, 16))
-                tile = mxfp4_pairs_to_bf16(packed, tl.reshape(group_scale, (rows.shape[0], BLOCK_K // 2)))
-            else:
-                codes = tl.interleave(packed & 0xF, packed >> 4)
-                grouped = tl.reshape(e2m1_to_f32(codes), (rows.shape[0], BLOCK_K // 32, 32))
-                tile = tl.reshape(grouped * e8m0_to_f32(scale)[:, :, None], (rows.shape[0], BLOCK_K))
-            acc = tile_dot(acc, act, tile, DOT, DOT_PRECISION, WEIGHT_MAJOR)
+            codes = tl.interleave(packed & 0xF, packed >> 4)
+            grouped = tl.reshape(e2m1_to_f32(codes), (rows.shape[0], BLOCK_K // 32, 32))
+            tile = tl.reshape(grouped * e8m0_to_f32(scale)[:, :, None], (rows.shape[0], BLOCK_K))
+            acc += tl.dot(act.to(DOT), tl.trans(tile.to(DOT)), input_precision=DOT_PRECISION)
     else:
         ks = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(
@@ -609,7 +588,7 @@ def weight_dot(
             mask=row_mask[:, None] & (ks < in_dim)[None, :],
             other=0.0,
         )
-        acc = tile_dot(acc, act, tile, DOT, DOT_PRECISION, WEIGHT_MAJOR)
+        acc += tl.dot(act.to(DOT), tl.trans(tile.to(DOT)), input_precision=DOT_PRECISION)
     return acc
 
 
@@ -655,7 +634,6 @@ def expert_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WEIGHT_MAJOR: tl.constexpr,
 ):
     """h = silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) * routing weight, for
     one block of one expert's pairs and BLOCK_N intermediate columns."""
@@ -674,11 +652,8 @@ def expert_gate_up_kernel(
     w3 = tl.multiple_of(tl.load(w3_values + expert).to(tl.pointer_type(W_ELEM)), 16)
     s1 = tl.multiple_of(tl.load(w1_scales + expert).to(tl.pointer_type(tl.uint8)), 16)
     s3 = tl.multiple_of(tl.load(w3_scales + expert).to(tl.pointer_type(tl.uint8)), 16)
-    if WEIGHT_MAJOR:
-        gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros_like(gate)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
@@ -686,14 +661,12 @@ def expert_gate_up_kernel(
         )
         gate = weight_dot(
             gate, x, w1, s1, cols, col_mask, k0, hidden, w_row_stride, w_scale_row_stride,
-            MXFP4, MXFP4_DOT, DOT, DOT_PRECISION, BLOCK_K, WEIGHT_MAJOR,
+            MXFP4, MXFP4_DOT, DOT, DOT_PRECISION, BLOCK_K,
         )  # fmt: skip
         up = weight_dot(
             up, x, w3, s3, cols, col_mask, k0, hidden, w_row_stride, w_scale_row_stride,
-            MXFP4, MXFP4_DOT, DOT, DOT_PRECISION, BLOCK_K, WEIGHT_MAJOR,
+            MXFP4, MXFP4_DOT, DOT, DOT_PRECISION, BLOCK_K,
         )  # fmt: skip
-    if WEIGHT_MAJOR:
-        gate, up = tl.trans(gate), tl.trans(up)
     # The reference's projections come out in the activations' dtype.
     gate = tl.minimum(round_to_activation(gate, ACT), limit)
     up = tl.minimum(tl.maximum(round_to_activation(up, ACT), -limit), limit)
@@ -729,7 +702,6 @@ def expert_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WEIGHT_MAJOR: tl.constexpr,
 ):
     """w2 h for one block of one expert's pairs and BLOCK_N hidden columns, written to
     each pair's own row (token * top_k + slot) in the activations' dtype."""
@@ -744,10 +716,7 @@ def expert_down_kernel(
     col_mask = cols < hidden
     w2 = tl.multiple_of(tl.load(w2_values + expert).to(tl.pointer_type(W_ELEM)), 16)
     s2 = tl.multiple_of(tl.load(w2_scales + expert).to(tl.pointer_type(tl.uint8)), 16)
-    if WEIGHT_MAJOR:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         h = tl.load(
@@ -757,10 +726,8 @@ def expert_down_kernel(
         )
         acc = weight_dot(
             acc, h, w2, s2, cols, col_mask, k0, inter, w_row_stride, w_scale_row_stride,
-            MXFP4, MXFP4_DOT, DOT, DOT_PRECISION, BLOCK_K, WEIGHT_MAJOR,
+            MXFP4, MXFP4_DOT, DOT, DOT_PRECISION, BLOCK_K,
         )  # fmt: skip
-    if WEIGHT_MAJOR:
-        acc = tl.trans(acc)
     tl.store(
         out_ptr + tl.where(present, pair, 0).to(tl.int64)[:, None] * stride_out + cols[None, :],
         round_to_activation(acc, ACT).to(ACT),
@@ -789,7 +756,6 @@ def _launch_constants(bank: TritonExpertBank, act: torch.dtype, block_m: int, ti
         BLOCK_M=block_m,
         BLOCK_N=tiling.block_n,
         BLOCK_K=tiling.block_k,
-        WEIGHT_MAJOR=tiling.weight_major,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
     )
