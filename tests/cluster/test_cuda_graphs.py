@@ -27,6 +27,8 @@ from dsv41.cluster.ranks import DPError, DPLayout, DPRank
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
 from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.kernels import load_kernels
+from dsv41.model.linalg import batch_invariant_enabled
+from dsv41.model.runtime import PagedRuntime
 from dsv41.model.source import ModelSource
 
 BUCKETS = DecodeBuckets(batch_sizes=(1, 2, 4), page_counts=(1, 2, 4))
@@ -336,6 +338,31 @@ def test_token_graph_parts_give_the_eager_engines_tokens(
     assert any(bucket is not None and rows < bucket for rows, bucket in rows_at), "some parts ran padded"
     assert any(rows == bucket for rows, bucket in rows_at), "some parts filled their bucket"
     assert len({bucket for _, bucket in rows_at if bucket is not None}) == 3, "every bucket ran"
+
+
+def test_graphs_are_recorded_under_the_runtimes_arithmetic_mode(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA graph keeps the kernels chosen while it was recorded, so every layer's
+    token-wise parts (TR_HYBRID) and every decode step (FULL) run at startup under the
+    runtime's batch-invariant mode, as its forward runs them at each step. Outside it a
+    GPU records cuBLAS's GEMMs and torch's reductions instead of the mode's (on an H100
+    TR_HYBRID's parts were recorded so, and its logprobs moved from the eager engine's
+    by up to 1.2e-6 while its tokens stayed equal). Here the parts run eagerly at
+    startup; each run is checked for the mode."""
+    modes: list[bool] = []
+    open_layer = PagedRuntime.open_layer
+
+    def checking_open_layer(self: PagedRuntime, *args: object) -> object:
+        modes.append(batch_invariant_enabled())
+        return open_layer(self, *args)
+
+    monkeypatch.setattr(PagedRuntime, "open_layer", checking_open_layer)
+    options = dict(block_size=32, max_num_seqs=4, enable_prefix_caching=False, num_pages=32, batch_invariant=True)
+    engine = _engine(tiny_dir, DecodeBuckets(batch_sizes=(1, 2), page_counts=(1,)), (2, 8), **options)
+    assert engine.runner.graphs is not None and engine.runner.token_graphs is not None
+    layers = len(engine.params.layers)
+    # Decode graphs: one forward per width (2); token graphs: one open part per layer per bucket (2).
+    assert len(modes) == 2 * layers + 2 * layers
+    assert all(modes), modes
 
 
 @pytest.mark.parametrize("decoder_replay", [False, True])
