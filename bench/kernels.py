@@ -80,6 +80,7 @@ MOE_SWEEP_SHAPES = ((64, 32), (256, 128), (64, 4096))
 MOE_SWEEP = (
     ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4),
     ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3),
+    ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3, max_registers=128),
     ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=3),
     ExpertTiling(block_n=64, block_k=256, num_warps=4, num_stages=3),
     ExpertTiling(block_n=32, block_k=256, num_warps=4, num_stages=4),

@@ -7,7 +7,8 @@ sampling) are profiled. Per step: the launches the host issued (CUDA runtime / d
 calls that start device work: kernel launches, graph launches, copies and memsets),
 the kernels the device ran, the step's wall time, and how much of it the device was
 busy (the union of its kernels' and copies' intervals). With ``--cudagraph-mode full``
-a decode step is one graph launch plus what surrounds it.
+a decode step is one graph launch plus what surrounds it. ``--prefill-len N`` profiles
+one warm N-token prefill (one engine step) instead: where a prefill's time goes.
 
 Prints a table and writes JSON. On the GPU machine, from the repo root:
     python3 -m bench.profile_step [--cudagraph-mode full] [--batches 1,32]
@@ -37,6 +38,7 @@ from bench.slice_engine import (
     start_decoding,
 )
 from bench.ceilings import ceilings
+from bench.prefill import prefill_once
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.sampling_params import SamplingParams
 
@@ -75,24 +77,10 @@ def _issuing_op(event: object) -> str:
     return event.name  # type: ignore[attr-defined]
 
 
-def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top_kernels: int) -> dict[str, object]:
-    """One batch size: prefill, warm-up, then ``steps`` profiled decode steps; the
-    ``top_kernels`` device ops that take the most time."""
-    params = SamplingParams(max_tokens=workload.max_tokens(batch) + steps, temperature=0.0, ignore_eos=True)
-    ids = [f"p{batch}-{i}" for i in range(batch)]
-    prompts = random_prompts(batch, workload.prompt_len, engine.config.vocab_size, seed=batch)
-    start_decoding(engine, dict(zip(ids, prompts)), params, workload.warmup_steps + 2)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        began = time.perf_counter()
-        for _ in range(steps):
-            outputs = engine.step()
-            if len(outputs) != batch:
-                raise RuntimeError(f"batch {batch}: a decode step produced {len(outputs)} tokens (expected {batch})")
-        torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - began) * 1e6
-    for rid in ids:
-        engine.abort(rid)
+def summarize(prof: profile, steps: int, wall_us: float, top_kernels: int) -> dict[str, object]:
+    """Per step of a trace of ``steps`` engine steps taking ``wall_us``: launches, device
+    ops, device-busy time and fraction, and the ``top_kernels`` device ops by time and
+    by count."""
     events = prof.events()
     launch_events = [e for e in events if e.device_type == DeviceType.CPU and e.name in LAUNCH_CALLS]
     launches = len(launch_events)
@@ -107,7 +95,6 @@ def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top
     top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top_kernels]
     frequent = sorted(by_name.items(), key=lambda item: -len(item[1]))[:top_kernels]
     return {
-        "batch": batch,
         "steps": steps,
         "step_ms": wall_us / steps / 1e3,
         "launches_per_step": launches / steps,
@@ -132,6 +119,44 @@ def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top
     }
 
 
+def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top_kernels: int) -> dict[str, object]:
+    """One batch size: prefill, warm-up, then ``steps`` profiled decode steps; the
+    ``top_kernels`` device ops that take the most time."""
+    params = SamplingParams(max_tokens=workload.max_tokens(batch) + steps, temperature=0.0, ignore_eos=True)
+    ids = [f"p{batch}-{i}" for i in range(batch)]
+    prompts = random_prompts(batch, workload.prompt_len, engine.config.vocab_size, seed=batch)
+    start_decoding(engine, dict(zip(ids, prompts)), params, workload.warmup_steps + 2)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        for _ in range(steps):
+            outputs = engine.step()
+            if len(outputs) != batch:
+                raise RuntimeError(f"batch {batch}: a decode step produced {len(outputs)} tokens (expected {batch})")
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - began) * 1e6
+    for rid in ids:
+        engine.abort(rid)
+    return {"batch": batch, **summarize(prof, steps, wall_us, top_kernels)}
+
+
+def profile_prefill(engine: Engine, prompt_len: int, top_kernels: int) -> dict[str, object]:
+    """One warm prefill of a ``prompt_len``-token prompt, fed whole in one engine step
+    (after an untimed one of another prompt), profiled: the step's kernels by time."""
+    vocab = engine.config.vocab_size
+    warm, timed = random_prompts(2, prompt_len, vocab, seed=prompt_len)
+    prefill_once(engine, "prefill-warm", warm)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        _, steps = prefill_once(engine, "prefill-timed", timed)
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - began) * 1e6
+    if steps != 1:
+        raise RuntimeError(f"prefill: {steps} engine steps (expected one: the batch budget must hold the prompt)")
+    return {"batch": f"prefill {prompt_len}", **summarize(prof, steps, wall_us, top_kernels)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_slice_options(parser)
@@ -139,6 +164,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="default 1024 (small: 128)")
     parser.add_argument("--steps", type=int, default=8, help="profiled decode steps per batch")
     parser.add_argument("--top", type=int, default=12, help="device ops listed by time, and by count, per step")
+    parser.add_argument(
+        "--prefill-len",
+        type=int,
+        default=None,
+        help="profile one prefill of this many tokens (one engine step) instead of decode steps",
+    )
     parser.add_argument("--out", default="bench/results/profile_step.json")
     args = parser.parse_args()
     device = prepare_device(args)
@@ -150,15 +181,25 @@ def main() -> None:
         batches=tuple(int(b) for b in args.batches.split(",")),
         prompt_len=args.prompt_len or workload.prompt_len,
     )
-    biggest = max(workload.batches)
-    engine = build_slice_engine(
-        args,
-        max_num_seqs=biggest,
-        max_num_batched_tokens=max(workload.max_num_batched_tokens, biggest),
-        tokens_per_request=workload.prompt_len + workload.max_tokens(biggest) + args.steps,
-        graph_batch_sizes=workload.batches,
-    )
-    rows = [profile_case(engine, batch, workload, args.steps, args.top) for batch in workload.batches]
+    if args.prefill_len is not None:
+        engine = build_slice_engine(
+            args,
+            max_num_seqs=2,
+            max_num_batched_tokens=args.prefill_len,
+            tokens_per_request=args.prefill_len + 1,
+            graph_batch_sizes=(1,),
+        )
+        rows = [profile_prefill(engine, args.prefill_len, args.top)]
+    else:
+        biggest = max(workload.batches)
+        engine = build_slice_engine(
+            args,
+            max_num_seqs=biggest,
+            max_num_batched_tokens=max(workload.max_num_batched_tokens, biggest),
+            tokens_per_request=workload.prompt_len + workload.max_tokens(biggest) + args.steps,
+            graph_batch_sizes=workload.batches,
+        )
+        rows = [profile_case(engine, batch, workload, args.steps, args.top) for batch in workload.batches]
     result = {**environment(args, engine, ceilings(device)), "workload": dataclasses.asdict(workload), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

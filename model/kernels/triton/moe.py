@@ -484,13 +484,16 @@ class ExpertTiling:
     fp32 decode below, rounded to bf16 exactly, then a bf16 tl.dot) or "bits" (each
     byte's pair decoded straight to bf16 by bit moves and two exact multiplies,
     decode.mxfp4_pairs_to_bf16, then a bf16 tl.dot; compiled NVIDIA kernels only). All
-    three give the same values; fp32 activations always meet the fp32 decode."""
+    three give the same values; fp32 activations always meet the fp32 decode.
+    ``max_registers``: a cap on each thread's registers (ptxas' maxrregcount; None: the
+    compiler's choice), which sets how many programs share an SM; it changes no value."""
 
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
     mxfp4_dot: str = "scaled"
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -504,6 +507,10 @@ class ExpertTiling:
             raise ValueError(f"ExpertTiling.num_warps: {self.num_warps} (allowed: 1, 2, 4, 8, 16)")
         if self.num_stages < 1:
             raise ValueError(f"ExpertTiling.num_stages: {self.num_stages} (allowed: >= 1)")
+        if self.max_registers is not None and not (24 <= self.max_registers <= 255 and self.max_registers % 8 == 0):
+            raise ValueError(
+                f"ExpertTiling.max_registers: {self.max_registers} (allowed: None or a multiple of 8 in 24..255)"
+            )
         if self.mxfp4_dot not in MXFP4_DOTS:
             raise ValueError(
                 f"ExpertTiling.mxfp4_dot: {self.mxfp4_dot!r} (allowed: {', '.join(map(repr, MXFP4_DOTS))})"
@@ -516,9 +523,11 @@ PLAIN_TILING = ExpertTiling()
 # or 32 rows) read 64 bytes of each of a program's 64 weight rows a step, 4 stages
 # deep, in 161 (16 rows) or 188 (32 rows) registers without spills, so three or two
 # programs share an SM; 64-row prefill blocks take 128 weight rows on two warpgroups
-# (218 registers, no spills).
+# (218 registers uncapped, so one program an SM; capped at 128, two: 21% faster at
+# 4,096 tokens on 64 experts on the H100, 2026-12-06, BENCHMARKS.md; the same cap made
+# the decode tiling 3-5% slower).
 MXFP4_DECODE_TILING = ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=4)
-MXFP4_PREFILL_TILING = ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3)
+MXFP4_PREFILL_TILING = ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3, max_registers=128)
 
 
 def expert_tiling(weight_format: str, block_m: int) -> ExpertTiling:
@@ -758,6 +767,7 @@ def _launch_constants(bank: TritonExpertBank, act: torch.dtype, block_m: int, ti
         BLOCK_K=tiling.block_k,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
+        maxnreg=tiling.max_registers,
     )
 
 
