@@ -1,6 +1,7 @@
 """The client handle of an engine group: the engine interface over Ray.
 
-Owns ``EngineGroup``, the context-managed client: it starts a ``SchedulerActor``
+Owns ``EngineGroup``, the context-managed client, and ``check_group_options`` (what its
+wires cannot carry, refused before Ray starts): the client starts a ``SchedulerActor``
 (actors/scheduler.py, which owns the group's RankGroup) in the group's placement, and
 forwards the engine interface to it; each step's outputs (the engine's deltas) come back
 in a numbered frame (``actors.output_wire``).
@@ -33,7 +34,7 @@ from dsv41.actors.output_wire import OutputReceiver
 from dsv41.actors.scheduler import SchedulerActor
 from dsv41.cluster.interface import EngineClient, EngineStats
 from dsv41.cluster.memory_plan import sized_options
-from dsv41.cluster.options import EngineError
+from dsv41.cluster.options import EngineError, EngineOptions
 from dsv41.cluster.options import engine_options as parse_engine_options
 from dsv41.cluster.ranks import DPLayout
 from dsv41.cluster.request import Request, RequestOutput
@@ -41,6 +42,24 @@ from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
+
+
+def check_group_options(options: EngineOptions) -> None:
+    """Refuses engine options the group's wires cannot carry, before Ray or any actor
+    starts: speculation (the step and result wires carry no drafts) and async
+    scheduling (a rank actor runs each step to its result; no step is in flight on
+    the wire)."""
+    if options.speculative_method is not None:
+        raise EngineError(
+            f"speculative_method: {options.speculative_method!r} on the Ray engine group (allowed: None; "
+            "DSpark runs on the in-process engine for now: the step and result wires carry no drafts)"
+        )
+    if options.async_scheduling:
+        raise EngineError(
+            "async_scheduling: True on the Ray engine group (allowed: False; its rank actors run each step to "
+            "its result, and the step wire carries no step in flight: async scheduling runs on the in-process "
+            "engine, one rank or DP ranks in threads)"
+        )
 
 
 class EngineGroup(EngineClient):
@@ -71,11 +90,7 @@ class EngineGroup(EngineClient):
         self.model = ModelSource.parse(model)
         self.dp = DPLayout(dp, expert_mode, backend)
         options = parse_engine_options(dict(engine_options))
-        if options.speculative_method is not None:
-            raise EngineError(
-                f"speculative_method: {options.speculative_method!r} on the Ray engine group (allowed: None; "
-                "DSpark runs on the in-process engine for now: the step and result wires carry no drafts)"
-            )
+        check_group_options(options)
         # Checks the replica's options and sizes its pools once, here, so every actor
         # builds the same layout from the options it is sent.
         self.options = sized_options(self.model, self.dp, options)

@@ -75,12 +75,13 @@ PARITY_REQUEST_ID = "__prompt_logits__"
 
 @dataclass(frozen=True)
 class InFlightStep:
-    """Under async scheduling, the step the rank runs while the next is scheduled:
-    its batch, its launch, and the requests it was scheduled for (a request id that
-    finished and was reused since names another request, whose tokens these are not)."""
+    """Under async scheduling, the step the ranks run while the next is scheduled:
+    each rank's batch and launch, and the requests it was scheduled for (a request id
+    that finished and was reused since names another request, whose tokens these are
+    not)."""
 
-    batch: ScheduledBatch
-    launched: LaunchedStep
+    batches: tuple[ScheduledBatch, ...]
+    launched: tuple[LaunchedStep, ...]
     requests: dict[str, Request]
 
 
@@ -111,8 +112,8 @@ class Engine(EngineClient):
         check_replica_options(config, options, world)
         if options.async_scheduling and not isinstance(executor, StepLauncher):
             raise EngineError(
-                f"async_scheduling: True with ranks run by a {type(executor).__name__} (allowed: one rank in this "
-                "thread, Engine.from_pretrained / from_params)"
+                f"async_scheduling: True with ranks run by a {type(executor).__name__} (allowed: ranks in this "
+                "process, LocalRank or ThreadedRanks, which launch a step without waiting for its draws)"
             )
         self.config = config
         self.tokenizer = tokenizer
@@ -379,17 +380,8 @@ class Engine(EngineClient):
             return []
         self._mark_scheduled(batches, time.monotonic())
         self._step_id += 1
-        metadata = None
-        if self.world > 1:
-            window = self.config.sliding_window if self.options.decoder_swa_bounded_replay else None
-            stages = None if window is None else [stage_rows(b, window) for b in batches]
-            microbatches = None
-            if self.options.enable_tbo_prefill:
-                token_split = self.options.tbo_prefill_token_split
-                microbatches = [microbatch_rows(split(b, token_split), window) for b in batches]
-            metadata = DPMetadata.of(self._step_id, batches, stages, microbatches, self._graph_block_size).to_wire()
         try:
-            results = self.executor.execute(batches, metadata)
+            results = self.executor.execute(batches, self._step_metadata(batches))
         except RankFailure as exc:
             return self.recover(f"a rank failed: {exc}")
         sampled_at = time.monotonic()
@@ -398,55 +390,77 @@ class Engine(EngineClient):
             outputs.extend(self._apply(scheduler, batch, result, sampled_at))
         return outputs
 
+    def _step_metadata(self, batches: tuple[ScheduledBatch, ...]) -> torch.Tensor | None:
+        """The step's packed DPMetadata for ``batches`` (None for a replica of one rank)."""
+        if self.world == 1:
+            return None
+        window = self.config.sliding_window if self.options.decoder_swa_bounded_replay else None
+        stages = None if window is None else [stage_rows(b, window) for b in batches]
+        microbatches = None
+        if self.options.enable_tbo_prefill:
+            token_split = self.options.tbo_prefill_token_split
+            microbatches = [microbatch_rows(split(b, token_split), window) for b in batches]
+        return DPMetadata.of(self._step_id, batches, stages, microbatches, self._graph_block_size).to_wire()
+
     def _step_async(self) -> list[RequestOutput]:
-        """Async scheduling (one rank): schedules and launches a step while the
-        previous one runs on the device, then waits for the previous one's draws and
+        """Async scheduling: schedules and launches a step on every rank while the
+        previous one runs on the devices, then waits for the previous one's draws and
         returns its outputs, so the host's scheduling, staging and output work of one
-        step overlaps the device's work of the other. A row whose token the running
-        step draws carries a placeholder, read on the device. A request that stops at
-        a step has a row in the next, whose draw is dropped; the tokens of every
-        request are the synchronous loop's. When a running request's sampling reads
-        its tokens on the host (a grammar, penalties), the step in flight is finished
-        before scheduling."""
+        step overlaps the devices' work of the other. A row whose token the running
+        step draws carries a placeholder, read on its rank's device. A request that
+        stops at a step has a row in the next, whose draw is dropped; the tokens of
+        every request are the synchronous loop's. When a running request's sampling
+        reads its tokens on the host (a grammar, penalties), the step in flight is
+        finished before scheduling. A lost rank ends every request, as in ``step``."""
+        try:
+            return self._schedule_and_launch()
+        except RankFailure as exc:
+            return self.recover(f"a rank failed: {exc}")
+
+    def _schedule_and_launch(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        scheduler = self.scheduler
         if self._in_flight is not None and any(
             r.num_pending_tokens and (r.params.uses_penalties or r.params.structured_outputs is not None)
+            for scheduler in self.schedulers
             for r in scheduler.running
         ):
             outputs.extend(self._finish_in_flight())
-        batch = self._guided(scheduler.schedule())
-        if batch.is_empty:
-            # Nothing to run ahead: the rank drops what left it, the step in flight ends.
-            if batch.released_request_ids:
+        batches = tuple(self._guided(s.schedule()) for s in self.schedulers)
+        if all(b.is_empty for b in batches):
+            # Nothing to run ahead: the ranks drop what left them, the step in flight ends.
+            if any(b.released_request_ids for b in batches):
                 self._step_id += 1
-                self._launcher().launch(batch)
+                self._launch(batches)
             outputs.extend(self._finish_in_flight())
             return outputs
-        self._mark_scheduled((batch,), time.monotonic())
+        self._mark_scheduled(batches, time.monotonic())
         self._step_id += 1
-        requests = {seg.request_id: self._requests[seg.request_id] for seg in batch.segments}
-        launched = self._launcher().launch(batch)
-        previous, self._in_flight = self._in_flight, InFlightStep(batch, launched, requests)
+        requests = {seg.request_id: self._requests[seg.request_id] for b in batches for seg in b.segments}
+        launched = self._launch(batches)
+        previous, self._in_flight = self._in_flight, InFlightStep(batches, launched, requests)
         outputs.extend(self._finish(previous))
         return outputs
 
-    def _launcher(self) -> StepLauncher:
+    def _launch(self, batches: tuple[ScheduledBatch, ...]) -> tuple[LaunchedStep, ...]:
         launcher = self.executor
         if not isinstance(launcher, StepLauncher):
             raise EngineError(f"async_scheduling: the engine's ranks are a {type(launcher).__name__}, which launches no step")
-        return launcher
+        return tuple(launcher.launch(batches, self._step_metadata(batches)))
 
     def _finish_in_flight(self) -> list[RequestOutput]:
         previous, self._in_flight = self._in_flight, None
         return self._finish(previous)
 
     def _finish(self, step: InFlightStep | None) -> list[RequestOutput]:
-        """Waits for a launched step's draws and commits it."""
+        """Waits for a launched step's draws on every rank and commits them."""
         if step is None:
             return []
-        result = step.launched.result()
-        return self._apply(self.scheduler, step.batch, result, time.monotonic(), step.requests)
+        results = [launched.result() for launched in step.launched]
+        sampled_at = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for scheduler, batch, result in zip(self.schedulers, step.batches, results):
+            outputs.extend(self._apply(scheduler, batch, result, sampled_at, step.requests))
+        return outputs
 
     def _guided(self, batch: ScheduledBatch) -> ScheduledBatch:
         """The batch with a SamplingGuide on each sampling segment whose request has a

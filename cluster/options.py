@@ -116,8 +116,9 @@ class EngineOptions:
     cudagraph_batch_sizes: tuple[int, ...] | None = None
     # Async scheduling (vLLM's --async-scheduling; cluster/engine.Engine._step_async):
     # the next step is scheduled and launched while the previous one runs on the
-    # device, a decode row whose token is still being drawn reading it there. One rank
-    # in this thread; not with speculation or an offload store.
+    # device, a decode row whose token is still being drawn reading it there. Ranks in
+    # this process (one, or DP ranks in threads); not on the Ray engine group, not with
+    # speculation or an offload store.
     async_scheduling: bool = False
     # How the FP8 / FP4 weights of a quantised checkpoint live on the device: "stored"
     # (the checkpoint's bytes, model/stored_weights.py; every kernel decodes its tiles
@@ -319,11 +320,6 @@ def check_replica_options(config: V41Config, options: EngineOptions, world: int)
         raise EngineError(
             "cudagraph_mode: 'tr_hybrid' with enable_tbo_prefill (allowed: one of them; a split step's microbatches "
             "yield inside their MoE, which a token graph records whole)"
-        )
-    if options.async_scheduling and world != 1:
-        raise EngineError(
-            f"async_scheduling: True with {world} DP ranks (allowed: one rank; the DP metadata of a step is built "
-            "from every rank's rows, and a placeholder row's draw is read on its own rank's device)"
         )
     if options.enable_tbo_prefill and world < 2:
         raise EngineError(

@@ -83,10 +83,11 @@ class DPStepExecutor(Protocol):
 
 @runtime_checkable
 class StepLauncher(Protocol):
-    """An executor of one rank that can issue a step without waiting for its draws
-    (async scheduling: LocalRank)."""
+    """An executor that can issue a step on every rank without waiting for its draws
+    (async scheduling: LocalRank, ThreadedRanks); one launch per rank, whose results
+    are what ``execute`` returns."""
 
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep: ...
+    def launch(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[LaunchedStep]: ...
 
 
 class DPRank:
@@ -187,24 +188,24 @@ class DPRank:
             tbo=TBOOptions.of(options),
             decode_graphs=layout.decode_buckets(params.config, options),
             token_graphs=layout.token_buckets(options),
+            feed_samples=options.async_scheduling,
         )
 
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Issues the batch of a rank alone (no exchange): a plain decode replays its
-        graph and is handed back with its draws in flight (ModelRunner.launch)."""
-        if self.exchange is not None:
-            raise DPError(f"rank {self.rank}: launch on a rank with an exchange (allowed: execute, with DPMetadata)")
-        return self.runner.launch(batch, width=self.runner.decode_width(batch.segments))
-
     def execute(self, batch: ScheduledBatch, metadata_wire: torch.Tensor | None) -> StepResult:
-        """Runs this rank's batch of a step (padding when it has no rows). Under
-        decoder replay the decoder's layers run fewer rows: the exchange learns every
-        rank's count at each of them from the metadata. A rank alone (no exchange)
-        reads no metadata. Under prefill two-batch overlap, when every rank agrees
-        from the metadata (cluster/tbo.runs_split), its forward runs as the two
-        microbatches the metadata names, each with its MoE's own counts."""
+        """Runs this rank's batch of a step to its result (``launch``, then its result)."""
+        return self.launch(batch, metadata_wire).result()
+
+    def launch(self, batch: ScheduledBatch, metadata_wire: torch.Tensor | None) -> LaunchedStep:
+        """Issues this rank's batch of a step (padding when it has no rows): a decode
+        graph's replay is handed back with its draws in flight (ModelRunner.launch),
+        any other step once it has run. Under decoder replay the decoder's layers run
+        fewer rows: the exchange learns every rank's count at each of them from the
+        metadata. A rank alone (no exchange) reads no metadata. Under prefill two-batch
+        overlap, when every rank agrees from the metadata (cluster/tbo.runs_split), its
+        forward runs as the two microbatches the metadata names, each with its MoE's
+        own counts."""
         if self.exchange is None:
-            return self.launch(batch).result()
+            return self.runner.launch(batch, width=self.runner.decode_width(batch.segments))
         if metadata_wire is None:
             raise DPError(f"rank {self.rank}: a step without DPMetadata (allowed only for a replica of one rank)")
         metadata = DPMetadata.from_wire(metadata_wire)
@@ -223,13 +224,13 @@ class DPRank:
         if width is not None:
             # The graph's replay begins the exchange's step at its width.
             if batch.is_empty:
-                return self.runner.execute_padding(batch, width)
-            return self.runner.execute(batch, width=width)
+                return LaunchedStep.done(self.runner.execute_padding(batch, width))
+            return self.runner.launch(batch, width=width)
         if self.runner.token_graphs is not None:
             self._begin_token_step(metadata)
             if batch.is_empty:
-                return self.runner.execute_padding(batch)
-            return self.runner.execute(batch)
+                return LaunchedStep.done(self.runner.execute_padding(batch))
+            return self.runner.launch(batch)
         parts = None
         microbatches = []
         if self.tbo is not None and runs_split(metadata, self.tbo.min_tokens):
@@ -243,10 +244,10 @@ class DPRank:
             microbatches = [metadata.microbatch_counts(i, self.decoder_layers) for i in range(len(parts))]
         self.exchange.begin_step(metadata.row_counts, metadata.decoder_row_counts(self.decoder_layers), microbatches)
         if batch.is_empty:
-            return self.runner.execute_padding(batch)
+            return LaunchedStep.done(self.runner.execute_padding(batch))
         if parts is None:
-            return self.runner.execute(batch)
-        return self.runner.execute(batch, [(part, self.exchange.microbatch(i)) for i, part in enumerate(parts)])
+            return self.runner.launch(batch)
+        return self.runner.launch(batch, [(part, self.exchange.microbatch(i)) for i, part in enumerate(parts)])
 
     def _common_decode_width(self, metadata: DPMetadata) -> DecodeWidth | None:
         """The decode graph every rank of the step replays (each computes the same from
@@ -320,6 +321,12 @@ class ThreadedRanks:
         futures = [self._threads.submit(rank.execute, b, metadata) for rank, b in zip(self.ranks, batches)]
         return [f.result() for f in futures]
 
+    def launch(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor) -> list[LaunchedStep]:
+        """Every rank's launch, in its thread (their collectives meet there); the
+        draws of a decode graph's replay are still in flight when this returns."""
+        futures = [self._threads.submit(rank.launch, b, metadata) for rank, b in zip(self.ranks, batches)]
+        return [f.result() for f in futures]
+
     def close(self) -> None:
         self._threads.shutdown(wait=True)
 
@@ -337,9 +344,10 @@ class LocalRank:
         (batch,) = batches
         return [self.rank.execute(batch, None)]
 
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+    def launch(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[LaunchedStep]:
         """Issues the step's batch without waiting for its draws (async scheduling)."""
-        return self.rank.launch(batch)
+        (batch,) = batches
+        return [self.rank.launch(batch, None)]
 
     def restart(self) -> None:
         raise RankFailure("a rank in this thread does not restart: its failure is the engine's")

@@ -211,6 +211,11 @@ class AppArgs:
                 f"engine.speculative_method: {options.speculative_method!r} with backend {self.backend!r} (allowed "
                 "with speculation: backend 'local' or 'process'; the Ray engine group's wires carry no drafts yet)"
             )
+        if options.async_scheduling and self.backend not in SINGLE_ENGINE_BACKENDS:
+            raise ValueError(
+                f"engine.async_scheduling: True with backend {self.backend!r} (allowed with async scheduling: backend "
+                "'local' or 'process'; the Ray engine group's rank actors run each step to its result)"
+            )
 
     @classmethod
     def from_dict(cls, args: Mapping[str, Any]) -> "AppArgs":

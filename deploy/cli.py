@@ -183,7 +183,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         options["tbo_prefill_min_tokens"] = args.tbo_prefill_min_tokens
     try:
         # Before Ray starts or a weight is read.
-        check_replica_options(ModelSource.parse(model_dir).config(), engine_options(options), args.dp)
+        parsed = engine_options(options)
+        check_replica_options(ModelSource.parse(model_dir).config(), parsed, args.dp)
+        if args.backend == "ray":
+            from dsv41.actors.engine_group import check_group_options
+
+            check_group_options(parsed)
     except EngineError as exc:
         raise SystemExit(f"dsv41 generate: {exc}") from exc
     if args.backend == "ray":
@@ -233,8 +238,8 @@ def _add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--async-scheduling",
         action="store_true",
-        help="schedule and launch each step while the previous one runs on the device (one DP rank in process; not "
-        "with speculation or an offload store)",
+        help="schedule and launch each step while the previous one runs on the device (ranks in process: one, or "
+        "--dp N in threads; not with --backend ray, speculation or an offload store)",
     )
     p.add_argument("--method", choices=("dspark",), default=None, help="speculative decoding: DSpark (the mtp stages)")
     p.add_argument(

@@ -23,6 +23,7 @@ import ray
 from dsv41.actors.engine_group import EngineGroup
 from dsv41.actors.group import GroupOptions
 from dsv41.cluster.engine import Engine
+from dsv41.cluster.options import EngineError
 from dsv41.cluster.request import CumulativeOutputs
 from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.deploy.async_engine import AsyncEngine
@@ -65,6 +66,17 @@ def _staggered(group: EngineGroup, prompts: list[list[int]], tag: str) -> list[t
 
 def _no_page_held(group: EngineGroup) -> bool:
     return all(r["requests"] == 0 and r["pages_used"] == r["image_pages"] for r in group.group_stats()["ranks"])
+
+
+def test_the_group_refuses_what_its_wires_cannot_carry(tiny_dir: Path) -> None:
+    """Speculation (the step and result wires carry no drafts) and async scheduling (a
+    rank actor runs each step to its result; no step is in flight on the wire) are
+    refused when the group is made, before any actor starts, each error naming the
+    option."""
+    with pytest.raises(EngineError, match="speculative_method: 'dspark' on the Ray engine group"):
+        EngineGroup(tiny_dir, dp=2, speculative_method="dspark")
+    with pytest.raises(EngineError, match="async_scheduling: True on the Ray engine group"):
+        EngineGroup(tiny_dir, dp=2, async_scheduling=True)
 
 
 def test_dp2_tp_experts_give_the_engines_tokens(ray_cluster: None, tiny_dir: Path, expected) -> None:

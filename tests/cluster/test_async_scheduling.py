@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from dsv41.cluster.batch import PLACEHOLDER_TOKEN, ScheduledBatch
 from dsv41.cluster.cuda_graphs import DecodeBuckets
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineError, RankLayout, engine_options
-from dsv41.cluster.ranks import DPLayout, DPRank, LocalRank
+from dsv41.cluster.ranks import DPLayout, DPRank, LocalRank, ThreadedRanks
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
 from dsv41.cluster.runner import LaunchedStep
 from dsv41.cluster.sampling_params import SamplingParams, StructuredOutputs
@@ -34,28 +35,46 @@ OPTIONS = dict(block_size=32, max_num_seqs=5, max_num_batched_tokens=64, num_pag
 
 
 class _Launches:
-    """The engine's rank, recording what each launched step carried: its placeholder
-    rows, and whether it ran as a decode graph."""
+    """The engine's ranks, recording what each launched step carried: its placeholder
+    rows, and whether they ran in a decode graph (on the CPU its static step) or an
+    eager step."""
 
-    def __init__(self, inner: LocalRank) -> None:
+    def __init__(self, inner: LocalRank | ThreadedRanks) -> None:
         self.inner = inner
-        self.runner = inner.runner
         self.graph_placeholders = 0
         self.eager_placeholders = 0
+        self.graph_runs = 0
+        ranks = [inner.rank] if isinstance(inner, LocalRank) else list(inner.ranks)
+        for graphs in (rank.runner.graphs for rank in ranks):
+            if graphs is not None:
+                graphs.run = self._counting(graphs.run)  # type: ignore[method-assign]
 
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        placeholders = sum(seg.has_placeholder for seg in batch.segments)
-        if self.runner.decode_width(batch.segments) is not None:
+    def _counting(self, run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def counted(*args: object) -> torch.Tensor:
+            self.graph_runs += 1
+            return run(*args)
+
+        return counted
+
+    def launch(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[LaunchedStep]:
+        runs = self.graph_runs
+        launched = self.inner.launch(batches, metadata)
+        placeholders = sum(seg.has_placeholder for batch in batches for seg in batch.segments)
+        if self.graph_runs > runs:
             self.graph_placeholders += placeholders
         else:
             self.eager_placeholders += placeholders
-        return self.inner.launch(batch)
+        return launched
 
     def execute(self, batches, metadata):  # type: ignore[no-untyped-def]
         return self.inner.execute(batches, metadata)
 
     def restart(self) -> None:
         self.inner.restart()
+
+    @property
+    def ranks(self) -> tuple[DPRank, ...]:
+        return (self.inner.rank,) if isinstance(self.inner, LocalRank) else self.inner.ranks
 
 
 def _engine(tiny_dir: Path, buckets: DecodeBuckets | None, **options: object) -> Engine:
@@ -159,6 +178,34 @@ def test_async_steps_give_the_synchronous_engines_outputs(tiny_dir: Path, graphs
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode_graphs"])
+def test_dp2_async_steps_give_the_synchronous_replicas_outputs(
+    tiny_dir: Path, graphs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two DP ranks in threads (gloo, experts sharded), each launched in its thread
+    with the step's DP metadata: a random workload under async scheduling gives every
+    request that is not aborted the synchronous DP2 replica's outputs bit for bit, and
+    placeholder rows ran on the ranks: in eager steps, and with decode graphs (options
+    refuse graphs on the CPU, so the buckets are given to the layout: each bucket's
+    static step, the function a graph captures, reading the rank's token feed) in the
+    graphs every rank replays at one width."""
+    options = {**OPTIONS, "max_num_seqs": 4}
+    if graphs:
+        monkeypatch.setattr(RankLayout, "decode_buckets", lambda self, config, options: BUCKETS)
+    sync = Engine.in_process(tiny_dir, DPLayout(2), **options)
+    arrivals = _arrivals(6, sync.config.vocab_size, penalties=False)
+    want = _run(sync, arrivals)
+    engine = Engine.in_process(tiny_dir, DPLayout(2), async_scheduling=True, **options)
+    assert isinstance(engine.executor, ThreadedRanks)
+    launches = _Launches(engine.executor)
+    engine.executor = launches
+    _assert_same(_run(engine, arrivals), want)
+    assert launches.eager_placeholders > 0, "a placeholder row ran in an eager step"
+    if graphs:
+        assert launches.graph_placeholders > 0, "a decode graph read a row's token from its rank's token feed"
+    assert not engine.has_unfinished_requests()
+
+
 def test_rows_that_read_their_tokens_on_the_host_wait_for_the_step_in_flight(tiny_dir: Path) -> None:
     """With repetition penalties on some requests and grammars on two (their sampling
     reads their tokens on the host), async scheduling still gives the synchronous
@@ -208,9 +255,9 @@ def test_the_last_token_in_flight_is_not_scheduled_past(tiny_dir: Path) -> None:
     assert isinstance(launches, _Launches)
     inner = launches.launch
 
-    def counting(batch: ScheduledBatch) -> LaunchedStep:
-        rows.extend((seg.start, seg.length, seg.token_ids[-1] == PLACEHOLDER_TOKEN) for seg in batch.segments)
-        return inner(batch)
+    def counting(batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[LaunchedStep]:
+        rows.extend((seg.start, seg.length, seg.token_ids[-1] == PLACEHOLDER_TOKEN) for seg in batches[0].segments)
+        return inner(batches, metadata)
 
     launches.launch = counting  # type: ignore[method-assign]
     (out,) = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -219,16 +266,15 @@ def test_the_last_token_in_flight_is_not_scheduled_past(tiny_dir: Path) -> None:
 
 
 def test_async_scheduling_is_refused_where_it_cannot_run(tiny_dir: Path) -> None:
-    """Refused before anything loads: with speculation, with an offload store, with
-    more than one DP rank, and with ranks that cannot launch a step."""
+    """Refused before anything loads: with speculation, with an offload store, and
+    with ranks that cannot launch a step (the Ray engine group's refusal:
+    tests/actors/test_group.py)."""
     with pytest.raises(EngineError, match="async_scheduling: True with speculative_method"):
         engine_options(dict(async_scheduling=True, speculative_method="dspark"))
     with pytest.raises(EngineError, match="async_scheduling: True with offload_host_bytes"):
         engine_options(dict(async_scheduling=True, offload_host_bytes=1 << 20))
     with pytest.raises(EngineError, match="async_scheduling: 1"):
         engine_options(dict(async_scheduling=1))
-    with pytest.raises(EngineError, match="async_scheduling: True with 2 DP ranks"):
-        Engine.in_process(tiny_dir, DPLayout(2), async_scheduling=True)
     parsed = engine_options({**OPTIONS, "async_scheduling": True})
     params, tokenizer = ModelSource.parse(tiny_dir).load_params(dtype=parsed.dtype)
 

@@ -112,20 +112,20 @@ class _Recorder:
         self._check_rank()
         return results
 
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+    def launch(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[LaunchedStep]:
         """Async scheduling's launch, recorded and checked as ``execute``; a launched
         step's result counts as work too (the step that commits the last draw in
         flight schedules nothing)."""
-        self.batches += 0 if batch.is_empty else 1
-        self.hit_readers.update(seg.request_id for seg in batch.segments if seg.write_from > 0)
-        launched = self.inner.launch(batch)
+        self.batches += sum(1 for batch in batches if not batch.is_empty)
+        self.hit_readers.update(seg.request_id for batch in batches for seg in batch.segments if seg.write_from > 0)
+        (launched,) = self.inner.launch(batches, metadata)
         self._check_rank()
 
         def finish() -> StepResult:
             self.batches += 1
             return launched.result()
 
-        return LaunchedStep(finish)
+        return [LaunchedStep(finish)]
 
     def _check_rank(self) -> None:
         held, bm = self.rank_requests, self.engine.block_manager

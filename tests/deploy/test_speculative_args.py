@@ -48,8 +48,18 @@ def test_a_ray_group_with_speculation_is_refused_before_serve_starts() -> None:
         AppArgs.from_dict({"backend": "ray", "engine": {"speculative_method": "dspark"}, "ray_actor_options": {"num_cpus": 1}})
 
 
+def test_a_ray_group_with_async_scheduling_is_refused_before_serve_starts() -> None:
+    """The Ray engine group's rank actors run each step to its result: AppArgs refuses
+    async scheduling on it, naming the backends that run it."""
+    with pytest.raises(ValueError, match="allowed with async scheduling: backend 'local' or 'process'"):
+        AppArgs.from_dict({"backend": "ray", "engine": {"async_scheduling": True}, "ray_actor_options": {"num_cpus": 1}})
+    AppArgs.from_dict({"backend": "process", "engine": {"async_scheduling": True}, "ray_actor_options": {"num_cpus": 1}})
+
+
 def test_the_cli_names_a_refusal_instead_of_a_traceback() -> None:
-    """`dsv41 generate --method dspark --dp 2` exits with the engine's reason, before
-    any weight is read."""
+    """`dsv41 generate --method dspark --dp 2`, and `--async-scheduling --backend ray`,
+    exit with the engine's reason, before Ray starts or any weight is read."""
     with pytest.raises(SystemExit, match="dsv41 generate: speculative_method: 'dspark' with 2 DP ranks"):
         main(["generate", "--prompt", "x", "--max-tokens", "4", "--method", "dspark", "--dp", "2"])
+    with pytest.raises(SystemExit, match="dsv41 generate: async_scheduling: True on the Ray engine group"):
+        main(["generate", "--prompt", "x", "--max-tokens", "4", "--async-scheduling", "--backend", "ray", "--dp", "2"])
