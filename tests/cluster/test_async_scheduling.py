@@ -23,9 +23,9 @@ from dsv41.cluster.batch import PLACEHOLDER_TOKEN, ScheduledBatch
 from dsv41.cluster.cuda_graphs import DecodeBuckets
 from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineError, RankLayout, engine_options
-from dsv41.cluster.ranks import DPLayout, DPRank, LocalRank, ThreadedRanks
+from dsv41.cluster.ranks import DPLayout, DPRank, LocalRank, RankFailure, ThreadedRanks
 from dsv41.cluster.request import CumulativeOutputs, RequestOutput
-from dsv41.cluster.runner import LaunchedStep
+from dsv41.cluster.runner import LaunchedStep, StepResult
 from dsv41.cluster.sampling_params import SamplingParams, StructuredOutputs
 from dsv41.model.kernels import load_kernels
 from dsv41.model.source import ModelSource
@@ -44,6 +44,7 @@ class _Launches:
         self.graph_placeholders = 0
         self.eager_placeholders = 0
         self.graph_runs = 0
+        self.batches: list[tuple[ScheduledBatch, ...]] = []
         ranks = [inner.rank] if isinstance(inner, LocalRank) else list(inner.ranks)
         for graphs in (rank.runner.graphs for rank in ranks):
             if graphs is not None:
@@ -57,6 +58,7 @@ class _Launches:
         return counted
 
     def launch(self, batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[LaunchedStep]:
+        self.batches.append(tuple(batches))
         runs = self.graph_runs
         launched = self.inner.launch(batches, metadata)
         placeholders = sum(seg.has_placeholder for batch in batches for seg in batch.segments)
@@ -204,6 +206,43 @@ def test_dp2_async_steps_give_the_synchronous_replicas_outputs(
     if graphs:
         assert launches.graph_placeholders > 0, "a decode graph read a row's token from its rank's token feed"
     assert not engine.has_unfinished_requests()
+
+
+def test_a_rank_lost_with_a_step_in_flight_ends_every_request_and_the_replica_goes_on(tiny_dir: Path) -> None:
+    """A DP2 replica under async scheduling whose step in flight loses a rank (its
+    result raises RankFailure): every request in flight ends in error, the ranks are
+    restarted once, nothing of the lost step is committed, and the replica then serves
+    a new request with its solo tokens."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (solo,) = Engine.in_process(tiny_dir, DPLayout(2), **OPTIONS).generate([[9, 10, 11, 12, 13]], params)
+    engine = Engine.in_process(tiny_dir, DPLayout(2), async_scheduling=True, **OPTIONS)
+    launches = _Launches(engine.executor)
+    engine.executor = launches
+    lose_at = 4
+    inner_launch = launches.launch
+
+    def losing(batches: Sequence[ScheduledBatch], metadata: torch.Tensor | None) -> list[LaunchedStep]:
+        launched = inner_launch(batches, metadata)
+        if len(launches.batches) != lose_at:
+            return launched
+
+        def lost() -> StepResult:
+            raise RankFailure("rank 1: lost (test)")
+
+        return [launched[0], LaunchedStep(lost)]
+
+    launches.launch = losing  # type: ignore[method-assign]
+    for i in range(3):
+        engine.add_request(f"r{i}", [20 + i, 21, 22, 23], params)
+    ended: list[RequestOutput] = []
+    for _ in range(lose_at + 1):
+        ended.extend(out for out in engine.step() if out.finished)
+    assert engine.num_restarts == 1
+    assert sorted(out.request_id for out in ended) == ["r0", "r1", "r2"]
+    assert all(out.finish_reason == "error" for out in ended)
+    assert not engine.has_unfinished_requests()
+    (after,) = engine.generate([[9, 10, 11, 12, 13]], params)
+    assert after.token_ids == solo.token_ids
 
 
 def test_rows_that_read_their_tokens_on_the_host_wait_for_the_step_in_flight(tiny_dir: Path) -> None:
