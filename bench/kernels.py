@@ -59,7 +59,7 @@ from dsv41.model import formats
 from dsv41.model.formats import round_fp8, round_mxfp4
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.kernels.triton import TritonKernels
-from dsv41.model.kernels.triton.attention import AttentionTiling, MlaTiling
+from dsv41.model.kernels.triton.attention import DEFAULT_ATTENTION_TILING, AttentionTiling, MlaTiling
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling
 from dsv41.model.kernels.triton.moe import ExpertTiling, PairBlocks, expert_down, expert_tiling, grouped_expert_slots
@@ -104,21 +104,22 @@ SMALL_COMPRESSION_PREFILL_ROWS = 128
 SWEEP_CONTEXT = 32768
 SWEEP_BATCHES = (8, 32, 128)
 ATTENTION_SWEEP = {
-    "default": AttentionTiling(),
-    "block_n=16": AttentionTiling(block_n=16),
-    "block_n=64": AttentionTiling(block_n=64),
-    "num_stages=2": AttentionTiling(num_stages=2),
-    "no key split": AttentionTiling(programs_per_wave=1),
+    "default": DEFAULT_ATTENTION_TILING,
+    # The 16-head cut (the engine's until 2026-12-06) and its variants.
+    "16 heads": AttentionTiling(),
+    "16 heads block_n=16": AttentionTiling(block_n=16),
+    "16 heads block_n=32": AttentionTiling(block_n=32),
+    "16 heads num_stages=2": AttentionTiling(num_stages=2),
+    "16 heads no key split": AttentionTiling(programs_per_wave=1),
     # The all-heads kernel (MlaTiling): its default and cuts that compiled for sm_90
     # without spills (triton 3.9 on the CPU dev box, 2026-12-02), among them FlashMLA's
     # one program per row (the whole [64, 512] accumulator), which holds only with q
-    # re-read from L2 for every tile (q_reload).
+    # re-read from L2 for every tile (q_reload): with one stage and 32-key tiles, the default.
     "mla": MlaTiling(),
     "mla block_n=16 qk_chunk=128": MlaTiling(block_n=16, qk_chunk=128),
     "mla qk_chunk=128 dim_split=4": MlaTiling(qk_chunk=128, dim_split=4),
     "mla q_reload num_stages=1": MlaTiling(q_reload=True, num_stages=1),
     "mla row/program q_reload block_n=16": MlaTiling(block_n=16, q_reload=True, dim_split=1),
-    "mla row/program q_reload num_stages=1": MlaTiling(q_reload=True, dim_split=1, num_stages=1),
     "mla no key split": MlaTiling(programs_per_wave=1),
 }
 # A sweep variant's output against the torch backend's counts as correct within the

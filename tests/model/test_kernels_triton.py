@@ -11,6 +11,7 @@ with a merge pass; the scorer's rows cut into spans of several entry blocks.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,13 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from dsv41.model.kernels.interface import SCALE_GROUPS  # noqa: E402
-from dsv41.model.kernels.triton import FORMAT_CODES, TritonKernels  # noqa: E402
-from dsv41.model.kernels.triton.attention import AttentionTiling, MlaTiling, plan_key_split  # noqa: E402
+from dsv41.model.kernels.triton import FORMAT_CODES, TritonKernels, default_attention_tiling  # noqa: E402
+from dsv41.model.kernels.triton.attention import (  # noqa: E402
+    DEFAULT_ATTENTION_TILING,
+    AttentionTiling,
+    MlaTiling,
+    plan_key_split,
+)
 from dsv41.model.kernels.triton.decode import load_rows  # noqa: E402
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, plan_entry_span  # noqa: E402
 
@@ -216,10 +222,30 @@ def test_mla_tiling_rejects_spans_the_planes_cannot_read() -> None:
         MlaTiling(dim_split=8).spans(64, (1, 1))
 
 
+def test_the_engines_cut_fits_any_models_dims() -> None:
+    """The default cut is kept as chosen at V4.1-Flash's dims and planes; on a narrower
+    model its head block shrinks to the heads (never below a dot's 16) and, where its
+    q . k spans cannot cut the latent in whole scale groups, one span takes the whole
+    latent with q held: every fitted cut is one a launch accepts."""
+    flash_groups = (32, 16)  # an FP8 ring, an NVFP4 main plane
+    assert DEFAULT_ATTENTION_TILING.fitted(64, 512, flash_groups) == DEFAULT_ATTENTION_TILING
+    assert default_attention_tiling(64, 512, (1, 1)) == DEFAULT_ATTENTION_TILING
+    for heads, head_dim, groups in ((4, 32, (32, 16)), (4, 32, (1, 1)), (16, 64, (32, 16)), (128, 128, (1, 1))):
+        fitted = DEFAULT_ATTENTION_TILING.fitted(heads, head_dim, groups)
+        assert fitted.block_h == max(16, min(64, triton.next_power_of_2(heads)))
+        qk_chunk, value_dim = fitted.spans(head_dim, groups)
+        assert value_dim == head_dim
+        if qk_chunk < head_dim:
+            assert fitted == replace(DEFAULT_ATTENTION_TILING, block_h=fitted.block_h)
+        else:
+            assert fitted.qk_chunk is None and not fitted.q_reload
+
+
 @pytest.mark.parametrize(("kv", "index"), [("bf16", "fp8"), ("fp4", "fp4")])
 def test_attention_and_scores_at_flash_dims(kv: str, index: str) -> None:
     """V4.1-Flash dims on the Flash geometry (block 128): 64 heads x 512 in four head
-    groups and in one all-heads program (MlaTiling's default cut), window 128, 32 index
+    groups and in one all-heads program (MlaTiling's default cut, and the engine's:
+    one program a row, q re-read for each span), window 128, 32 index
     heads x 128, split and unsplit launches: the torch backend's results (bf16 q on a
     GPU: bf16 dots)."""
     config = V41Config.from_pretrained(FLASH, text_only=True)
@@ -227,7 +253,8 @@ def test_attention_and_scores_at_flash_dims(kv: str, index: str) -> None:
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     args = _attention_case(config, store, store, rows=2, heads=config.num_attention_heads, topk=32, dtype=dtype, seed=9)
     for tiling in (ATTENTION_TILINGS["unsplit"], AttentionTiling(programs_per_wave=24), MlaTiling(programs_per_wave=1),
-                   MlaTiling(programs_per_wave=8)):
+                   MlaTiling(programs_per_wave=8), replace(DEFAULT_ATTENTION_TILING, programs_per_wave=1),
+                   replace(DEFAULT_ATTENTION_TILING, programs_per_wave=8)):
         _assert_attention_matches(args, tiling)
     _assert_scores_match(config, store, rows=2, segments=2, width=200, seed=10,
                          kernels=(TritonKernels(), TritonKernels(scorer_tiling=ScorerTiling(programs_per_wave=4))))

@@ -31,6 +31,7 @@ from dsv41.model.epilogue import Epilogue
 from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
 from dsv41.model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresses, PlaneView, check_row_write
 from dsv41.model.kernels.triton.attention import (
+    DEFAULT_ATTENTION_TILING,
     LOG2E,
     AttentionTiling,
     MlaTiling,
@@ -101,6 +102,12 @@ def _programs_per_wave(configured: int | None, device: torch.device, per_sm: int
     return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def default_attention_tiling(heads: int, head_dim: int, groups: tuple[int, ...]) -> MlaTiling:
+    """DEFAULT_ATTENTION_TILING fitted to a model's heads, head dim and planes' scale groups."""
+    return DEFAULT_ATTENTION_TILING.fitted(heads, head_dim, groups)
+
+
 @dataclass(frozen=True)
 class KernelLaunch:
     """One kernel launch with every argument bound."""
@@ -139,12 +146,13 @@ class TritonKernels:
     def __init__(
         self,
         logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
-        attention_tiling: AttentionTiling | MlaTiling = AttentionTiling(),
+        attention_tiling: AttentionTiling | MlaTiling | None = None,
         scorer_tiling: ScorerTiling = ScorerTiling(),
     ) -> None:
         if logits_budget_bytes <= 0:
             raise ValueError(f"logits_budget_bytes: {logits_budget_bytes} (allowed: > 0)")
         self.logits_budget_bytes = logits_budget_bytes
+        # None: DEFAULT_ATTENTION_TILING, fitted to each launch's heads, head dim and planes.
         self.attention_tiling = attention_tiling
         self.scorer_tiling = scorer_tiling
 
@@ -188,9 +196,9 @@ class TritonKernels:
             topk = entry_rows.shape[1]
         if rows == 0:
             return PreparedLaunch((), out)
-        tiling = self.attention_tiling
         ring_rows_per_unit, ring_fmt, ring_group = plane_constants(ring)
         main_rows_per_unit, main_fmt, main_group = plane_constants(main)
+        tiling = self.attention_tiling or default_attention_tiling(heads, dim, (ring_group, main_group))
         head_groups = triton.cdiv(heads, tiling.block_h)
         if isinstance(tiling, MlaTiling):
             qk_chunk, _ = tiling.spans(dim, (ring_group, main_group))

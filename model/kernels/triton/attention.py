@@ -23,12 +23,14 @@ of 16 heads a program, so a row's 64 heads read each key tile four times) and
 mla_attention_kernel (MlaTiling: FlashMLA's layout as far as Triton allows, all of a
 row's heads in one program, q . k summed over latent spans and the output latent split
 over programs that share the softmax). Both write the same partials, so one merge
-kernel serves them; TritonKernels runs the one its tiling names.
+kernel serves them; TritonKernels runs the one its tiling names, DEFAULT_ATTENTION_TILING
+unless told otherwise.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import triton
@@ -443,8 +445,8 @@ class MlaTiling:
     32-131 KB. 4 warps spill at dim_split 2 and 4. q_reload with dim_split 2 needs
     more than an SM's 227 KB of shared memory at 2 stages (246 KB: the reloads are
     pipelined too), and 16-65 KB at 1. AttentionTiling at block_h 64 needs 263 KB (bf16) and
-    spills. Which cut is fastest, and whether any beats AttentionTiling, is for the H200
-    sweep of bench/kernels.py (ATTENTION_SWEEP) to say: none has run on a GPU yet."""
+    spills. Which cut is fastest is for the sweep of bench/kernels.py (ATTENTION_SWEEP)
+    to say; DEFAULT_ATTENTION_TILING is what it chose."""
 
     block_h: int = 64
     block_n: int = 32
@@ -485,12 +487,39 @@ class MlaTiling:
                 f"MlaTiling.q_reload: True with qk_chunk {qk_chunk} = the head dim (allowed: True only below it)"
             )
         for name, span in (("qk_chunk", qk_chunk), ("head_dim / dim_split", value_dim)):
-            if span < 16 or head_dim % span or any(span % g for g in groups):
+            if not _span_fits(span, head_dim, groups):
                 raise ValueError(
                     f"MlaTiling: {name} = {span} at head dim {head_dim} (allowed: >= 16, dividing the head "
                     f"dim, a multiple of the planes' scale groups {sorted(set(groups))})"
                 )
         return qk_chunk, value_dim
+
+    def fitted(self, heads: int, head_dim: int, groups: tuple[int, ...]) -> MlaTiling:
+        """This cut for a model narrower than the one it was chosen at: ``block_h`` no
+        wider than the heads (a power of two, at least 16), and, where ``qk_chunk``
+        cannot cut ``head_dim`` into spans of whole scale groups below it, the whole
+        latent in one q . k dot with q held (``qk_chunk`` None, no ``q_reload``). It
+        depends on the model's dims and the planes' formats alone, never on a batch."""
+        block_h = max(16, min(self.block_h, triton.next_power_of_2(heads)))
+        qk_chunk, q_reload = self.qk_chunk, self.q_reload
+        if qk_chunk is not None and (qk_chunk >= head_dim or not _span_fits(qk_chunk, head_dim, groups)):
+            qk_chunk, q_reload = None, False
+        return dataclasses.replace(self, block_h=block_h, qk_chunk=qk_chunk, q_reload=q_reload)
+
+
+def _span_fits(span: int, head_dim: int, groups: tuple[int, ...]) -> bool:
+    """A latent span a dot can take: at least 16 channels, dividing the head dim, whole
+    scale groups of every plane."""
+    return span >= 16 and head_dim % span == 0 and all(span % g == 0 for g in groups)
+
+
+# The engine's cut (fitted to a model's dims: MlaTiling.fitted): one program a row holding the whole [64, 512] accumulator, q re-read
+# from L2 for each 32-key tile, one stage. On an H100 (2026-12-06, bench/kernels.py's sweep
+# at 32k context and a 4,096-token prefill of the reference slice, BENCHMARKS.md) it was
+# the fastest cut or within 2% of it at every decode batch timed (8, 32, 128) on both
+# pool formats, 1.2x-1.8x AttentionTiling() at batch 128, and took the prefill step from
+# 197 to 168 ms. One cut whatever the batch: a row's bits never depend on its neighbours.
+DEFAULT_ATTENTION_TILING = MlaTiling(q_reload=True, dim_split=1, num_stages=1)
 
 
 @triton.jit
