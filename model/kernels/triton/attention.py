@@ -513,12 +513,14 @@ def _span_fits(span: int, head_dim: int, groups: tuple[int, ...]) -> bool:
     return span >= 16 and head_dim % span == 0 and all(span % g == 0 for g in groups)
 
 
-# The engine's cut (fitted to a model's dims: MlaTiling.fitted): one program a row holding the whole [64, 512] accumulator, q re-read
-# from L2 for each 32-key tile, one stage. On an H100 (2026-12-06, bench/kernels.py's sweep
-# at 32k context and a 4,096-token prefill of the reference slice, BENCHMARKS.md) it was
-# the fastest cut or within 2% of it at every decode batch timed (8, 32, 128) on both
-# pool formats, 1.2x-1.8x AttentionTiling() at batch 128, and took the prefill step from
-# 197 to 168 ms. One cut whatever the batch: a row's bits never depend on its neighbours.
+# The engine's cut (fitted to a smaller model's dims: MlaTiling.fitted): one program a row
+# holding the whole [64, 512] accumulator, q re-read from L2 for each 32-key tile, one
+# stage. On an H100 (2026-12-06, bench/kernels.py's sweep at 32k context and a 4,096-token
+# prefill of the reference slice, BENCHMARKS.md) it was the fastest cut timed at batch 128
+# on both pool formats (1.4x / 1.8x AttentionTiling() with bf16 / NVFP4 keys) and at batch
+# 32 with NVFP4, within 8% of the fastest at batches 8 and 32 otherwise, and took the
+# prefill step from 197 to 168 ms. One cut whatever the batch: a row's bits never depend
+# on its neighbours.
 DEFAULT_ATTENTION_TILING = MlaTiling(q_reload=True, dim_split=1, num_stages=1)
 
 
