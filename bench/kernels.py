@@ -21,7 +21,8 @@ pool formats; no scorer sweep, MoE, GEMM or compression):
     python3 -m bench.kernels --attention-only --contexts 32768 --batches 8 32 128 --out attention.json
 (most of its time is compiling the sweep's variants, each split and unsplit on both
 formats; --attention-variants names the ones to time).
-The MoE section alone, with its tiling sweep of the MXFP4 kernels (--no-sweep skips it):
+The MoE section alone, with its tiling sweeps of the MXFP4 and bf16 kernels (--no-sweep
+skips them; --moe-sweep-formats plain sweeps the bf16 kernels alone):
     python3 -m bench.kernels --moe-only --out moe.json
 The dense projections alone (each FP8-stored shape of a Flash layer at 1..4096 rows:
 the fixed-tile GEMM over the FP8 bytes, over their bf16 decode, and cuBLAS bf16,
@@ -93,6 +94,19 @@ MOE_SWEEP = (
     ExpertTiling(block_n=128, block_k=64, num_warps=4, num_stages=4, mxfp4_dot="bits"),
     ExpertTiling(block_n=32, block_k=256, num_warps=4, num_stages=4, mxfp4_dot="bits"),
 )
+# The bf16 ("plain") tiling sweep, on the same shapes: the default, then wider column
+# tiles on one or two warpgroups, deeper pipelines and wider input steps.
+PLAIN_MOE_SWEEP = (
+    ExpertTiling(),
+    ExpertTiling(block_n=128, block_k=64, num_warps=4, num_stages=3),
+    ExpertTiling(block_n=128, block_k=64, num_warps=8, num_stages=3),
+    ExpertTiling(block_n=128, block_k=64, num_warps=8, num_stages=4),
+    ExpertTiling(block_n=256, block_k=64, num_warps=8, num_stages=3),
+    ExpertTiling(block_n=64, block_k=64, num_warps=4, num_stages=4),
+    ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3),
+)
+MOE_SWEEPS = {"mxfp4": MOE_SWEEP, "plain": PLAIN_MOE_SWEEP}
 COMPRESSION_PREFILL_ROWS = 4096
 # The dense projections' rows: decode batches and one 4096-token prefill.
 GEMM_ROWS = (1, 8, 32, 128, 256, 1024, 4096)
@@ -335,14 +349,19 @@ def mxfp4_decode_check(bank, w2: torch.Tensor) -> dict:
     return {"check": "w2 decode exact", "equal": bool(torch.equal(out, want)), "mismatches": int((out != want).sum())}
 
 
-def moe_sweep(config: V41Config, ceil: dict) -> list[dict]:
-    """Kernel ms and fraction of the copy bandwidth of each MOE_SWEEP tiling of the MXFP4
-    kernels on the MOE_SWEEP_SHAPES (the data to choose the default from)."""
+def moe_sweep(config: V41Config, ceil: dict, formats: tuple[str, ...]) -> list[dict]:
+    """Kernel ms and fraction of the copy bandwidth of each MOE_SWEEPS tiling of the
+    grouped expert kernels of each of ``formats`` on the MOE_SWEEP_SHAPES (the data to
+    choose the defaults from)."""
+    return [row for fmt in formats for row in _format_moe_sweep(config, ceil, fmt)]
+
+
+def _format_moe_sweep(config: V41Config, ceil: dict, fmt: str) -> list[dict]:
     hidden, top_k = config.hidden_size, config.num_experts_per_tok
     rows = []
     for num_experts in sorted({e for e, _ in MOE_SWEEP_SHAPES}):
-        experts = moe_experts(config, num_experts, "mxfp4")
-        bank = TritonKernels().expert_bank(experts, "mxfp4")
+        experts = moe_experts(config, num_experts, fmt)
+        bank = TritonKernels().expert_bank(experts, fmt)
         del experts
         gate = torch.randn(num_experts, hidden, device="cuda") * hidden**-0.5
         bias = torch.zeros(num_experts, device="cuda")
@@ -352,10 +371,10 @@ def moe_sweep(config: V41Config, ceil: dict) -> list[dict]:
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             routing = route(x, gate, bias, top_k, config.routed_scaling_factor)
             hit = routing.expert_ids.unique().numel()
-            moved = moe_bytes(config, "mxfp4", tokens, hit)
+            moved = moe_bytes(config, fmt, tokens, hit)
             flops = 2 * tokens * top_k * 3 * hidden * config.moe_intermediate_size
-            for tiling in MOE_SWEEP:
-                row = {"experts": num_experts, "tokens": tokens, "tiling": str(tiling)}
+            for tiling in MOE_SWEEPS[fmt]:
+                row = {"format": fmt, "experts": num_experts, "tokens": tokens, "tiling": str(tiling)}
                 try:
                     ms = median_ms(
                         lambda: grouped_expert_slots(
@@ -364,14 +383,14 @@ def moe_sweep(config: V41Config, ceil: dict) -> list[dict]:
                     )
                 except OutOfResources as error:
                     rows.append({**row, "ms": None, "bw_frac": None, "error": str(error)})
-                    print(f"moe sweep E={num_experts} T={tokens} {tiling} {error}", flush=True)
+                    print(f"moe sweep {fmt} E={num_experts} T={tokens} {tiling} {error}", flush=True)
                     continue
                 rows.append(
                     {**row, "ms": ms, "bw_frac": moved / (ms * 1e-3) / ceil["copy_bytes_per_s"],
                      "flop_per_s": flops / (ms * 1e-3)}
                 )
                 print(
-                    f"moe sweep E={num_experts:<3d} T={tokens:<5d} {tiling} {ms:8.3f} ms "
+                    f"moe sweep {fmt} E={num_experts:<3d} T={tokens:<5d} {tiling} {ms:8.3f} ms "
                     f"({rows[-1]['bw_frac']:.0%} bw, {rows[-1]['flop_per_s'] / 1e12:.1f} TFLOP/s)",
                     flush=True,
                 )
@@ -652,6 +671,13 @@ def main() -> None:
     parser.add_argument(
         "--moe-only", action="store_true", help="the MoE section alone (its sweep too, unless --no-sweep)"
     )
+    parser.add_argument(
+        "--moe-sweep-formats",
+        nargs="+",
+        choices=list(MOE_SWEEPS),
+        default=list(MOE_SWEEPS),
+        help="the expert formats whose MoE tilings the sweep times (default: both)",
+    )
     parser.add_argument("--gemm-only", action="store_true", help="the dense FP8 projections' GEMM section alone")
     parser.add_argument(
         "--attention-only",
@@ -770,7 +796,7 @@ def main() -> None:
                 if device == "cuda":
                     torch.cuda.empty_cache()
     no_moe = args.small or args.gemm_only or args.attention_only
-    moe_sweep_rows = [] if no_moe or args.no_sweep else moe_sweep(config, ceil)
+    moe_sweep_rows = [] if no_moe or args.no_sweep else moe_sweep(config, ceil, tuple(args.moe_sweep_formats))
     moe_rows, moe_checks = ([], []) if no_moe else moe_benchmark(config, ceil)
     gemm_rows = [] if args.small or args.moe_only or args.attention_only else gemm_benchmark(config, ceil)
     compression_rows, compression_checks = (
