@@ -144,10 +144,19 @@ class _SharedServeCluster:
         self._worker_env = worker_env
         self._base_url: str | None = None
         self._running: tuple[str, str] | None = None  # (name, its arguments as JSON)
+        self._gcs_address: str | None = None  # the cluster's, to know it is still the one up
 
     def serve(self, app_args: Mapping[str, Any], *, name: str, grpc_port: int | None = None) -> str:
         """The HTTP base URL of ``build_app(app_args)`` running as ``name`` (and the
         ingress's gRPC listener on ``grpc_port``)."""
+        import ray
+
+        if self._base_url is not None and not (
+            ray.is_initialized() and ray.get_runtime_context().gcs_address == self._gcs_address
+        ):
+            # Another folder's tests ran in between and shut this cluster down (a test
+            # run that orders folders otherwise, e.g. tests/actors after a module here).
+            self._base_url, self._running = None, None
         key = json.dumps({"args": app_args, "grpc_port": grpc_port}, sort_keys=True)
         if self._running == (name, key):
             assert self._base_url is not None
@@ -156,6 +165,7 @@ class _SharedServeCluster:
         if self._base_url is None:
             try:
                 self._base_url = _start_serve(self._worker_env)
+                self._gcs_address = ray.get_runtime_context().gcs_address
             except BaseException:
                 _stop_serve()
                 raise
