@@ -22,10 +22,15 @@ is the ops outside the parts, plus one replay per part, plus the copies into the
 parts' buffers (the first layer's streams and pre, each Engram layer's table rows and
 each layer's attention output).
 
+``--prefill-len N`` censuses one whole N-token prefill step instead (after an
+uncounted one): its sites, and the copies (copy_, _to_copy, clone, contiguous, cat:
+a device-to-device copy kernel each on a GPU) by the bytes they write, per site:
+where a prefill profile's unnamed copy kernels come from.
+
 Prints a table and writes JSON. On a CPU, in a few minutes:
     TRITON_INTERPRET=1 python3 -m bench.op_census --small --kernel-backend triton --no-batch-invariant
 On the GPU machine, from the repo root:
-    python3 -m bench.op_census [--batch 32]
+    python3 -m bench.op_census [--batch 32 | --prefill-len 4096]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.decode_step import FULL_WORKLOAD, SMALL_WORKLOAD
+from bench.prefill import prefill_once
 from bench.slice_engine import add_slice_options, build_slice_engine, prepare_device, random_prompts, start_decoding
 from dsv41.cluster.sampling_params import SamplingParams
 
@@ -52,6 +58,8 @@ PACKAGES = tuple(str(REPO / p) + "/" for p in ("model", "cache", "cluster", "act
 HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item"})
 # Ops that only allocate: no kernel runs.
 ALLOCATION_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+# Ops that copy a tensor into a new or given one (a device-to-device copy kernel on a GPU).
+COPY_OPS = frozenset({"copy_", "_to_copy", "clone", "contiguous", "cat"})
 
 
 def _is_view(func: torch._ops.OpOverload) -> bool:
@@ -103,6 +111,8 @@ class OpCensus(TorchDispatchMode):
         super().__init__()
         self.depth = depth
         self.ops: collections.Counter[tuple[str, str]] = collections.Counter()
+        # Bytes the copy ops wrote, by (site, op): where a step's device copies go.
+        self.copy_bytes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.in_parts = 0
 
     def count(self, site: str, op: str, frame: FrameType | None) -> None:
@@ -112,11 +122,14 @@ class OpCensus(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if not _is_view(func) and func.overloadpacket.__name__ not in ALLOCATION_OPS:
+        op = func.overloadpacket.__name__
+        if not _is_view(func) and op not in ALLOCATION_OPS:
             frame = sys._getframe(1)
             site = _site(frame, self.depth)
             if site is not None:
-                self.count(site, func.overloadpacket.__name__, frame)
+                self.count(site, op, frame)
+                if op in COPY_OPS and isinstance(out, torch.Tensor):
+                    self.copy_bytes[(site, op)] += out.numel() * out.element_size()
         return out
 
 
@@ -169,11 +182,8 @@ def _count_part_calls(runtime, calls: PartCalls) -> None:  # type: ignore[no-unt
         setattr(runtime, name, counted)
 
 
-def census_step(engine, batch: int, prompt_len: int, warmup: int, depth: int) -> tuple[OpCensus, PartCalls]:  # type: ignore[no-untyped-def]
-    params = SamplingParams(max_tokens=warmup + 4, temperature=0.0, ignore_eos=True)
-    ids = [f"c{batch}-{i}" for i in range(batch)]
-    start_decoding(engine, dict(zip(ids, random_prompts(batch, prompt_len, engine.config.vocab_size, seed=batch))),
-                   params, warmup)
+def _census_one_step(engine, depth: int) -> tuple[OpCensus, PartCalls, list]:  # type: ignore[no-untyped-def]
+    """The ops of the engine's next step, and its outputs."""
     census = OpCensus(depth)
     calls = PartCalls()
     runtime = engine.runner.runtime
@@ -187,11 +197,81 @@ def census_step(engine, batch: int, prompt_len: int, warmup: int, depth: int) ->
             cls.run = original
         for name in ("open_layer", "close_layer", "pad_layer"):
             delattr(runtime, name)
+    return census, calls, outputs
+
+
+def census_step(engine, batch: int, prompt_len: int, warmup: int, depth: int) -> tuple[OpCensus, PartCalls]:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=warmup + 4, temperature=0.0, ignore_eos=True)
+    ids = [f"c{batch}-{i}" for i in range(batch)]
+    start_decoding(engine, dict(zip(ids, random_prompts(batch, prompt_len, engine.config.vocab_size, seed=batch))),
+                   params, warmup)
+    census, calls, outputs = _census_one_step(engine, depth)
     if len(outputs) != batch:
         raise RuntimeError(f"batch {batch}: the censused step produced {len(outputs)} tokens (expected {batch})")
     for rid in ids:
         engine.abort(rid)
     return census, calls
+
+
+def census_prefill(engine, prompt_len: int, depth: int) -> OpCensus:  # type: ignore[no-untyped-def]
+    """The ops of one whole ``prompt_len``-token prefill in one engine step, after an
+    uncounted one of another prompt (on a GPU: the kernels compiled)."""
+    warm, counted = random_prompts(2, prompt_len, engine.config.vocab_size, seed=prompt_len)
+    prefill_once(engine, "census-warm", warm)
+    engine.add_request("census", counted, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    census, _, outputs = _census_one_step(engine, depth)
+    if not any(o.request_id == "census" and o.finished for o in outputs):
+        raise RuntimeError(f"prefill {prompt_len}: not done in one step (the batch budget must hold the prompt)")
+    return census
+
+
+def _site_rows(ops: collections.Counter[tuple[str, str]]) -> tuple[int, list[dict]]:
+    """(all ops, each site's ops and its ops by kind, most first)."""
+    by_site: collections.Counter[str] = collections.Counter()
+    for (site, _op), n in ops.items():
+        by_site[site] += n
+    rows = [
+        {
+            "site": site,
+            "ops": n,
+            "by_op": dict(collections.Counter({op: c for (s, op), c in ops.items() if s == site}).most_common()),
+        }
+        for site, n in by_site.most_common()
+    ]
+    return sum(by_site.values()), rows
+
+
+def prefill_main(args: argparse.Namespace) -> None:
+    """--prefill-len: one prefill step's ops by site, and its copies by bytes written."""
+    engine = build_slice_engine(
+        args, max_num_seqs=2, max_num_batched_tokens=args.prefill_len, tokens_per_request=args.prefill_len + 16
+    )
+    census = census_prefill(engine, args.prefill_len, args.depth)
+    total, rows = _site_rows(census.ops)
+    copies = [
+        {"site": site, "op": op, "copies": census.ops[(site, op)], "bytes": n}
+        for (site, op), n in census.copy_bytes.most_common()
+    ]
+    syncs = {f"{site} {op}": n for (site, op), n in census.ops.items() if op in HOST_SYNC_OPS}
+    result = {
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "device": str(engine.params.embed.device),
+        "prefill_len": args.prefill_len,
+        "ops_per_step": total,
+        "triton_launches_per_step": sum(n for (s, _), n in census.ops.items() if s.startswith("triton:")),
+        "host_syncs": syncs,
+        "copies": copies,
+        "sites": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\n{total} ops in one {args.prefill_len}-token prefill step ({result['triton_launches_per_step']} Triton "
+          f"launches); host syncs: {syncs or 'none'}")
+    print("| copies | MB written | op | site |")
+    print("|---:|---:|---|---|")
+    for row in copies[: args.top]:
+        print(f"| {row['copies']} | {row['bytes'] / 1e6:.1f} | {row['op']} | {row['site']} |")
+    print(f"wrote {args.out}")
 
 
 def main() -> None:
@@ -201,11 +281,19 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="default 1024 (small: 128)")
     parser.add_argument("--top", type=int, default=40, help="sites listed")
     parser.add_argument("--depth", type=int, default=1, help="repository frames that name a site (1: the innermost)")
+    parser.add_argument(
+        "--prefill-len", type=int, default=None,
+        help="census one whole prefill of this many tokens instead of a decode step: its sites, and the bytes "
+        "each site's copies write",
+    )
     parser.add_argument("--out", default="bench/results/op_census.json")
     args = parser.parse_args()
     if args.cudagraph_mode != "none":
         parser.error("--cudagraph-mode: the census counts an eager step's ops (allowed: none)")
     prepare_device(args)
+    if args.prefill_len is not None:
+        prefill_main(args)
+        return
     workload = SMALL_WORKLOAD if args.small else FULL_WORKLOAD
     prompt_len = args.prompt_len or workload.prompt_len
     engine = build_slice_engine(
@@ -214,19 +302,8 @@ def main() -> None:
     )
     census, calls = census_step(engine, args.batch, prompt_len, warmup=2, depth=args.depth)
     ops = census.ops
-    by_site: collections.Counter[str] = collections.Counter()
-    for (site, _op), n in ops.items():
-        by_site[site] += n
     syncs = {f"{site} {op}": n for (site, op), n in ops.items() if op in HOST_SYNC_OPS}
-    total = sum(by_site.values())
-    rows = [
-        {
-            "site": site,
-            "ops": n,
-            "by_op": dict(collections.Counter({op: c for (s, op), c in ops.items() if s == site}).most_common()),
-        }
-        for site, n in by_site.most_common()
-    ]
+    total, rows = _site_rows(ops)
     result = {
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "device": str(engine.params.embed.device),
