@@ -23,7 +23,7 @@ parts' buffers (the first layer's streams and pre, each Engram layer's table row
 each layer's attention output).
 
 ``--prefill-len N`` censuses one whole N-token prefill step instead (after an
-uncounted one): its sites, and the copies (copy_, _to_copy, clone, contiguous, cat:
+uncounted one): its sites, and the copies (copy_, _to_copy, clone, cat:
 a device-to-device copy kernel each on a GPU) by the bytes they write, per site:
 where a prefill profile's unnamed copy kernels come from.
 
@@ -59,7 +59,7 @@ HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item"})
 # Ops that only allocate: no kernel runs.
 ALLOCATION_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 # Ops that copy a tensor into a new or given one (a device-to-device copy kernel on a GPU).
-COPY_OPS = frozenset({"copy_", "_to_copy", "clone", "contiguous", "cat"})
+COPY_OPS = frozenset({"copy_", "_to_copy", "clone", "cat"})
 
 
 def _is_view(func: torch._ops.OpOverload) -> bool:
@@ -225,20 +225,33 @@ def census_prefill(engine, prompt_len: int, depth: int) -> OpCensus:  # type: ig
     return census
 
 
-def _site_rows(ops: collections.Counter[tuple[str, str]]) -> tuple[int, list[dict]]:
-    """(all ops, each site's ops and its ops by kind, most first)."""
+def _summary(census: OpCensus, engine, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def]
+    """What both censuses report: the run's arguments and device, the step's ops, its
+    Triton launches and host syncs, and each site's ops by kind, most first."""
+    ops = census.ops
     by_site: collections.Counter[str] = collections.Counter()
     for (site, _op), n in ops.items():
         by_site[site] += n
-    rows = [
-        {
-            "site": site,
-            "ops": n,
-            "by_op": dict(collections.Counter({op: c for (s, op), c in ops.items() if s == site}).most_common()),
-        }
-        for site, n in by_site.most_common()
-    ]
-    return sum(by_site.values()), rows
+    return {
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "device": str(engine.params.embed.device),
+        "ops_per_step": sum(by_site.values()),
+        "triton_launches_per_step": sum(n for (s, _), n in ops.items() if s.startswith("triton:")),
+        "host_syncs": {f"{site} {op}": n for (site, op), n in ops.items() if op in HOST_SYNC_OPS},
+        "sites": [
+            {
+                "site": site,
+                "ops": n,
+                "by_op": dict(collections.Counter({op: c for (s, op), c in ops.items() if s == site}).most_common()),
+            }
+            for site, n in by_site.most_common()
+        ],
+    }
+
+
+def _write(result: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
 
 
 def prefill_main(args: argparse.Namespace) -> None:
@@ -247,26 +260,14 @@ def prefill_main(args: argparse.Namespace) -> None:
         args, max_num_seqs=2, max_num_batched_tokens=args.prefill_len, tokens_per_request=args.prefill_len + 16
     )
     census = census_prefill(engine, args.prefill_len, args.depth)
-    total, rows = _site_rows(census.ops)
     copies = [
         {"site": site, "op": op, "copies": census.ops[(site, op)], "bytes": n}
         for (site, op), n in census.copy_bytes.most_common()
     ]
-    syncs = {f"{site} {op}": n for (site, op), n in census.ops.items() if op in HOST_SYNC_OPS}
-    result = {
-        "args": {k: v for k, v in vars(args).items() if k != "out"},
-        "device": str(engine.params.embed.device),
-        "prefill_len": args.prefill_len,
-        "ops_per_step": total,
-        "triton_launches_per_step": sum(n for (s, _), n in census.ops.items() if s.startswith("triton:")),
-        "host_syncs": syncs,
-        "copies": copies,
-        "sites": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\n{total} ops in one {args.prefill_len}-token prefill step ({result['triton_launches_per_step']} Triton "
-          f"launches); host syncs: {syncs or 'none'}")
+    result = {**_summary(census, engine, args), "prefill_len": args.prefill_len, "copies": copies}
+    _write(result, args.out)
+    print(f"\n{result['ops_per_step']} ops in one {args.prefill_len}-token prefill step "
+          f"({result['triton_launches_per_step']} Triton launches); host syncs: {result['host_syncs'] or 'none'}")
     print("| copies | MB written | op | site |")
     print("|---:|---:|---|---|")
     for row in copies[: args.top]:
@@ -301,17 +302,12 @@ def main() -> None:
         tokens_per_request=prompt_len + 16,
     )
     census, calls = census_step(engine, args.batch, prompt_len, warmup=2, depth=args.depth)
-    ops = census.ops
-    syncs = {f"{site} {op}": n for (site, op), n in ops.items() if op in HOST_SYNC_OPS}
-    total, rows = _site_rows(ops)
+    summary = _summary(census, engine, args)
+    total, rows, syncs = summary["ops_per_step"], summary["sites"], summary["host_syncs"]
     result = {
-        "args": {k: v for k, v in vars(args).items() if k != "out"},
-        "device": str(engine.params.embed.device),
+        **summary,
         "batch": args.batch,
         "prompt_len": prompt_len,
-        "ops_per_step": total,
-        "triton_launches_per_step": sum(n for (s, _), n in ops.items() if s.startswith("triton:")),
-        "host_syncs": syncs,
         "tr_hybrid": {
             "ops_in_token_parts": census.in_parts,
             "ops_outside": total - census.in_parts,
@@ -321,10 +317,8 @@ def main() -> None:
             "buffer_copies": 2 + calls.engram_rows + calls.close_layer,
             "projected_launches": total - census.in_parts + calls.replays + 2 + calls.engram_rows + calls.close_layer,
         },
-        "sites": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    _write(result, args.out)
     print(f"\n{total} ops in one decode step at batch {args.batch} "
           f"({result['triton_launches_per_step']} Triton launches); host syncs: {syncs or 'none'}")
     hybrid = result["tr_hybrid"]
