@@ -61,6 +61,7 @@ from dsv41.model.formats import round_fp8, round_mxfp4
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.kernels.triton import TritonKernels
 from dsv41.model.kernels.triton.attention import DEFAULT_ATTENTION_TILING, AttentionTiling, MlaTiling
+from dsv41.model.kernels.triton.fp8_gemm import fp8_activation_matmul
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling
 from dsv41.model.kernels.triton.moe import ExpertTiling, PairBlocks, expert_down, expert_tiling, grouped_expert_slots
@@ -489,9 +490,13 @@ def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
     decode step runs them; launch overhead left out): the fixed-tile GEMM over the FP8
     weight (its tiles decoded in registers) with the split plan outside the
     batch-invariant mode (the GPU default) and with the row-invariant one, the
-    row-invariant GEMM over its bf16 decode, and cuBLAS over the bf16 decode; as time,
-    % copy bandwidth (at each weight's own bytes) and % of the bf16 and FP8 matmul rates.
-    The FP8 products are checked against the decoded weight's."""
+    row-invariant GEMM over its bf16 decode, cuBLAS over the bf16 decode, and the
+    FP8-activation GEMM (rows quantised to FP8, FP8 x FP8: EngineOptions.fp8_activations);
+    as time, % copy bandwidth (at each weight's own bytes) and % of the bf16 and FP8
+    matmul rates. The FP8 products are checked against the decoded weight's; the
+    FP8-activation product's largest difference from the fake-quantised rows' product
+    with the decoded weight (fp32), relative to that product's largest value, is
+    reported (the tensor cores' FP8 accumulation)."""
     fp8_rate = fp8_matmul_rate()
     print(f"fp8 matmul (cuBLAS scaled): {fp8_rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
@@ -511,7 +516,10 @@ def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
                 "bf16_invariant_ms": graph_ms(lambda: fixed_tile_matmul(a, decoded)),
                 "cublas_bf16_ms": graph_ms(lambda: a @ decoded.t()),
                 "decode_cublas_ms": graph_ms(lambda: a @ decode_fp8_weight(stored).t()),
+                "fp8_activations_ms": graph_ms(lambda: fp8_activation_matmul(a, stored)),
             }
+            exact = round_fp8(a).float() @ decoded.float().t()
+            fp8_activations_error = float((fp8_activation_matmul(a, stored).float() - exact).abs().max() / exact.abs().max())
             flops = 2 * m * n * k
             io = 2 * m * (n + k)
             copy = ceil["copy_bytes_per_s"]
@@ -523,12 +531,16 @@ def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
             row["fp8_fp8_rate_frac"] = flops / (times["fp8_ms"] * 1e-3) / fp8_rate
             row["cublas_bf16_rate_frac"] = flops / (times["cublas_bf16_ms"] * 1e-3) / ceil["bf16_flop_per_s"]
             row["decode_cublas_fp8_rate_frac"] = flops / (times["decode_cublas_ms"] * 1e-3) / fp8_rate
+            row["fp8_activations_fp8_rate_frac"] = flops / (times["fp8_activations_ms"] * 1e-3) / fp8_rate
+            row["fp8_activations_bw_frac"] = (stored.nbytes + m * k + 2 * m * n) / (times["fp8_activations_ms"] * 1e-3) / copy
+            row["fp8_activations_max_rel_diff"] = fp8_activations_error
             rows.append(row)
             print(
                 f"{name:30s} [{n:5d}, {k:5d}] x {m:4d}: fp8 {times['fp8_ms']:.4f} ms ({row['fp8_bw_frac']:.0%} bw, "
                 f"{row['fp8_fp8_rate_frac']:.0%} fp8 rate), invariant {times['fp8_invariant_ms']:.4f} ms, "
                 f"bf16 invariant {times['bf16_invariant_ms']:.4f} ms, cuBLAS {times['cublas_bf16_ms']:.4f} ms, "
-                f"decode + cuBLAS {times['decode_cublas_ms']:.4f} ms",
+                f"decode + cuBLAS {times['decode_cublas_ms']:.4f} ms, fp8 activations {times['fp8_activations_ms']:.4f} "
+                f"ms ({row['fp8_activations_fp8_rate_frac']:.0%} fp8 rate, max rel diff {fp8_activations_error:.2g})",
                 flush=True,
             )
     for row in rows:
@@ -866,16 +878,18 @@ def main() -> None:
     print(
         "| projection | [out, in] | rows | FP8 ms | % copy bw | % fp8 rate | FP8 row-invariant ms | % copy bw "
         "| bf16 row-invariant ms | cuBLAS bf16 ms | cuBLAS % bw | cuBLAS % bf16 rate | decode + cuBLAS ms "
-        "| its % fp8 rate |"
+        "| its % fp8 rate | FP8 activations ms | its % fp8 rate | its % copy bw | its max rel diff |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in gemm_rows:
         print(
             f"| {r['tensor']} | [{r['n']}, {r['k']}] | {r['rows']} | {r['fp8_ms']:.4f} | {100 * r['fp8_bw_frac']:.0f}% | "
             f"{100 * r['fp8_fp8_rate_frac']:.0f}% | {r['fp8_invariant_ms']:.4f} | {100 * r['fp8_invariant_bw_frac']:.0f}% | "
             f"{r['bf16_invariant_ms']:.4f} | {r['cublas_bf16_ms']:.4f} | {100 * r['cublas_bw_frac']:.0f}% | "
             f"{100 * r['cublas_bf16_rate_frac']:.0f}% | {r['decode_cublas_ms']:.4f} | "
-            f"{100 * r['decode_cublas_fp8_rate_frac']:.0f}% |"
+            f"{100 * r['decode_cublas_fp8_rate_frac']:.0f}% | {r['fp8_activations_ms']:.4f} | "
+            f"{100 * r['fp8_activations_fp8_rate_frac']:.0f}% | {100 * r['fp8_activations_bw_frac']:.0f}% | "
+            f"{r['fp8_activations_max_rel_diff']:.2g} |"
         )
     print(
         "| formats | step | rows | pairs | path ms | path TB/s | % copy bw | torch path ms "

@@ -84,6 +84,11 @@ def add_slice_options(parser: argparse.ArgumentParser) -> None:
         help="the engine's async_scheduling (the next step scheduled and launched while the previous one runs)",
     )
     parser.add_argument(
+        "--fp8-activations", action="store_true",
+        help="the engine's fp8_activations: the FP8-weight projections quantise their inputs to FP8 per token and 32 "
+        "channels (a prefill's GEMMs on a GPU then run FP8 x FP8); needs --dense fp8 --weight-storage stored",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None,
         help="torch intra-op threads on the CPU (default 1: on a shared box more threads spin against each other)",
     )
@@ -140,13 +145,15 @@ def build_slice_engine(
     decoder_replay: bool = False,
     graph_batch_sizes: tuple[int, ...] | None = None,
     checkpoint: LoadedCheckpoint | None = None,
+    fp8_activations: bool | None = None,
 ) -> Engine:
     """The slice (bf16 compute) in an in-process engine on ``args.device`` whose pools
     hold ``max_num_seqs`` requests of ``tokens_per_request`` tokens each (its context
     limit); prefix caching is off (random prompts share nothing); ``decoder_replay``:
     the engine's decoder_swa_bounded_replay; under ``--cudagraph-mode full`` the batch
     buckets captured are ``graph_batch_sizes`` (None: the engine's default);
-    ``checkpoint``: these weights (generate_slice's), not newly generated ones."""
+    ``checkpoint``: these weights (generate_slice's), not newly generated ones;
+    ``fp8_activations``: the engine's (None: ``--fp8-activations``)."""
     device, backend = resolve_device(args)
     checkpoint = checkpoint or generate_slice(args)
     params = ModelParams.from_checkpoint(checkpoint)
@@ -168,6 +175,7 @@ def build_slice_engine(
         cudagraph_mode=args.cudagraph_mode,
         cudagraph_batch_sizes=graph_batch_sizes if args.cudagraph_mode != "none" else None,
         async_scheduling=args.async_scheduling,
+        fp8_activations=args.fp8_activations if fp8_activations is None else fp8_activations,
     )
     geometry = RankLayout.build(params.config, options).geometry
     # One page more than the requests need: the sizing must never be what preempts.
@@ -253,6 +261,7 @@ def environment(args: argparse.Namespace, engine: Engine, ceilings: dict[str, fl
         "batch_invariant": engine.options.batch_invariant,
         "cudagraph_mode": engine.options.cudagraph_mode,
         "async_scheduling": engine.options.async_scheduling,
+        "fp8_activations": engine.options.fp8_activations,
         "block_size": engine.options.block_size,
         "kv_cache_dtype": engine.options.kv_cache_dtype,
         "index_cache_dtype": engine.options.index_cache_dtype,

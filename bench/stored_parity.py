@@ -6,6 +6,10 @@ and the kernels that read them, must give logits within a measured bound of the 
 reference over the same weights decoded to bf16, and greedy tokens that agree with
 that reference wherever its margin exceeds the bound.
 
+With ``--fp8-activations`` the stored engine also quantises the inputs of its FP8-weight
+projections to FP8 (EngineOptions.fp8_activations), and the same figures measure what
+that costs: the FP8-activation GEMM's bound.
+
 Random bf16 weights make the slice chaotic: any two sums of different order drift
 apart over its layers. So the same comparison runs for a baseline, an engine over the
 reference's own decoded weights with the same kernels (what the kernels' bf16
@@ -22,7 +26,7 @@ reference's margin (top-1 minus top-2 logit). A disagreement is a near-tie when 
 margin is under twice the measured bound: then the difference can flip it.
 
 Prints a table and writes JSON. On the GPU machine, from the repo root:
-    python3 -m bench.stored_parity --dense fp8 --experts fp4 [--cudagraph-mode full]
+    python3 -m bench.stored_parity --dense fp8 --experts fp4 [--cudagraph-mode full] [--fp8-activations]
 On a CPU (small slice, torch backend):
     python3 -m bench.stored_parity --small --dense fp8 --experts fp4
 """
@@ -77,7 +81,10 @@ def main() -> None:
         tokens_per_request=prompt_len + args.new_tokens + 1, graph_batch_sizes=(args.prompts,),
     )
     decoded = generate_slice(args, weight_storage="decoded")
-    engines = {"stored": build_slice_engine(args, **sizes), "decoded": build_slice_engine(args, checkpoint=decoded, **sizes)}
+    engines = {
+        "stored": build_slice_engine(args, **sizes),
+        "decoded": build_slice_engine(args, checkpoint=decoded, fp8_activations=False, **sizes),
+    }
     engine = engines["stored"]
     reference = ReferenceModel(engines["decoded"].params, batch_invariant=engine.options.batch_invariant)
     prompts = random_prompts(args.prompts, prompt_len, engine.config.vocab_size, seed=1)

@@ -179,6 +179,7 @@ class Engine(EngineClient):
             kernels=load_kernels(options.kernel_backend),
             offload=offload,
             batch_invariant=bool(options.batch_invariant),
+            fp8_activations=options.fp8_activations,
             decoder_replay=options.decoder_swa_bounded_replay,
             decode_graphs=layout.decode_buckets(params.config, options),
             token_graphs=layout.token_buckets(options),

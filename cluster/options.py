@@ -124,6 +124,12 @@ class EngineOptions:
     # (the checkpoint's bytes, model/stored_weights.py; every kernel decodes its tiles
     # exactly) or "decoded" (the compute dtype, 2-4x the bytes).
     weight_storage: str = "stored"
+    # Whether the projections through FP8 weights quantise their activations to FP8
+    # E4M3 per token and 32 channels (model/linalg.py's FP8-activation mode: a
+    # prefill's GEMMs then run at the tensor cores' FP8 rate). Off: the activations
+    # stay in the compute dtype, the reference's arithmetic. On, logits differ from
+    # the reference's within the bound bench/fp8_activations.py measures.
+    fp8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -168,9 +174,14 @@ class EngineOptions:
         self._check_speculation()
         self._check_graphs()
         self._check_async_scheduling()
-        for name in ("enable_tbo_prefill", "tbo_prefill_token_split"):
+        for name in ("enable_tbo_prefill", "tbo_prefill_token_split", "fp8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineError(f"{name}: {getattr(self, name)!r} (allowed: True, False)")
+        if self.fp8_activations and self.weight_storage != "stored":
+            raise EngineError(
+                f"fp8_activations: True with weight_storage {self.weight_storage!r} (allowed: with 'stored', where "
+                "the FP8 weights whose projections it quantises stay FP8)"
+            )
         minimum = self.tbo_prefill_min_tokens
         if not isinstance(minimum, int) or isinstance(minimum, bool) or minimum < 0:
             raise EngineError(f"tbo_prefill_min_tokens: {minimum!r} (allowed: an integer >= 0)")

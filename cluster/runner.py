@@ -52,7 +52,7 @@ from dsv41.cluster.token_graphs import TokenGraphs
 from dsv41.model.bounded_replay import tail_start
 from dsv41.model.device import move_tensors
 from dsv41.model.kernels.interface import PagedKernels
-from dsv41.model.linalg import batch_invariant, cpu_threads
+from dsv41.model.linalg import cpu_threads
 from dsv41.model.microbatch import MoESteps
 from dsv41.model.params import LayerParams, ModelParams
 from dsv41.model.runtime import Microbatch, PagedRuntime
@@ -157,6 +157,7 @@ class ModelRunner:
         kernels: PagedKernels | None = None,
         offload: OffloadConnector | None = None,
         batch_invariant: bool = False,
+        fp8_activations: bool = False,
         decoder_replay: bool = False,
         decode_graphs: DecodeBuckets | None = None,
         begin_decode_width: Callable[[DecodeWidth], None] | None = None,
@@ -174,7 +175,9 @@ class ModelRunner:
         self.checkpoints = Checkpoints(self.pools)
         self.requests = PersistentBatch(size.num_slots)
         cpu_threads(batch_invariant, device)
-        self.runtime = PagedRuntime(params, moe=moe, kernels=kernels, batch_invariant=batch_invariant)
+        self.runtime = PagedRuntime(
+            params, moe=moe, kernels=kernels, batch_invariant=batch_invariant, fp8_activations=fp8_activations
+        )
         self.sampler = Sampler(config.vocab_size)
         self.eos_token_id = config.eos_token_id
         self.shape = PoolShape.of(geometry, config.sliding_window)
@@ -433,7 +436,7 @@ class ModelRunner:
             return StepResult(step_id=batch.step_id)
         # Under decoder replay the last layer's MoE runs its query rows eagerly.
         eager_layer = self.params.layers[-1].layer_id if self.decoder_replay else None
-        with batch_invariant(self.runtime.batch_invariant):
+        with self.runtime.arithmetic():
             self.runtime.moe_padding(self.params.layers, self.token_graphs, eager_layer)
         return StepResult(step_id=batch.step_id)
 

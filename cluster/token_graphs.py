@@ -40,7 +40,6 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from dsv41.cluster.cuda_graphs import CaptureReport, GraphRecorder, page_buckets
-from dsv41.model.linalg import batch_invariant
 from dsv41.model.mhc import HcMix
 from dsv41.model.microbatch import MoESteps, Steps, run_steps
 from dsv41.model.params import LayerParams
@@ -165,7 +164,7 @@ class TokenGraphs:
         # runtime's arithmetic mode, as its forward runs the parts (outside it, the
         # batch-invariant mode's GEMMs and reductions would be recorded as cuBLAS's and
         # torch's, whose bits differ from the eager step's).
-        with torch.no_grad(), batch_invariant(self.runtime.batch_invariant):
+        with torch.no_grad(), self.runtime.arithmetic():
             for i, rows in enumerate(reversed(self.buckets), start=1):
                 buffers = self._buffers[rows]
                 for part, layer, run in self._parts():

@@ -218,8 +218,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def _runtime_options(args: argparse.Namespace) -> dict[str, object]:
     """The engine options of how the runtime runs that generate, validate and serve
-    share: --method / --num-speculative-tokens, --cudagraph-mode, --weight-storage and
-    --async-scheduling (none when not given)."""
+    share: --method / --num-speculative-tokens, --cudagraph-mode, --weight-storage,
+    --fp8-activations and --async-scheduling (none when not given)."""
     options: dict[str, object] = {}
     if args.method is not None:
         options["speculative_method"] = args.method
@@ -229,6 +229,8 @@ def _runtime_options(args: argparse.Namespace) -> dict[str, object]:
         options["cudagraph_mode"] = args.cudagraph_mode
     if args.weight_storage is not None:
         options["weight_storage"] = args.weight_storage
+    if args.fp8_activations:
+        options["fp8_activations"] = True
     if args.async_scheduling:
         options["async_scheduling"] = True
     return options
@@ -259,6 +261,13 @@ def _add_runtime_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="stored (default: a quantised checkpoint's FP8 / FP4 weights stay in its bytes, decoded in each kernel) "
         "or decoded (the compute dtype, 2-4x the bytes)",
+    )
+    p.add_argument(
+        "--fp8-activations",
+        action="store_true",
+        help="quantise the inputs of the projections through FP8 weights to FP8 E4M3 per token and 32 channels (a "
+        "prefill's GEMMs on a GPU then run FP8 x FP8); logits then differ from the reference's within the bound "
+        "bench/fp8_activations.py measures (default: off, the compute dtype)",
     )
 
 
@@ -339,6 +348,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def cmd_validate(args: argparse.Namespace) -> None:
     from dsv41.cluster.validate import ReplicaShape, ValidationError, run_validation
 
+    if args.fp8_activations:
+        raise SystemExit(
+            "dsv41 validate: --fp8-activations: validation holds the engine to the reference's arithmetic, whose "
+            "activations are unquantised (measure FP8 activations' difference with bench.stored_parity "
+            "--fp8-activations)"
+        )
     model = args.model or default_model_dir()
     on_ray = args.backend == "ray"
     if on_ray:

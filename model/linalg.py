@@ -39,6 +39,18 @@ range has such an end too, so the CPU mode runs on one thread (``cpu_threads``).
 Reductions over a handful of elements (the hc streams, a row's top-k slots) are
 explicit sums in a fixed order (``ordered_sum``).
 
+The FP8-activation mode (``fp8_activations(True)``, entered by a forward whose
+engine asks for it) changes the arithmetic of every projection through an FP8 weight:
+its input is quantised to FP8 E4M3 per row and 32 channels with E8M0 (power-of-two)
+scales, formats.quantize_fp8's grid (the one the model's FP8 caches use), and
+multiplied as those values. A prefill's rows on a GPU outside the batch-invariant mode
+run that as an FP8 x FP8 GEMM (``GpuKernels.fp8_matmul``: the tensor cores' FP8 rate);
+any other call multiplies the fake-quantised rows (formats.round_fp8, exact in the
+compute dtype) by the weight as it would its plain input, so a row's activations are
+the same values whichever path runs it. The reference model keeps its inputs
+unquantised: MODEL_FACTS has a quantised GEMM's difference from it measured, never
+assumed (bench/fp8_activations.py).
+
 Must not import: cache, cluster, actors, deploy, ray, triton, model.kernels (they
 import this module).
 """
@@ -53,6 +65,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from dsv41.model.formats import FP8_BLOCK, round_fp8
 from dsv41.model.stored_weights import Fp4Weight, Fp8Weight, Weight
 
 logger = logging.getLogger(__name__)
@@ -83,11 +96,14 @@ class GpuKernels:
     one tile walk per output tile (``row_invariant=False``: a row's sum order may depend
     on M, for FP8 weights outside the mode); ``row_sum(x [..., C])`` -> [...] fp32 with
     one order per row; ``decode_fp8(w)`` -> an FP8 weight's exact decode in its compute
-    dtype, in one pass."""
+    dtype, in one pass; ``fp8_matmul(x [M, K], w)`` -> x quantised to FP8 per row and
+    32 channels times the FP8 weight on the FP8 tensor cores, in w's compute dtype (K a
+    multiple of 32)."""
 
     matmul: Callable[..., torch.Tensor]
     row_sum: Callable[[torch.Tensor], torch.Tensor]
     decode_fp8: Callable[[Fp8Weight], torch.Tensor]
+    fp8_matmul: Callable[[torch.Tensor, Fp8Weight], torch.Tensor]
 
 
 _gpu_kernels: GpuKernels | None = None
@@ -124,6 +140,24 @@ def batch_invariant(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _mode.enabled = previous
+
+
+def fp8_activations_enabled() -> bool:
+    """Whether this thread's projections through FP8 weights quantise their inputs to
+    FP8 (the module docstring)."""
+    return getattr(_mode, "fp8_activations", False)
+
+
+@contextmanager
+def fp8_activations(enabled: bool) -> Iterator[None]:
+    """Runs the block with (or without) FP8 activations in the projections through FP8
+    weights; the previous setting is restored afterwards."""
+    previous = fp8_activations_enabled()
+    _mode.fp8_activations = bool(enabled)
+    try:
+        yield
+    finally:
+        _mode.fp8_activations = previous
 
 
 def default_batch_invariant(device: torch.device | str) -> bool:
@@ -176,7 +210,14 @@ def _plain(x: torch.Tensor, weight: Weight) -> torch.Tensor | Fp8Weight:
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """``x @ weight.T``: x [..., K], weight [N, K] -> [..., N] in x's dtype (the
-    operands must share a dtype; a stored weight decodes to x's)."""
+    operands must share a dtype; a stored weight decodes to x's). In the FP8-activation
+    mode an FP8 weight's input is quantised first (the module docstring)."""
+    if isinstance(weight, Fp8Weight) and fp8_activations_enabled():
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)
+        if x.is_cuda and not batch_invariant_enabled() and rows.shape[0] >= DECODED_GEMM_ROWS and k % FP8_BLOCK == 0:
+            return _gpu().fp8_matmul(rows, weight).reshape(*lead, weight.shape[0])
+        x = round_fp8(x)
     weight = _plain(x, weight)
     if isinstance(weight, Fp8Weight):
         lead, k = x.shape[:-1], x.shape[-1]
@@ -219,6 +260,9 @@ def grouped_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """Group g of every row through its own projection, the g-th of G equal row blocks
     of ``weight``: x [T, G, I], weight [G * O, I] -> [T, G, O]."""
     groups = x.shape[1]
+    if isinstance(weight, Fp8Weight) and fp8_activations_enabled() and not x.is_cuda:
+        # On a GPU each group's ``linear`` quantises its own rows.
+        x = round_fp8(x)
     weight = _plain(x, weight)
     if isinstance(weight, Fp8Weight):
         return torch.stack([linear(x[:, g], w) for g, w in enumerate(weight.row_groups(groups))], dim=1)

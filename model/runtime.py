@@ -34,8 +34,9 @@ Must not import: cache, cluster, actors, deploy, ray.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -46,7 +47,7 @@ from dsv41.model.config import LayerMode, V41Config
 from dsv41.model.indexer import EMPTY, SelectionState, index_query
 from dsv41.model.kernels.interface import ExpertBank, PagedKernels, PlaneSource
 from dsv41.model.kernels.torch_backend import TorchKernels
-from dsv41.model.linalg import batch_invariant, linear
+from dsv41.model.linalg import batch_invariant, fp8_activations, linear
 from dsv41.model.mhc import HcMix, final_hidden, first_pre, open_site, run_site, site_input
 from dsv41.model.microbatch import EngramRows, EngramSource, MoESteps, StagedEngramRows, Steps, interleave, run_steps
 from dsv41.model.moe import ExpertWeights, Routing
@@ -262,9 +263,11 @@ class PagedRuntime:
         moe: MoEFn | None = None,
         kernels: PagedKernels | None = None,
         batch_invariant: bool = False,
+        fp8_activations: bool = False,
     ) -> None:
         self.params = params
         self.batch_invariant = batch_invariant
+        self.fp8_activations = fp8_activations
         self.config = params.config
         self.dtype = params.embed.dtype
         self.moe: MoEFn = moe or self._local_moe
@@ -280,6 +283,15 @@ class PagedRuntime:
             for layer in params.layers:
                 if layer.engram is not None:
                     self._map_engram_table(layer)
+
+    @contextmanager
+    def arithmetic(self) -> Iterator[None]:
+        """The block under this runtime's arithmetic modes (model/linalg.py): the
+        batch-invariant mode and the FP8 activations of the FP8-weight projections as
+        it was built with. Every forward runs under it, and so must anything recorded
+        for one (a graph keeps the kernels chosen while it was recorded)."""
+        with batch_invariant(self.batch_invariant), fp8_activations(self.fp8_activations):
+            yield
 
     def _map_engram_table(self, layer: LayerParams) -> None:
         """Makes ``layer``'s Engram table readable by the device's kernels, after
@@ -347,7 +359,7 @@ class PagedRuntime:
             self.config.topology.decoder_start,
             None if decoder is None else decoder.rows,
         )
-        with batch_invariant(self.batch_invariant):
+        with self.arithmetic():
             steps = self._steps(
                 token_ids, engram, torch.arange(rows), plan, store, logit_rows, decoder, None, capture_layers, segments
             )
@@ -365,7 +377,7 @@ class PagedRuntime:
         rows = token_ids.numel()
         logit_rows = torch.arange(rows, device=token_ids.device)
         engram = StagedEngramRows(self.engram_rows, engram_ngrams)
-        with batch_invariant(self.batch_invariant):
+        with self.arithmetic():
             steps = self._steps(token_ids, engram, torch.arange(rows), plan, store, logit_rows, None, None)
             return run_steps(steps).logits
 
@@ -398,7 +410,7 @@ class PagedRuntime:
             decoder_rows,
             readers=len(microbatches),
         )
-        with batch_invariant(self.batch_invariant):
+        with self.arithmetic():
             outputs = interleave(
                 [
                     self._steps(

@@ -26,7 +26,7 @@ from dsv41.cluster.engine import Engine
 from dsv41.cluster.options import EngineOptions
 from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.config import FLASH_CONFIG_DIR, V41Config
-from dsv41.model.linalg import KEY_TILE
+from dsv41.model.linalg import KEY_TILE, fp8_activations
 from dsv41.model.params import ModelParams
 from dsv41.model.reference import ReferenceModel
 from dsv41.model.reference_slice import SliceModel, SliceSpec, load_slice
@@ -113,6 +113,26 @@ def test_parity_holds_on_the_quantised_and_the_second_checkpoint(tiny_quantized_
     _assert_parity(quantized, _prompt(quantized.config.vocab_size, 200, 9), RAGGED)
     alt = Engine.from_pretrained(tiny_alt_dir, block_size=64, enable_prefix_caching=False, max_num_seqs=4)
     _assert_parity(alt, _prompt(alt.config.vocab_size, 260, 8), RAGGED)
+
+
+def test_parity_holds_with_fp8_activations(tiny_quantized_dir: Path) -> None:
+    """An engine with fp8_activations gives, bit for bit, the dense forward run in
+    linalg's FP8-activation mode over the same stored weights (the same arithmetic:
+    each FP8-weight projection's input quantised per row and 32 channels), whatever
+    the chunking; and its logits are not the unquantised engine's."""
+    engine = Engine.from_pretrained(
+        tiny_quantized_dir, block_size=32, enable_prefix_caching=False, max_num_seqs=4, fp8_activations=True
+    )
+    prompt = _prompt(engine.config.vocab_size, 200, 9)
+    with fp8_activations(True):
+        want = ReferenceModel(engine.params).forward(prompt)
+    for chunking in RAGGED:
+        paged = engine.prompt_logits(prompt, chunk_sizes=chunking)
+        assert torch.equal(paged.logits, want.logits), f"chunks {chunking}"
+        for layer, selected in want.selections.items():
+            assert torch.equal(paged.selections[layer], selected), f"chunks {chunking}, layer {layer}"
+    plain = Engine.from_pretrained(tiny_quantized_dir, block_size=32, enable_prefix_caching=False, max_num_seqs=4)
+    assert not torch.equal(plain.prompt_logits(prompt).logits, want.logits)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["plain", "fp8"])

@@ -22,7 +22,8 @@ def test_yaml_engine_options_and_cli_flags_select_dspark() -> None:
     parsed = build_parser().parse_args(["generate", "--prompt", "x", "--max-tokens", "3", "--method", "dspark", "--num-speculative-tokens", "5"])
     assert _runtime_options(parsed) == {"speculative_method": "dspark", "num_speculative_tokens": 5}
     unset = argparse.Namespace(
-        method=None, num_speculative_tokens=None, cudagraph_mode=None, weight_storage=None, async_scheduling=False
+        method=None, num_speculative_tokens=None, cudagraph_mode=None, weight_storage=None, fp8_activations=False,
+        async_scheduling=False,
     )
     assert _runtime_options(unset) == {}
 
@@ -37,6 +38,11 @@ def test_the_cli_flag_selects_the_graph_mode_and_its_refusal_names_why() -> None
     assert _runtime_options(parsed) == {"weight_storage": "decoded"}
     parsed = build_parser().parse_args(["generate", "--prompt", "x", "--max-tokens", "4", "--async-scheduling"])
     assert _runtime_options(parsed) == {"async_scheduling": True}
+    parsed = build_parser().parse_args(["serve", "--fp8-activations"])
+    assert _runtime_options(parsed) == {"fp8_activations": True}
+    assert engine_options(AppArgs.from_dict({"engine": {"fp8_activations": True}}).engine_options()).fp8_activations
+    with pytest.raises(SystemExit, match="dsv41 validate: --fp8-activations: validation holds the engine to the reference"):
+        main(["validate", "--output", "x.json", "--fp8-activations"])
     with pytest.raises(SystemExit, match="dsv41 generate: cudagraph_mode: 'full' with kernel_backend 'torch' on 'cpu'"):
         main(["generate", "--prompt", "x", "--max-tokens", "4", "--cudagraph-mode", "full"])
 

@@ -194,6 +194,10 @@ def test_bad_stored_forms_and_options_are_refused(tiny_quantized_dir: Path) -> N
         Fp4Weight(packed.view(torch.uint8), fp4_scale[:, :1], torch.float32)
     with pytest.raises(EngineError, match="weight_storage"):
         Engine.from_pretrained(tiny_quantized_dir, weight_storage="fp8")
+    with pytest.raises(EngineError, match="fp8_activations: True with weight_storage 'decoded'"):
+        Engine.from_pretrained(tiny_quantized_dir, weight_storage="decoded", fp8_activations=True)
+    with pytest.raises(EngineError, match="fp8_activations: 'yes'"):
+        Engine.from_pretrained(tiny_quantized_dir, fp8_activations="yes")
 
 
 def test_a_stored_load_refuses_a_dtype_that_cannot_hold_the_values(tiny_quantized_dir: Path) -> None:

@@ -1,0 +1,91 @@
+"""The FP8-activation projection (model/kernels/triton/fp8_gemm.py, model/linalg.py's
+FP8-activation mode): the rows' FP8 bytes are formats.quantize_fp8's; the FP8 x FP8
+product is the fake-quantised rows' product with the decoded weight up to fp32
+summation order; and in the mode every path of ``linear`` / ``grouped_linear`` through
+an FP8 weight multiplies the same quantised activations, while plain weights and the
+mode's absence keep the compute dtype's.
+
+The kernel cases run where the Triton kernels run: on the CPU interpreter here. On a
+GPU the FP8 tensor cores accumulate a 32-term dot with fewer bits than fp32, so the
+fp32 bound below is the interpreter's; the GPU's difference is bench.kernels' to
+measure (--gemm-only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.model import formats
+from dsv41.model.linalg import batch_invariant, fp8_activations, fp8_activations_enabled, grouped_linear, linear
+from dsv41.model.stored_weights import Fp8Weight
+
+pytest.importorskip("triton")
+
+from dsv41.model.kernels.triton.fp8_gemm import fp8_activation_matmul, quantise_fp8_rows  # noqa: E402
+
+# fp32's unit roundoff.
+U32 = 2.0**-24
+
+
+def _fp8_weight(rows: int, cols: int, dtype: torch.dtype, seed: int) -> Fp8Weight:
+    generator = torch.Generator().manual_seed(seed)
+    values, scale = formats.quantize_fp8_weight(torch.randn(rows, cols, generator=generator) * 0.05)
+    return Fp8Weight(values.view(torch.float8_e4m3fn), scale, dtype)
+
+
+def _rows(m: int, k: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    # Rows whose 32-channel groups span many magnitudes, so the groups' scales differ.
+    return torch.randn(m, k, generator=generator) * torch.logspace(-3, 2, k // 32).repeat_interleave(32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's fp32 bound (module docstring)")
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 32, 16), (37, 96, 70), (130, 256, 129), (0, 64, 32)])
+def test_the_fp8_product_is_the_fake_quantised_rows_times_the_decoded_weight(m: int, k: int, n: int) -> None:
+    """The rows' bytes and scales are formats.quantize_fp8's exactly; the product, in
+    fp32, is within fp32 summation error of (round_fp8(x) @ decoded weight.T) computed
+    in float64: 31 roundings in a 32-term block dot and one per block in the
+    accumulator, each at most U32 of the absolute products' sum."""
+    x = _rows(m, k, seed=m + k)
+    weight = _fp8_weight(n, k, torch.float32, seed=n)
+    values, scales = quantise_fp8_rows(x)
+    want_values, want_scales = formats.quantize_fp8(x)
+    assert torch.equal(values, want_values) and torch.equal(scales, want_scales)
+    got = fp8_activation_matmul(x, weight)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    a, b = formats.round_fp8(x).double(), weight.decoded(torch.float32).double()
+    bound = (31 + k // 32) * U32 * (a.abs() @ b.abs().T)
+    assert bool(((got.double() - a @ b.T).abs() <= bound).all())
+
+
+def test_quantising_refuses_partial_scale_groups() -> None:
+    """A width that is not whole 32-channel groups is named in the error."""
+    with pytest.raises(ValueError, match="width 40"):
+        quantise_fp8_rows(torch.zeros(2, 40))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_the_mode_quantises_an_fp8_weights_input_and_nothing_else(invariant: bool) -> None:
+    """In the mode (either batch-invariance), linear through an FP8 weight equals
+    linear of the fake-quantised input outside it, bit for bit; grouped_linear too;
+    a plain weight's product is unchanged; leaving the mode restores the plain
+    arithmetic."""
+    x = _rows(5, 64, seed=1).to(torch.bfloat16)
+    weight = _fp8_weight(96, 64, torch.bfloat16, seed=2)
+    plain = weight.decoded()
+    grouped_x = _rows(5, 64, seed=3).to(torch.bfloat16).view(5, 2, 32)
+    grouped_weight = _fp8_weight(128, 32, torch.bfloat16, seed=4)
+    with batch_invariant(invariant):
+        want = linear(formats.round_fp8(x), weight)
+        want_grouped = grouped_linear(formats.round_fp8(grouped_x), grouped_weight)
+        want_plain = linear(x, plain)
+        unquantised = linear(x, weight)
+        with fp8_activations(True):
+            assert fp8_activations_enabled()
+            assert torch.equal(linear(x, weight), want)
+            assert torch.equal(grouped_linear(grouped_x, grouped_weight), want_grouped)
+            assert torch.equal(linear(x, plain), want_plain)
+        assert not fp8_activations_enabled()
+        assert torch.equal(linear(x, weight), unquantised)
+    assert not torch.equal(want, unquantised), "the quantisation changed something"
