@@ -98,12 +98,14 @@ class GpuKernels:
     one order per row; ``decode_fp8(w)`` -> an FP8 weight's exact decode in its compute
     dtype, in one pass; ``fp8_matmul(x [M, K], w)`` -> x quantised to FP8 per row and
     32 channels times the FP8 weight on the FP8 tensor cores, in w's compute dtype (K a
-    multiple of 32)."""
+    multiple of 32); ``round_fp8(x [M, K])`` -> bf16 rows on that FP8 grid
+    (formats.round_fp8's bits, K a multiple of 32) in one launch."""
 
     matmul: Callable[..., torch.Tensor]
     row_sum: Callable[[torch.Tensor], torch.Tensor]
     decode_fp8: Callable[[Fp8Weight], torch.Tensor]
     fp8_matmul: Callable[[torch.Tensor, Fp8Weight], torch.Tensor]
+    round_fp8: Callable[[torch.Tensor], torch.Tensor]
 
 
 _gpu_kernels: GpuKernels | None = None
@@ -215,9 +217,13 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     if isinstance(weight, Fp8Weight) and fp8_activations_enabled():
         lead, k = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, k)
-        if x.is_cuda and not batch_invariant_enabled() and rows.shape[0] >= DECODED_GEMM_ROWS and k % FP8_BLOCK == 0:
+        whole_groups = k % FP8_BLOCK == 0
+        if x.is_cuda and not batch_invariant_enabled() and rows.shape[0] >= DECODED_GEMM_ROWS and whole_groups:
             return _gpu().fp8_matmul(rows, weight).reshape(*lead, weight.shape[0])
-        x = round_fp8(x)
+        if x.is_cuda and x.dtype == torch.bfloat16 and whole_groups:
+            x = _gpu().round_fp8(rows).reshape(x.shape)
+        else:
+            x = round_fp8(x)
     weight = _plain(x, weight)
     if isinstance(weight, Fp8Weight):
         lead, k = x.shape[:-1], x.shape[-1]

@@ -1,5 +1,6 @@
 """The FP8-activation projection (model/kernels/triton/fp8_gemm.py, model/linalg.py's
-FP8-activation mode): the rows' FP8 bytes are formats.quantize_fp8's; the FP8 x FP8
+FP8-activation mode): the rows' FP8 bytes, and their values rounded in bf16, are
+formats.quantize_fp8's and round_fp8's; the FP8 x FP8
 product is the fake-quantised rows' product with the decoded weight up to fp32
 summation order; and in the mode every path of ``linear`` / ``grouped_linear`` through
 an FP8 weight multiplies the same quantised activations, while plain weights and the
@@ -22,7 +23,7 @@ from dsv41.model.stored_weights import Fp8Weight
 
 pytest.importorskip("triton")
 
-from dsv41.model.kernels.triton.fp8_gemm import fp8_activation_matmul, quantise_fp8_rows  # noqa: E402
+from dsv41.model.kernels.triton.fp8_gemm import fp8_activation_matmul, quantise_fp8_rows, round_fp8_rows  # noqa: E402
 
 # fp32's unit roundoff.
 U32 = 2.0**-24
@@ -59,10 +60,24 @@ def test_the_fp8_product_is_the_fake_quantised_rows_times_the_decoded_weight(m: 
     assert bool(((got.double() - a @ b.T).abs() <= bound).all())
 
 
-def test_quantising_refuses_partial_scale_groups() -> None:
-    """A width that is not whole 32-channel groups is named in the error."""
+@pytest.mark.parametrize(("m", "k"), [(1, 32), (37, 96), (130, 256), (0, 64)])
+def test_rounded_rows_are_formats_bits(m: int, k: int) -> None:
+    """bf16 rows rounded to the FP8 grid in one launch equal formats.round_fp8's bit for
+    bit (the values the GPU's bf16 GEMMs multiply in the FP8-activation mode)."""
+    x = _rows(m, k, seed=m * k + 1).to(torch.bfloat16)
+    got = round_fp8_rows(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), formats.round_fp8(x).view(torch.int16))
+
+
+def test_quantising_refuses_partial_scale_groups_and_rounding_other_dtypes() -> None:
+    """A width that is not whole 32-channel groups, and fp32 rows for the bf16
+    rounding, are named in the error."""
     with pytest.raises(ValueError, match="width 40"):
         quantise_fp8_rows(torch.zeros(2, 40))
+    with pytest.raises(ValueError, match="width 40"):
+        round_fp8_rows(torch.zeros(2, 40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="torch.float32"):
+        round_fp8_rows(torch.zeros(2, 64))
 
 
 @pytest.mark.parametrize("invariant", [False, True])

@@ -45,7 +45,7 @@ from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_k
 from dsv41.model.kernels.triton.decode import INTERPRETED
 from dsv41.model.kernels.triton.engram import engram_rows
 from dsv41.model.kernels.triton.epilogue import fused_epilogue
-from dsv41.model.kernels.triton.fp8_gemm import fp8_activation_matmul
+from dsv41.model.kernels.triton.fp8_gemm import fp8_activation_matmul, round_fp8_rows
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
 from dsv41.model.kernels.triton.mhc import fused_collapse_norm, fused_expand, fused_hc_mix
@@ -66,7 +66,11 @@ VALUES_PER_PROGRAM = 4096
 logger = logging.getLogger(__name__)
 register_gpu_kernels(
     GpuKernels(
-        matmul=fixed_tile_matmul, row_sum=row_sum, decode_fp8=decode_fp8_weight, fp8_matmul=fp8_activation_matmul
+        matmul=fixed_tile_matmul,
+        row_sum=row_sum,
+        decode_fp8=decode_fp8_weight,
+        fp8_matmul=fp8_activation_matmul,
+        round_fp8=round_fp8_rows,
     )
 )
 # Under the interpreter dot operands stay fp32. The products are exact either way

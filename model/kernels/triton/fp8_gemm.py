@@ -2,7 +2,8 @@
 FP8 tensor cores.
 
 Owns ``fp8_activation_matmul`` (model/linalg.py's ``GpuKernels.fp8_matmul``) and its
-GEMM kernel. The rows are quantised by store.py's ``store_rows_kernel`` (the plane
+GEMM kernel, and ``round_fp8_rows`` (``GpuKernels.round_fp8``: the rows' fake
+quantisation for the calls that multiply them in bf16). The rows are quantised by store.py's ``store_rows_kernel`` (the plane
 writer's FP8 path: E4M3 codes and one E8M0 power-of-two scale per row and 32
 channels, formats.quantize_fp8's bits), then each output tile walks K one 32-wide
 block at a time: the block's [BLOCK_M, 32] x [32, BLOCK_N] E4M3 product on the tensor
@@ -39,7 +40,8 @@ from dsv41.model.stored_weights import FP8_TILE, Fp8Weight
 FP8_GEMM_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
 # store_rows_kernel's rows per program: a row of a 4,096-wide projection input each.
 QUANTISE_VALUES_PER_PROGRAM = 4096
-# store_rows_kernel's format code for FP8 (decode.load_decoded's).
+# store_rows_kernel's format codes (decode.load_decoded's): bf16 bit patterns, FP8.
+BF16_FORMAT = 0
 FP8_FORMAT = 1
 # The GEMM scales each K step by the rows' and the weight's scale of that step alone.
 if FP8_BLOCK != FP8_TILE:
@@ -94,16 +96,18 @@ def fp8_scaled_matmul_kernel(
     )
 
 
-def quantise_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) as E4M3 bytes [M, K] and E8M0 scale bytes [M, K /
-    32] (uint8 both): formats.quantize_fp8(x)'s bytes, in one launch."""
-    m, k = x.shape
+def _check_width(k: int) -> None:
     if k % FP8_BLOCK:
         raise ValueError(f"x: width {k} (allowed: a multiple of {FP8_BLOCK}, whole scale groups)")
-    values = torch.empty(m, k, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(m, row_scale_groups(k, FP8_BLOCK), dtype=torch.uint8, device=x.device)
+
+
+def _store_fp8_rows(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, store_fmt: int) -> None:
+    """x's rows on the FP8 grid into ``values`` (E4M3 bytes, FP8_FORMAT, with their
+    scale bytes in ``scales``; or bf16 bit patterns of the rounded values, BF16_FORMAT)
+    through the plane writer's kernel: one plane unit of x's rows, row i at row i."""
+    m, k = x.shape
     if m == 0:
-        return values, scales
+        return
     x = x.contiguous()
     rows_per_program = max(1, QUANTISE_VALUES_PER_PROGRAM // triton.next_power_of_2(k))
     store_rows_kernel[(triton.cdiv(m, rows_per_program),)](
@@ -122,7 +126,7 @@ def quantise_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         BLOCK=FP8_BLOCK,
         NUM_BLOCKS=triton.next_power_of_2(k // FP8_BLOCK),
         BLOCK_R=rows_per_program,
-        STORE_FMT=FP8_FORMAT,
+        STORE_FMT=store_fmt,
         ROUND_FMT=FP8_FORMAT,
         FP8_MAX=FP8_E4M3_MAX,
         FP8_FLOOR=FP8_AMAX_FLOOR,
@@ -130,7 +134,32 @@ def quantise_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         MXFP4_FLOOR=MXFP4_AMAX_FLOOR,
         NVFP4_FLOOR=NVFP4_AMAX_FLOOR,
     )
+
+
+def quantise_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) as E4M3 bytes [M, K] and E8M0 scale bytes [M, K /
+    32] (uint8 both): formats.quantize_fp8(x)'s bytes, in one launch."""
+    m, k = x.shape
+    _check_width(k)
+    values = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(m, row_scale_groups(k, FP8_BLOCK), dtype=torch.uint8, device=x.device)
+    _store_fp8_rows(x, values, scales, FP8_FORMAT)
     return values, scales
+
+
+def round_fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """bf16 rows x [M, K] (K a multiple of 32) on the FP8 grid, in bf16:
+    formats.round_fp8(x)'s bits in one launch instead of its chain of torch ops (what a
+    decode step's projections in the FP8-activation mode quantise with on a GPU)."""
+    m, k = x.shape
+    _check_width(k)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x: {x.dtype} (allowed: torch.bfloat16)")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    bits = out.view(torch.int16)
+    # A bf16 store writes no scales: the kernel is handed the values again, never read.
+    _store_fp8_rows(x, bits, bits, BF16_FORMAT)
+    return out
 
 
 def fp8_scaled_matmul(
