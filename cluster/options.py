@@ -128,7 +128,7 @@ class EngineOptions:
     # E4M3 per token and 32 channels (model/linalg.py's FP8-activation mode: a
     # prefill's GEMMs then run at the tensor cores' FP8 rate). Off: the activations
     # stay in the compute dtype, the reference's arithmetic. On, logits differ from
-    # the reference's within the bound bench/fp8_activations.py measures.
+    # the reference's within the bound bench/stored_parity.py --fp8-activations measures.
     fp8_activations: bool = False
 
     def __post_init__(self) -> None:

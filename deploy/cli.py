@@ -267,7 +267,7 @@ def _add_runtime_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="quantise the inputs of the projections through FP8 weights to FP8 E4M3 per token and 32 channels (a "
         "prefill's GEMMs on a GPU then run FP8 x FP8); logits then differ from the reference's within the bound "
-        "bench/fp8_activations.py measures (default: off, the compute dtype)",
+        "bench.stored_parity --fp8-activations measures (default: off, the compute dtype)",
     )
 
 

@@ -49,7 +49,7 @@ any other call multiplies the fake-quantised rows (formats.round_fp8, exact in t
 compute dtype) by the weight as it would its plain input, so a row's activations are
 the same values whichever path runs it. The reference model keeps its inputs
 unquantised: MODEL_FACTS has a quantised GEMM's difference from it measured, never
-assumed (bench/fp8_activations.py).
+assumed (bench/stored_parity.py --fp8-activations).
 
 Must not import: cache, cluster, actors, deploy, ray, triton, model.kernels (they
 import this module).

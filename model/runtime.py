@@ -274,12 +274,14 @@ class PagedRuntime:
         self.batch_invariant = batch_invariant
         self.fp8_activations = fp8_activations
         device = params.embed.device
-        if fp8_activations and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_DOT_CAPABILITY:
-            capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
-            raise ValueError(
-                f"fp8_activations: True on {torch.cuda.get_device_name(device)} (compute capability {capability}; "
-                f"allowed: {'.'.join(map(str, FP8_DOT_CAPABILITY))} or newer, whose tensor cores multiply FP8)"
-            )
+        if fp8_activations and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < FP8_DOT_CAPABILITY:
+                raise ValueError(
+                    f"fp8_activations: True on {torch.cuda.get_device_name(device)} (compute capability "
+                    f"{'.'.join(map(str, capability))}; allowed: {'.'.join(map(str, FP8_DOT_CAPABILITY))} or newer, "
+                    "whose tensor cores multiply FP8)"
+                )
         self.config = params.config
         self.dtype = params.embed.dtype
         self.moe: MoEFn = moe or self._local_moe
