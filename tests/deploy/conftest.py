@@ -151,12 +151,7 @@ class _SharedServeCluster:
         ingress's gRPC listener on ``grpc_port``)."""
         import ray
 
-        if self._base_url is not None and not (
-            ray.is_initialized() and ray.get_runtime_context().gcs_address == self._gcs_address
-        ):
-            # Another folder's tests ran in between and shut this cluster down (a test
-            # run that orders folders otherwise, e.g. tests/actors after a module here).
-            self._base_url, self._running = None, None
+        self._forget_if_gone()
         key = json.dumps({"args": app_args, "grpc_port": grpc_port}, sort_keys=True)
         if self._running == (name, key):
             assert self._base_url is not None
@@ -176,6 +171,18 @@ class _SharedServeCluster:
             raise
         self._running = (name, key)
         return self._base_url
+
+    def _forget_if_gone(self) -> None:
+        """Forgets the cluster if it is no longer the Ray up in this process: another
+        folder's tests ran in between and shut it down (a run that orders folders
+        otherwise, e.g. tests/actors after a module here, or a worker of a parallel run
+        that takes the files in its own order)."""
+        import ray
+
+        if self._base_url is not None and not (
+            ray.is_initialized() and ray.get_runtime_context().gcs_address == self._gcs_address
+        ):
+            self._base_url, self._running = None, None
 
     def withdraw(self) -> None:
         """Deletes the running application, if any, and waits for what it held."""
@@ -205,7 +212,9 @@ class _SharedServeCluster:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        """Withdraws the running application and shuts Serve and Ray down, if started."""
+        """Withdraws the running application and shuts Serve and Ray down, if started
+        and still up."""
+        self._forget_if_gone()
         if self._base_url is None:
             return
         try:
