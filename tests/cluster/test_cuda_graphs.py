@@ -35,7 +35,7 @@ BUCKETS = DecodeBuckets(batch_sizes=(1, 2, 4), page_counts=(1, 2, 4))
 # The interpreted-Triton case's buckets: one batch size, so one or two requests run it
 # padded or full and three beyond it; two PAGE counts.
 TRITON_BUCKETS = DecodeBuckets(batch_sizes=(2,), page_counts=(1, 2))
-TRITON_SEED = 17
+TRITON_SEED = 31
 
 
 def test_default_buckets() -> None:
@@ -191,9 +191,10 @@ def test_decode_steps_at_bucket_widths_give_the_eager_engines_tokens(
         block_size=32, max_num_seqs=6, enable_prefix_caching=False, kernel_backend=kernel_backend, num_pages=64
     )
     # Interpreted Triton takes seconds a step whatever its width (every layer's kernels
-    # run), so its case runs fewer steps: three requests arriving together (7 steps)
-    # on TRITON_BUCKETS, where they still make full, padded and beyond-bucket batches
-    # over two PAGE buckets. The torch case runs every width of BUCKETS. On the CPU a
+    # run), so its case runs fewer steps: three requests arriving together (6 steps, 42
+    # prompt tokens; the seed is the cheapest of 60 that makes every kind of step) on
+    # TRITON_BUCKETS, where they still make full, padded and beyond-bucket batches over
+    # two PAGE buckets. The torch case runs every width of BUCKETS. On the CPU a
     # Triton kernel's path depends on the width only through its padding rows (valid
     # mask off) and its PAGE-table columns past a request's PAGEs: the interpreter runs
     # one program per wave, so no key or entry split depends on the rows, and the
@@ -202,7 +203,7 @@ def test_decode_steps_at_bucket_widths_give_the_eager_engines_tokens(
     workload = dict(seed=3, requests=7, longest=40, longest_prompt=70)
     buckets = BUCKETS
     if kernel_backend == "triton":
-        workload = dict(seed=TRITON_SEED, requests=3, longest=8, longest_prompt=45, arrival_steps=1)
+        workload = dict(seed=TRITON_SEED, requests=3, longest=8, longest_prompt=36, arrival_steps=1)
         buckets = TRITON_BUCKETS
     eager = _workload(_engine(tiny_dir, None, **options), **workload)
     graphs_engine = _engine(tiny_dir, buckets, **options)
