@@ -39,6 +39,22 @@ from dsv41.model.tiny import TINY_ALT, TRAINED_TINY_DIR, make_tiny
 # oversubscribed when tests start worker processes.
 torch.set_num_threads(1)
 
+# The pytest-xdist group (`--dist loadgroup`, set in pyproject.toml) of the modules that
+# serve on tests/deploy's shared Serve cluster: one worker runs them one after another,
+# so the cluster starts once and the tiny application is deployed once, as in a run in
+# one process. Every other module is a group of its own, so its module fixtures start once.
+SHARED_SERVE_GROUP = "deploy-shared-serve-cluster"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test with its xdist group (SHARED_SERVE_GROUP or its file), before
+    xdist reads the marks."""
+    serving = {item.path for item in items if "serve_app" in item.fixturenames}
+    for item in items:
+        module = item.nodeid.partition("::")[0]
+        item.add_marker(pytest.mark.xdist_group(SHARED_SERVE_GROUP if item.path in serving else module))
+
 
 @pytest.fixture(scope="session")
 def worker_env() -> dict[str, dict[str, str]]:
