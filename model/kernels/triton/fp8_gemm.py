@@ -3,16 +3,17 @@ FP8 tensor cores.
 
 Owns ``fp8_activation_matmul`` (model/linalg.py's ``GpuKernels.fp8_matmul``) and its
 GEMM kernel, and ``round_fp8_rows`` (``GpuKernels.round_fp8``: the rows' fake
-quantisation for the calls that multiply them in bf16). The rows are quantised by store.py's ``store_rows_kernel`` (the plane
-writer's FP8 path: E4M3 codes and one E8M0 power-of-two scale per row and 32
-channels, formats.quantize_fp8's bits), then each output tile walks K one 32-wide
-block at a time: the block's [BLOCK_M, 32] x [32, BLOCK_N] E4M3 product on the tensor
-cores (products of E4M3 values are exact in fp32), scaled by the rows' and the
-weight's power-of-two scales of that block (exact) and added to an fp32 accumulator.
-Scaling every 32 channels is forced by the checkpoint's 32x32 weight scales; it is
-also DeepGEMM's fix for Hopper's FP8 accumulation, which keeps fewer bits than fp32
-over long K. So the result is the fake-quantised rows' product with the decoded
-weight up to fp32 summation order (tests/model/test_kernels_fp8_gemm.py bounds it).
+quantisation for the calls that multiply them in bf16). The rows are quantised by
+store.py's ``store_rows_kernel`` (the plane writer's FP8 path: E4M3 codes and one E8M0
+power-of-two scale per row and 32 channels, formats.quantize_fp8's bits), then each
+output tile walks K one 32-wide block at a time: the block's [BLOCK_M, 32] x [32,
+BLOCK_N] E4M3 product on the tensor cores (products of E4M3 values are exact in fp32),
+scaled by the rows' and the weight's power-of-two scales of that block (exact) and
+added to an fp32 accumulator. Scaling every 32 channels is forced by the checkpoint's
+32x32 weight scales; it is also DeepGEMM's fix for Hopper's FP8 accumulation, which
+keeps fewer bits than fp32 over long K. So the result is the fake-quantised rows'
+product with the decoded weight up to fp32 summation order
+(tests/model/test_kernels_fp8_gemm.py bounds it).
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
