@@ -61,10 +61,10 @@ from dsv41.model.formats import round_fp8, round_mxfp4
 from dsv41.model.kernels.torch_backend import TorchKernels
 from dsv41.model.kernels.triton import TritonKernels
 from dsv41.model.kernels.triton.attention import DEFAULT_ATTENTION_TILING, AttentionTiling, MlaTiling
-from dsv41.model.kernels.triton.fp8_gemm import fp8_activation_matmul
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling
 from dsv41.model.kernels.triton.moe import ExpertTiling, PairBlocks, expert_down, expert_tiling, grouped_expert_slots
+from dsv41.model.linalg import fp8_activations, linear
 from dsv41.model.moe import ExpertWeights, route, routed_expert_slots
 from dsv41.model.stored_weights import Fp8Weight
 from dsv41.model.weights import TensorKind, checkpoint_tensors
@@ -96,7 +96,9 @@ MOE_SWEEP = (
     ExpertTiling(block_n=32, block_k=256, num_warps=4, num_stages=4, mxfp4_dot="bits"),
 )
 # The bf16 ("plain") tiling sweep, on the same shapes: the default, then wider column
-# tiles on one or two warpgroups, deeper pipelines and wider input steps.
+# tiles on one or two warpgroups, deeper pipelines and wider input steps, then 128-row
+# blocks (for the prefill's compute-bound shape; the three that sm_90 builds at the
+# Flash dims without register spills, triton 3.9, 2026-12-07).
 PLAIN_MOE_SWEEP = (
     ExpertTiling(),
     ExpertTiling(block_n=128, block_k=64, num_warps=4, num_stages=3),
@@ -106,6 +108,9 @@ PLAIN_MOE_SWEEP = (
     ExpertTiling(block_n=64, block_k=64, num_warps=4, num_stages=4),
     ExpertTiling(block_n=64, block_k=128, num_warps=4, num_stages=3),
     ExpertTiling(block_n=128, block_k=128, num_warps=8, num_stages=3),
+    ExpertTiling(block_n=64, block_k=64, num_warps=8, num_stages=4, block_m=128),
+    ExpertTiling(block_n=128, block_k=64, num_warps=8, num_stages=3, block_m=128),
+    ExpertTiling(block_n=128, block_k=64, num_warps=8, num_stages=4, block_m=128),
 )
 MOE_SWEEPS = {"mxfp4": MOE_SWEEP, "plain": PLAIN_MOE_SWEEP}
 COMPRESSION_PREFILL_ROWS = 4096
@@ -459,6 +464,12 @@ def moe_benchmark(config: V41Config, ceil: dict) -> tuple[list[dict], list[dict]
     return rows, checks
 
 
+def fp8_activation_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """``linear(x, weight)`` as an engine in the FP8-activation mode runs it."""
+    with fp8_activations(True):
+        return linear(x, weight)
+
+
 def graph_ms(fn) -> float:
     """Median milliseconds of ``fn`` replayed from a CUDA graph (do_bench_cudagraph)."""
     return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
@@ -490,13 +501,13 @@ def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
     decode step runs them; launch overhead left out): the fixed-tile GEMM over the FP8
     weight (its tiles decoded in registers) with the split plan outside the
     batch-invariant mode (the GPU default) and with the row-invariant one, the
-    row-invariant GEMM over its bf16 decode, cuBLAS over the bf16 decode, and the
-    FP8-activation GEMM (rows quantised to FP8, FP8 x FP8: EngineOptions.fp8_activations);
-    as time, % copy bandwidth (at each weight's own bytes) and % of the bf16 and FP8
-    matmul rates. The FP8 products are checked against the decoded weight's; the
-    FP8-activation product's largest difference from the fake-quantised rows' product
-    with the decoded weight (fp32), relative to that product's largest value, is
-    reported (the tensor cores' FP8 accumulation)."""
+    row-invariant GEMM over its bf16 decode, cuBLAS over the bf16 decode, and
+    ``linear`` in the FP8-activation mode (EngineOptions.fp8_activations: the rows
+    rounded to FP8, then the engine's GEMM for that many rows); as time, % copy
+    bandwidth (at each weight's own bytes) and % of the bf16 and FP8 matmul rates. The
+    FP8 products are checked against the decoded weight's; the FP8-activation product's
+    largest difference from the fake-quantised rows' product with the decoded weight
+    (fp32), relative to that product's largest value, is reported."""
     fp8_rate = fp8_matmul_rate()
     print(f"fp8 matmul (cuBLAS scaled): {fp8_rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
@@ -516,10 +527,10 @@ def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
                 "bf16_invariant_ms": graph_ms(lambda: fixed_tile_matmul(a, decoded)),
                 "cublas_bf16_ms": graph_ms(lambda: a @ decoded.t()),
                 "decode_cublas_ms": graph_ms(lambda: a @ decode_fp8_weight(stored).t()),
-                "fp8_activations_ms": graph_ms(lambda: fp8_activation_matmul(a, stored)),
+                "fp8_activations_ms": graph_ms(lambda: fp8_activation_linear(a, stored)),
             }
             exact = round_fp8(a).float() @ decoded.float().t()
-            fp8_activations_error = float((fp8_activation_matmul(a, stored).float() - exact).abs().max() / exact.abs().max())
+            fp8_activations_error = float((fp8_activation_linear(a, stored).float() - exact).abs().max() / exact.abs().max())
             flops = 2 * m * n * k
             io = 2 * m * (n + k)
             copy = ceil["copy_bytes_per_s"]

@@ -28,6 +28,7 @@ from dsv41.cluster.engine import Engine
 from dsv41.cluster.sampling_params import SamplingParams
 from dsv41.model.formats import dequantize_fp4_weight, dequantize_mxfp4, quantize_fp4_weight, round_mxfp4
 from dsv41.model.kernels.interface import ExpertBank
+from dsv41.model.linalg import batch_invariant
 from dsv41.model.loader import ExpertShard
 from dsv41.model.moe import ExpertWeights, Routing, combine_slots, moe_forward, routed_expert_slots
 from dsv41.model.stored_weights import Fp4Weight
@@ -104,6 +105,41 @@ def test_grouped_gemm_equals_routed_expert_slots(dtype: torch.dtype, fmt: str) -
     _assert_matches(
         kernels.routed_expert_slots(x, routing, bank, LIMIT), routed_expert_slots(x, routing, experts, LIMIT), dtype
     )
+
+
+@pytest.mark.parametrize("fmt", ["plain", "mxfp4"])
+def test_every_block_height_a_tiling_asks_for_gives_routed_expert_slots(fmt: str) -> None:
+    """A tiling's block_m (16 to 128 rows of pairs a block, whatever the step's pair
+    count would choose) changes only how many rows share a weight tile: with 40 rows
+    routed to 3 of 5 experts (one expert's pairs fill more than two 16-row blocks and
+    fewer than one 128-row block), each gives routed_expert_slots' output."""
+    hidden, inter, top_k, rows = 64, 96, 2, 40
+    experts = _experts(range(5), hidden, inter, torch.float32, fmt, seed=41)
+    routing = _routing(rows, top_k, [4, 1, 2], seed=42)
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(43)).to(DEVICE)
+    bank = TritonKernels().expert_bank(experts, fmt)
+    want = routed_expert_slots(x, routing, experts, LIMIT)
+    for block_m in (16, 32, 64, 128):
+        tiling = ExpertTiling(block_n=32, block_k=32, block_m=block_m)
+        _assert_matches(grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=False, tiling=tiling), want, torch.float32)
+
+
+def test_block_heights_outside_the_kernels_range_or_the_invariant_mode_are_refused() -> None:
+    """block_m must be a power of two of 16..128 rows; the batch-invariant mode runs 16
+    rows whatever the step, so a tiling asking it for another height fails naming the
+    field, and computes nothing."""
+    for bad in (8, 96, 256):
+        with pytest.raises(ValueError, match=rf"ExpertTiling.block_m: {bad} \(allowed: None or a power of two"):
+            ExpertTiling(block_m=bad)
+    experts = _experts(range(2), 64, 64, torch.float32, "plain", seed=44)
+    bank = TritonKernels().expert_bank(experts, "plain")
+    routing = _routing(3, 1, [1, 0], seed=45)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(46)).to(DEVICE)
+    with batch_invariant(True):
+        with pytest.raises(ValueError, match=r"ExpertTiling.block_m: 64 in the batch-invariant mode"):
+            grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=False, tiling=ExpertTiling(block_m=64))
+        got = grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=False, tiling=ExpertTiling(block_m=16))
+    _assert_matches(got, routed_expert_slots(x, routing, experts, LIMIT), torch.float32)
 
 
 def _checkpoint_form(experts: dict[int, ExpertWeights]) -> dict[int, ExpertWeights]:

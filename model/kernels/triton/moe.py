@@ -55,6 +55,9 @@ PROJECTIONS = ("w1", "w3", "w2")
 # tl.dot's 16 rows, and at most 64 so that a prefill's experts still span many blocks.
 MIN_BLOCK_M = 16
 MAX_BLOCK_M = 64
+# The most rows a tiling may ask a block for (ExpertTiling.block_m): a 128-row block
+# is one tile of two warpgroups' wgmma.
+MAX_TILING_BLOCK_M = 128
 
 
 @dataclass(frozen=True)
@@ -486,7 +489,9 @@ class ExpertTiling:
     decode.mxfp4_pairs_to_bf16, then a bf16 tl.dot; compiled NVIDIA kernels only). All
     three give the same values; fp32 activations always meet the fp32 decode.
     ``max_registers``: a cap on each thread's registers (ptxas' maxrregcount; None: the
-    compiler's choice), which sets how many programs share an SM; it changes no value."""
+    compiler's choice), which sets how many programs share an SM; it changes no value.
+    ``block_m``: rows per block of pairs (None: ``block_rows``' choice from the step's
+    pairs); a row's value does not depend on it, only how many rows share a weight tile."""
 
     block_n: int = 64
     block_k: int = 64
@@ -494,8 +499,16 @@ class ExpertTiling:
     num_stages: int = 3
     mxfp4_dot: str = "scaled"
     max_registers: int | None = None
+    block_m: int | None = None
 
     def __post_init__(self) -> None:
+        if self.block_m is not None and (
+            not MIN_BLOCK_M <= self.block_m <= MAX_TILING_BLOCK_M or self.block_m & (self.block_m - 1)
+        ):
+            raise ValueError(
+                f"ExpertTiling.block_m: {self.block_m} (allowed: None or a power of two in "
+                f"{MIN_BLOCK_M}..{MAX_TILING_BLOCK_M})"
+            )
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
             if value < 32 or value & (value - 1):
@@ -517,7 +530,11 @@ class ExpertTiling:
             )
 
 
-PLAIN_TILING = ExpertTiling()
+PLAIN_DECODE_TILING = ExpertTiling()
+# 64-row bf16 prefill blocks take 256 weight rows on two warpgroups: 1.50x the decode
+# tiling at 4,096 tokens on 64 experts, the fastest of the plain sweep there (H100,
+# 2026-12-07, BENCHMARKS.md); 128-row blocks were no faster.
+PLAIN_PREFILL_TILING = ExpertTiling(block_n=256, block_k=64, num_warps=8, num_stages=3)
 # Chosen from sm_90 builds (triton 3.6.0, the H200's, compiled on the CPU dev box,
 # 2026-12-02; among the fastest of the card's sweep, BENCHMARKS.md): decode blocks (16
 # or 32 rows) read 64 bytes of each of a program's 64 weight rows a step, 4 stages
@@ -534,9 +551,9 @@ def expert_tiling(weight_format: str, block_m: int) -> ExpertTiling:
     """The default tiling of a bank's format for blocks of ``block_m`` rows. The
     batch-invariant mode always runs MIN_BLOCK_M rows, so its tiles, and the order of
     its sums, never change with the step's pairs."""
-    if weight_format != "mxfp4":
-        return PLAIN_TILING
-    return MXFP4_PREFILL_TILING if block_m >= MAX_BLOCK_M else MXFP4_DECODE_TILING
+    if weight_format == "mxfp4":
+        return MXFP4_PREFILL_TILING if block_m >= MAX_BLOCK_M else MXFP4_DECODE_TILING
+    return PLAIN_PREFILL_TILING if block_m >= MAX_BLOCK_M else PLAIN_DECODE_TILING
 
 
 @triton.jit
@@ -813,7 +830,8 @@ def grouped_expert_slots(
     activations on a GPU; bf16 holds every operand exactly: bf16 activations, bf16 or
     E2M1 x power-of-two weights), else fp32 operands with IEEE products (no TF32), as
     torch's fp32 matmul computes. ``tiling``: the format's default unless given (the
-    benchmark's sweep)."""
+    benchmark's sweep); a tiling's ``block_m`` sets the rows per block outside the
+    batch-invariant mode, which runs MIN_BLOCK_M rows and refuses any other."""
     if x.dtype != bank.dtype:
         raise ValueError(f"x: {x.dtype} (allowed: the experts' compute dtype {bank.dtype})")
     if x.shape[1] != bank.hidden:
@@ -825,7 +843,17 @@ def grouped_expert_slots(
         return torch.zeros(0, top_k, bank.hidden, dtype=torch.float32, device=x.device)
     x = x.contiguous()
     num_pairs = rows * top_k
-    block_m = MIN_BLOCK_M if batch_invariant_enabled() else block_rows(num_pairs, len(bank.expert_ids))
+    if batch_invariant_enabled():
+        if tiling is not None and tiling.block_m not in (None, MIN_BLOCK_M):
+            raise ValueError(
+                f"ExpertTiling.block_m: {tiling.block_m} in the batch-invariant mode (allowed: None or {MIN_BLOCK_M}, "
+                "whatever the step's pairs)"
+            )
+        block_m = MIN_BLOCK_M
+    elif tiling is not None and tiling.block_m is not None:
+        block_m = tiling.block_m
+    else:
+        block_m = block_rows(num_pairs, len(bank.expert_ids))
     tiling = expert_tiling(bank.weight_format, block_m) if tiling is None else tiling
     blocks = align_pairs(routing.expert_ids, bank.held_ids, block_m)
     h = torch.empty(blocks.num_blocks * blocks.block_m, bank.intermediate, dtype=x.dtype, device=x.device)
