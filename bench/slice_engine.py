@@ -86,7 +86,7 @@ def add_slice_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fp8-activations", action="store_true",
         help="the engine's fp8_activations: the FP8-weight projections quantise their inputs to FP8 per token and 32 "
-        "channels (a prefill's GEMMs on a GPU then run FP8 x FP8); needs --dense fp8 --weight-storage stored",
+        "channels (the rounded rows through the usual GEMMs); needs --dense fp8 --weight-storage stored",
     )
     parser.add_argument(
         "--threads", type=int, default=None,

@@ -8,7 +8,7 @@ that reference wherever its margin exceeds the bound.
 
 With ``--fp8-activations`` the stored engine also quantises the inputs of its FP8-weight
 projections to FP8 (EngineOptions.fp8_activations), and the same figures measure what
-that costs: the FP8-activation GEMM's bound.
+that costs: the FP8-activation mode's bound.
 
 Random bf16 weights make the slice chaotic: any two sums of different order drift
 apart over its layers. So the same comparison runs for a baseline, an engine over the

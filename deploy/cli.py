@@ -265,8 +265,8 @@ def _add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fp8-activations",
         action="store_true",
-        help="quantise the inputs of the projections through FP8 weights to FP8 E4M3 per token and 32 channels (a "
-        "prefill's GEMMs on a GPU then run FP8 x FP8); logits then differ from the reference's within the bound "
+        help="quantise the inputs of the projections through FP8 weights to FP8 E4M3 per token and 32 channels (the "
+        "rounded rows go through the usual bf16 GEMMs); logits then differ from the reference's within the bound "
         "bench.stored_parity --fp8-activations measures (default: off, the compute dtype)",
     )
 

@@ -43,12 +43,11 @@ The FP8-activation mode (``fp8_activations(True)``, entered by a forward whose
 engine asks for it) changes the arithmetic of every projection through an FP8 weight:
 its input is quantised to FP8 E4M3 per row and 32 channels with E8M0 (power-of-two)
 scales, formats.quantize_fp8's grid (the one the model's FP8 caches use), and
-multiplied as those values. A prefill's rows on a GPU outside the batch-invariant mode
-run that as an FP8 x FP8 GEMM (``GpuKernels.fp8_matmul``: the tensor cores' FP8 rate);
-any other call multiplies the fake-quantised rows (formats.round_fp8, exact in the
-compute dtype) by the weight as it would its plain input, so a row's activations are
-the same values whichever path runs it. The reference model keeps its inputs
-unquantised: MODEL_FACTS has a quantised GEMM's difference from it measured, never
+multiplied as those values: the fake-quantised rows (formats.round_fp8, exact in the
+compute dtype; bf16 rows on a GPU in one launch, ``GpuKernels.round_fp8``) times the
+weight as its plain input would be, so a row's activations are the same values
+whichever GEMM runs it (not an FP8 x FP8 GEMM: kernels/triton/fp8_rows.py says why).
+The reference model keeps its inputs unquantised: MODEL_FACTS has a quantised GEMM's difference from it measured, never
 assumed (bench/stored_parity.py --fp8-activations).
 
 Must not import: cache, cluster, actors, deploy, ray, triton, model.kernels (they
@@ -96,15 +95,12 @@ class GpuKernels:
     one tile walk per output tile (``row_invariant=False``: a row's sum order may depend
     on M, for FP8 weights outside the mode); ``row_sum(x [..., C])`` -> [...] fp32 with
     one order per row; ``decode_fp8(w)`` -> an FP8 weight's exact decode in its compute
-    dtype, in one pass; ``fp8_matmul(x [M, K], w)`` -> x quantised to FP8 per row and
-    32 channels times the FP8 weight on the FP8 tensor cores, in w's compute dtype (K a
-    multiple of 32); ``round_fp8(x [M, K])`` -> bf16 rows on that FP8 grid
+    dtype, in one pass; ``round_fp8(x [M, K])`` -> bf16 rows on that FP8 grid
     (formats.round_fp8's bits, K a multiple of 32) in one launch."""
 
     matmul: Callable[..., torch.Tensor]
     row_sum: Callable[[torch.Tensor], torch.Tensor]
     decode_fp8: Callable[[Fp8Weight], torch.Tensor]
-    fp8_matmul: Callable[[torch.Tensor, Fp8Weight], torch.Tensor]
     round_fp8: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -215,13 +211,9 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     operands must share a dtype; a stored weight decodes to x's). In the FP8-activation
     mode an FP8 weight's input is quantised first (the module docstring)."""
     if isinstance(weight, Fp8Weight) and fp8_activations_enabled():
-        lead, k = x.shape[:-1], x.shape[-1]
-        rows = x.reshape(-1, k)
-        whole_groups = k % FP8_BLOCK == 0
-        if x.is_cuda and not batch_invariant_enabled() and rows.shape[0] >= DECODED_GEMM_ROWS and whole_groups:
-            return _gpu().fp8_matmul(rows, weight).reshape(*lead, weight.shape[0])
-        if x.is_cuda and x.dtype == torch.bfloat16 and whole_groups:
-            x = _gpu().round_fp8(rows).reshape(x.shape)
+        k = x.shape[-1]
+        if x.is_cuda and x.dtype == torch.bfloat16 and k % FP8_BLOCK == 0:
+            x = _gpu().round_fp8(x.reshape(-1, k)).reshape(x.shape)
         else:
             x = round_fp8(x)
     weight = _plain(x, weight)

@@ -253,11 +253,6 @@ class Microbatch:
     moe: MoESteps
 
 
-# The first NVIDIA architecture (Ada, then Hopper) whose tensor cores multiply FP8: the
-# FP8-activation GEMM's tl.dot on E4M3 operands compiles from there on.
-FP8_DOT_CAPABILITY = (8, 9)
-
-
 class PagedRuntime:
     """Runs the target model over a step. Stateless between steps: everything a
     request carries lives in the store."""
@@ -273,15 +268,6 @@ class PagedRuntime:
         self.params = params
         self.batch_invariant = batch_invariant
         self.fp8_activations = fp8_activations
-        device = params.embed.device
-        if fp8_activations and device.type == "cuda":
-            capability = torch.cuda.get_device_capability(device)
-            if capability < FP8_DOT_CAPABILITY:
-                raise ValueError(
-                    f"fp8_activations: True on {torch.cuda.get_device_name(device)} (compute capability "
-                    f"{'.'.join(map(str, capability))}; allowed: {'.'.join(map(str, FP8_DOT_CAPABILITY))} or newer, "
-                    "whose tensor cores multiply FP8)"
-                )
         self.config = params.config
         self.dtype = params.embed.dtype
         self.moe: MoEFn = moe or self._local_moe

@@ -28,7 +28,7 @@ import triton
 from dsv41.model.config import V41Config
 from dsv41.model.engram import EngramTable
 from dsv41.model.epilogue import Epilogue
-from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
+from dsv41.model.formats import FP8_BLOCK
 from dsv41.model.kernels.interface import SCALE_GROUPS, ExpertBank, PairAddresses, PlaneView, check_row_write
 from dsv41.model.kernels.triton.attention import (
     DEFAULT_ATTENTION_TILING,
@@ -45,19 +45,18 @@ from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_k
 from dsv41.model.kernels.triton.decode import INTERPRETED
 from dsv41.model.kernels.triton.engram import engram_rows
 from dsv41.model.kernels.triton.epilogue import fused_epilogue
-from dsv41.model.kernels.triton.fp8_gemm import fp8_activation_matmul, round_fp8_rows
+from dsv41.model.kernels.triton.fp8_rows import round_fp8_rows
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
 from dsv41.model.kernels.triton.mhc import fused_collapse_norm, fused_expand, fused_hc_mix
 from dsv41.model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
 from dsv41.model.kernels.triton.reduce import row_sum
 from dsv41.model.kernels.triton.route import fused_moe_output, fused_route, fused_shared_expert
-from dsv41.model.kernels.triton.store import store_rows_kernel
+from dsv41.model.kernels.triton.store import FORMAT_CODES, store_rows
 from dsv41.model.linalg import GpuKernels, batch_invariant_enabled, register_gpu_kernels
 from dsv41.model.mhc import HcMix, HcSite
 from dsv41.model.moe import ExpertWeights, Routing
 
-FORMAT_CODES = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
 DEFAULT_LOGITS_BUDGET_BYTES = 2048 << 20
 # Values one compression-path program moves: a 512-channel row alone is too little work
 # for a GPU program, and under the interpreter fewer, larger programs run faster.
@@ -69,7 +68,6 @@ register_gpu_kernels(
         matmul=fixed_tile_matmul,
         row_sum=row_sum,
         decode_fp8=decode_fp8_weight,
-        fp8_matmul=fp8_activation_matmul,
         round_fp8=round_fp8_rows,
     )
 )
@@ -472,29 +470,6 @@ class TritonKernels:
         scales = plane.scales if plane.scales is not None else stored
         if stored.stride(2) != 1 or scales.stride(2) != 1:
             raise ValueError(f"plane: a {plane.fmt} plane whose rows are not contiguous (strides {stored.stride()})")
-        values = values.contiguous()
-        rows_per_program = max(1, VALUES_PER_PROGRAM // triton.next_power_of_2(width))
-        store_rows_kernel[(triton.cdiv(count, rows_per_program),)](
-            values,
-            flat_rows.contiguous(),
-            stored,
-            scales,
-            count,
-            values.stride(0),
-            stored.shape[1],
-            stored.stride(0),
-            stored.stride(1),
-            scales.stride(0),
-            scales.stride(1),
-            WIDTH=width,
-            BLOCK=block,
-            NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(width, block)),
-            BLOCK_R=rows_per_program,
-            STORE_FMT=FORMAT_CODES[plane.fmt],
-            ROUND_FMT=FORMAT_CODES[grid],
-            FP8_MAX=FP8_E4M3_MAX,
-            FP8_FLOOR=FP8_AMAX_FLOOR,
-            E2M1_MAX=E2M1_MAX,
-            MXFP4_FLOOR=MXFP4_AMAX_FLOOR,
-            NVFP4_FLOOR=NVFP4_AMAX_FLOOR,
+        store_rows(
+            values.contiguous(), flat_rows.contiguous(), stored, scales, block, FORMAT_CODES[plane.fmt], FORMAT_CODES[grid]
         )

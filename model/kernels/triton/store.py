@@ -14,10 +14,18 @@ Must not import: cache, cluster, actors, deploy, ray.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from dsv41.model.formats import E2M1_MAX, FP8_AMAX_FLOOR, FP8_E4M3_MAX, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
 from dsv41.model.kernels.triton.decode import e2m1_to_f32, e4m3_to_f32
+
+# The plane formats' codes in the kernels (decode.load_decoded's).
+FORMAT_CODES = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
+# Values one store_rows program moves: a 512-channel row alone is too little work for
+# a GPU program, and under the interpreter fewer, larger programs run faster.
+STORE_VALUES_PER_PROGRAM = 4096
 
 
 @triton.jit
@@ -174,3 +182,44 @@ def store_rows_kernel(
                 tl.store(values_at + packed_cols, (even | (odd << 4)).to(tl.uint8), mask=mask)
             scales_at = scales_ptr + (unit * stride_scales_unit + row * stride_scales_row)[:, None] + group
             tl.store(scales_at, scale_byte.to(tl.uint8), mask=tl.reshape(mask, (BLOCK_R, NUM_BLOCKS)))
+
+
+def store_rows(
+    rows: torch.Tensor,
+    flat_rows: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+    store_fmt: int,
+    round_fmt: int,
+) -> None:
+    """One launch of store_rows_kernel: ``rows`` [count, width] into the plane
+    ``values`` [units, rows a unit, ...] (and its ``scales``, the same layout; a bf16
+    plane's are never read) at ``flat_rows`` (unit * rows a unit + row; NO_ROW skipped),
+    in groups of ``block`` channels, formats as the kernel's codes."""
+    count, width = rows.shape
+    rows_per_program = max(1, STORE_VALUES_PER_PROGRAM // triton.next_power_of_2(width))
+    store_rows_kernel[(triton.cdiv(count, rows_per_program),)](
+        rows,
+        flat_rows,
+        values,
+        scales,
+        count,
+        rows.stride(0),
+        values.shape[1],
+        values.stride(0),
+        values.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        WIDTH=width,
+        BLOCK=block,
+        NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(width, block)),
+        BLOCK_R=rows_per_program,
+        STORE_FMT=store_fmt,
+        ROUND_FMT=round_fmt,
+        FP8_MAX=FP8_E4M3_MAX,
+        FP8_FLOOR=FP8_AMAX_FLOOR,
+        E2M1_MAX=E2M1_MAX,
+        MXFP4_FLOOR=MXFP4_AMAX_FLOOR,
+        NVFP4_FLOOR=NVFP4_AMAX_FLOOR,
+    )
