@@ -50,6 +50,11 @@ EXPAND_BLOCK = 256
 # the arrays stay small for. At 256 (was 16) the tiny model's 111-row prefill step on
 # interpreted Triton took 31 s instead of 56 s (2-core CPU, 2026-12-07).
 INTERPRETED_ROWS = 256
+# Token rows per hc_mix program on a GPU: with one, its [1, hc, hc] Sinkhorn tiles cost
+# more than the row's 80 KB of streams; two rows a program took a 4,096-token mix from
+# 1.05 to 0.59 ms and a 128-token one from 95 to 58 us, same bits (four, eight and
+# sixteen rows no faster; H100, 2026-12-07, BENCHMARKS.md).
+HC_MIX_GPU_ROWS = 2
 
 
 @triton.jit
@@ -292,12 +297,12 @@ def uses_libdevice(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def rows_per_program(device: torch.device) -> int:
-    """Token rows one program takes: one on a GPU, so a decode step's few rows still
-    spread over the SMs; INTERPRETED_ROWS under the interpreter, whose cost is per
-    operation of a program. A row's result is the same either way (no operation mixes
-    rows), and never depends on the call's row count."""
-    return 1 if device.type == "cuda" else INTERPRETED_ROWS
+def rows_per_program(device: torch.device, gpu_rows: int = 1) -> int:
+    """Token rows one program takes: ``gpu_rows`` on a GPU (one: a decode step's few
+    rows still spread over the SMs); INTERPRETED_ROWS under the interpreter, whose cost
+    is per operation of a program. A row's result is the same either way (no operation
+    mixes rows), and never depends on the call's row count."""
+    return gpu_rows if device.type == "cuda" else INTERPRETED_ROWS
 
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
@@ -313,14 +318,14 @@ def out_rows(out: torch.Tensor) -> torch.Tensor:
 def fused_hc_mix(streams: torch.Tensor, site: HcSite, config: V41Config, block_t: int | None = None) -> HcMix:
     """model/mhc.hc_mix: the projection through model/linalg.linear (the torch path's
     own call, so its bits), then one launch for the rest. ``block_t``: rows per
-    program (default ``rows_per_program``)."""
+    program (default ``rows_per_program`` with HC_MIX_GPU_ROWS)."""
     tokens, hc, hidden = streams.shape
     flat = streams.reshape(tokens, -1).float().contiguous()
     m = linear(flat, site.fn.float()).contiguous()
     pre = torch.empty(tokens, hc, dtype=torch.float32, device=streams.device)
     post = torch.empty_like(pre)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
-    block_t = block_t or rows_per_program(streams.device)
+    block_t = block_t or rows_per_program(streams.device, HC_MIX_GPU_ROWS)
     if tokens:
         hc_mix_kernel[(triton.cdiv(tokens, block_t),)](
             flat,
