@@ -9,6 +9,9 @@ the kernels the device ran, the step's wall time, and how much of it the device 
 busy (the union of its kernels' and copies' intervals). With ``--cudagraph-mode full``
 a decode step is one graph launch plus what surrounds it. ``--prefill-len N`` profiles
 one warm N-token prefill (one engine step) instead: where a prefill's time goes.
+``--gaps N`` also lists the N longest intervals in which the device sat idle between
+two of its ops, each with when it began and the op whose launch ended it, and the idle
+time summed by that op: where the host held the device up.
 
 Prints a table and writes JSON. On the GPU machine, from the repo root:
     python3 -m bench.profile_step [--cudagraph-mode full] [--batches 1,32]
@@ -77,10 +80,41 @@ def _issuing_op(event: object) -> str:
     return event.name  # type: ignore[attr-defined]
 
 
-def summarize(prof: profile, steps: int, wall_us: float, top_kernels: int) -> dict[str, object]:
+# Idle intervals shorter than this are a launch's own latency, not the host holding
+# the device up.
+MIN_GAP_US = 20.0
+def idle_gaps(device_intervals: list[tuple[float, float]], launches: list[tuple[float, str]], most: int) -> dict:
+    """The device's idle intervals of at least MIN_GAP_US between its ops (``device_intervals``:
+    (start, end) us), each ended by the last launch (``launches``: (start us, issuing op))
+    issued before the op that ended it: the ``most`` longest, and the idle time summed
+    by that op (the ``most`` largest sums)."""
+    gaps = []
+    end = None
+    for start, stop in sorted(device_intervals):
+        if end is not None and start - end >= MIN_GAP_US:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    launch_times = sorted(launches)
+    found = []
+    for gap_start, gap_end in gaps:
+        issued = [launch for launch in launch_times if launch[0] <= gap_end]
+        _, op = issued[-1] if issued else (0.0, "(none)")
+        found.append({"idle_us": gap_end - gap_start, "at_us": gap_start - device_intervals[0][0], "op": op})
+    by_op: collections.Counter[str] = collections.Counter()
+    for gap in found:
+        by_op[gap["op"]] += gap["idle_us"]
+    return {
+        "gaps": len(found),
+        "idle_us": sum(g["idle_us"] for g in found),
+        "longest": sorted(found, key=lambda g: -g["idle_us"])[:most],
+        "by_op": [{"op": op, "idle_us": us} for op, us in by_op.most_common(most)],
+    }
+
+
+def summarize(prof: profile, steps: int, wall_us: float, top_kernels: int, gaps: int = 0) -> dict[str, object]:
     """Per step of a trace of ``steps`` engine steps taking ``wall_us``: launches, device
     ops, device-busy time and fraction, and the ``top_kernels`` device ops by time and
-    by count."""
+    by count; with ``gaps``, the trace's idle_gaps (its ``gaps`` longest)."""
     events = prof.events()
     launch_events = [e for e in events if e.device_type == DeviceType.CPU and e.name in LAUNCH_CALLS]
     launches = len(launch_events)
@@ -94,7 +128,17 @@ def summarize(prof: profile, steps: int, wall_us: float, top_kernels: int) -> di
         by_name.setdefault(e.name, []).append(e.device_time)
     top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top_kernels]
     frequent = sorted(by_name.items(), key=lambda item: -len(item[1]))[:top_kernels]
+    idle = {}
+    if gaps:
+        idle = {
+            "idle_gaps": idle_gaps(
+                [(e.time_range.start, e.time_range.end) for e in device_events],
+                [(e.time_range.start, _issuing_op(e)) for e in launch_events],
+                gaps,
+            )
+        }
     return {
+        **idle,
         "steps": steps,
         "step_ms": wall_us / steps / 1e3,
         "launches_per_step": launches / steps,
@@ -119,9 +163,11 @@ def summarize(prof: profile, steps: int, wall_us: float, top_kernels: int) -> di
     }
 
 
-def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top_kernels: int) -> dict[str, object]:
+def profile_case(
+    engine: Engine, batch: int, workload: Workload, steps: int, top_kernels: int, gaps: int = 0
+) -> dict[str, object]:
     """One batch size: prefill, warm-up, then ``steps`` profiled decode steps; the
-    ``top_kernels`` device ops that take the most time."""
+    ``top_kernels`` device ops that take the most time (and ``gaps`` idle gaps)."""
     params = SamplingParams(max_tokens=workload.max_tokens(batch) + steps, temperature=0.0, ignore_eos=True)
     ids = [f"p{batch}-{i}" for i in range(batch)]
     prompts = random_prompts(batch, workload.prompt_len, engine.config.vocab_size, seed=batch)
@@ -137,12 +183,13 @@ def profile_case(engine: Engine, batch: int, workload: Workload, steps: int, top
         wall_us = (time.perf_counter() - began) * 1e6
     for rid in ids:
         engine.abort(rid)
-    return {"batch": batch, **summarize(prof, steps, wall_us, top_kernels)}
+    return {"batch": batch, **summarize(prof, steps, wall_us, top_kernels, gaps)}
 
 
-def profile_prefill(engine: Engine, prompt_len: int, top_kernels: int) -> dict[str, object]:
+def profile_prefill(engine: Engine, prompt_len: int, top_kernels: int, gaps: int = 0) -> dict[str, object]:
     """One warm prefill of a ``prompt_len``-token prompt, fed whole in one engine step
-    (after an untimed one of another prompt), profiled: the step's kernels by time."""
+    (after an untimed one of another prompt), profiled: the step's kernels by time (and
+    ``gaps`` idle gaps)."""
     vocab = engine.config.vocab_size
     warm, timed = random_prompts(2, prompt_len, vocab, seed=prompt_len)
     prefill_once(engine, "prefill-warm", warm)
@@ -154,7 +201,7 @@ def profile_prefill(engine: Engine, prompt_len: int, top_kernels: int) -> dict[s
         wall_us = (time.perf_counter() - began) * 1e6
     if steps != 1:
         raise RuntimeError(f"prefill: {steps} engine steps (expected one: the batch budget must hold the prompt)")
-    return {"batch": f"prefill {prompt_len}", **summarize(prof, steps, wall_us, top_kernels)}
+    return {"batch": f"prefill {prompt_len}", **summarize(prof, steps, wall_us, top_kernels, gaps)}
 
 
 def main() -> None:
@@ -169,6 +216,10 @@ def main() -> None:
         type=int,
         default=None,
         help="profile one prefill of this many tokens (one engine step) instead of decode steps",
+    )
+    parser.add_argument(
+        "--gaps", type=int, default=0,
+        help="list this many of the device's longest idle gaps and the ops whose launches ended them (default 0)",
     )
     parser.add_argument("--out", default="bench/results/profile_step.json")
     args = parser.parse_args()
@@ -189,7 +240,7 @@ def main() -> None:
             tokens_per_request=args.prefill_len + 1,
             graph_batch_sizes=(1,),
         )
-        rows = [profile_prefill(engine, args.prefill_len, args.top)]
+        rows = [profile_prefill(engine, args.prefill_len, args.top, args.gaps)]
     else:
         biggest = max(workload.batches)
         engine = build_slice_engine(
@@ -199,7 +250,7 @@ def main() -> None:
             tokens_per_request=workload.prompt_len + workload.max_tokens(biggest) + args.steps,
             graph_batch_sizes=workload.batches,
         )
-        rows = [profile_case(engine, batch, workload, args.steps, args.top) for batch in workload.batches]
+        rows = [profile_case(engine, batch, workload, args.steps, args.top, args.gaps) for batch in workload.batches]
     result = {**environment(args, engine, ceilings(device)), "workload": dataclasses.asdict(workload), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -221,6 +272,19 @@ def main() -> None:
             print("|---:|---:|---|")
             for op in r[key]:
                 print(f"| {op['ms_per_step']:.3f} | {op['per_step']:.0f} | {op['name']} |")
+    for r in rows:
+        if "idle_gaps" not in r:
+            continue
+        idle = r["idle_gaps"]
+        print(f"\nbatch {r['batch']}: {idle['gaps']} idle gaps of >= {MIN_GAP_US:g} us, {idle['idle_us'] / 1e3:.2f} ms in all")
+        print("| idle us | at us (from the first device op) | ended by the launch of |")
+        print("|---:|---:|---|")
+        for gap in idle["longest"]:
+            print(f"| {gap['idle_us']:.0f} | {gap['at_us']:.0f} | {gap['op']} |")
+        print("| idle us, summed | ended by the launch of |")
+        print("|---:|---|")
+        for entry in idle["by_op"]:
+            print(f"| {entry['idle_us']:.0f} | {entry['op']} |")
     print(f"wrote {args.out}")
 
 
