@@ -22,6 +22,10 @@ from dsv41.cache.addressing import (
 )
 from dsv41.cluster.cuda_graphs import tensor_leaves
 
+# Where build_step_addresses expands the window's addresses: numpy on the host, torch
+# on the CPU, and a GPU where there is one.
+WINDOW_DEVICES = (None, "cpu") + (("cuda",) if torch.cuda.is_available() else ())
+
 
 def _long(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
@@ -151,15 +155,18 @@ def test_step_addresses_equal_the_per_row_transcription(
     step: tuple[list[SegmentSpec], torch.Tensor, PoolShape, bool],
 ) -> None:
     """Every tensor of build_step_addresses (same dtype, shape and values) and every
-    tile's width equal the per-row transcription's, with and without compression plans."""
+    tile's width equal the per-row transcription's, with and without compression plans,
+    with the window's addresses expanded on the host (numpy) and by torch on a device
+    (the CPU's; a GPU's too where there is one)."""
     segments, page_tables, shape, compression = step
-    got = build_step_addresses(segments, page_tables, shape, compression=compression)
     want = _reference(segments, page_tables, shape, compression)
-    assert sorted(got.compression) == sorted(want.compression) and sorted(got.tiles) == sorted(want.tiles)
-    assert [t.width for t in got.tiles.values()] == [t.width for t in want.tiles.values()]
-    got_leaves, want_leaves = tensor_leaves(got), tensor_leaves(want)
-    assert len(got_leaves) == len(want_leaves)
-    for a, b in zip(got_leaves, want_leaves):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    for ratio, tile in got.tiles.items():
-        assert torch.equal(tile.entry_rows, want.tiles[ratio].entry_rows)
+    for device in WINDOW_DEVICES:
+        got = build_step_addresses(segments, page_tables, shape, compression=compression, device=device)
+        assert sorted(got.compression) == sorted(want.compression) and sorted(got.tiles) == sorted(want.tiles)
+        assert [t.width for t in got.tiles.values()] == [t.width for t in want.tiles.values()]
+        got_leaves, want_leaves = tensor_leaves(got), tensor_leaves(want)
+        assert len(got_leaves) == len(want_leaves)
+        for a, b in zip(got_leaves, want_leaves):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b)
+        for ratio, tile in got.tiles.items():
+            assert torch.equal(tile.entry_rows, want.tiles[ratio].entry_rows)
