@@ -729,8 +729,9 @@ def expert_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """w2 h for one block of one expert's pairs and BLOCK_N hidden columns, written to
-    each pair's own row (token * top_k + slot) in the activations' dtype."""
+    """w2 h for one block of one expert's pairs and BLOCK_N hidden columns, rounded to
+    the activations' dtype and written to each pair's own row (token * top_k + slot) in
+    the output's dtype (the activations' or fp32, which holds them exactly)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -756,7 +757,7 @@ def expert_down_kernel(
         )  # fmt: skip
     tl.store(
         out_ptr + tl.where(present, pair, 0).to(tl.int64)[:, None] * stride_out + cols[None, :],
-        round_to_activation(acc, ACT).to(ACT),
+        round_to_activation(acc, ACT).to(out_ptr.dtype.element_ty),
         mask=present[:, None] & col_mask[None, :],
     )
 
@@ -797,8 +798,9 @@ def expert_down(
     *,
     bf16_dot: bool,
 ) -> None:
-    """The w2 launch: ``out`` [P, hidden] (pair rows, the activations' dtype) gets w2
-    times each block row of ``h`` [num_blocks * block_m, inter] whose pair is present."""
+    """The w2 launch: ``out`` [P, hidden] (pair rows, the activations' dtype or fp32)
+    gets w2 times each block row of ``h`` [num_blocks * block_m, inter] whose pair is
+    present, rounded to the activations' dtype."""
     expert_down_kernel[(blocks.num_blocks, triton.cdiv(bank.hidden, tiling.block_n))](
         h,
         out,
@@ -857,7 +859,9 @@ def grouped_expert_slots(
     tiling = expert_tiling(bank.weight_format, block_m) if tiling is None else tiling
     blocks = align_pairs(routing.expert_ids, bank.held_ids, block_m)
     h = torch.empty(blocks.num_blocks * blocks.block_m, bank.intermediate, dtype=x.dtype, device=x.device)
-    pair_out = torch.zeros(num_pairs, bank.hidden, dtype=x.dtype, device=x.device)
+    # fp32, as the slots are returned: the kernel widens its rounded values itself
+    # instead of a copy of every pair row after it.
+    pair_out = torch.zeros(num_pairs, bank.hidden, dtype=torch.float32, device=x.device)
     weights = routing.weights.reshape(-1).float().contiguous()
     expert_gate_up_kernel[(blocks.num_blocks, triton.cdiv(bank.intermediate, tiling.block_n))](
         x,
@@ -880,4 +884,4 @@ def grouped_expert_slots(
         **_launch_constants(bank, x.dtype, blocks.block_m, tiling, bf16_dot),
     )
     expert_down(h, pair_out, blocks, bank, tiling, bf16_dot=bf16_dot)
-    return pair_out.view(rows, top_k, bank.hidden).float()
+    return pair_out.view(rows, top_k, bank.hidden)
