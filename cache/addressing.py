@@ -269,7 +269,7 @@ def build_step_addresses(
     ``compression`` False leaves the compression plans out (a step's decoder view
     compresses nothing). ``device``: where the window's [R, window] addresses are
     expanded from the rows' columns (one copy of five per-row columns); None: on the
-    host, with numpy (a 4,096-row prefill at window 128 took 8-10 ms on the CPU box); every
+    host, with numpy (a 4,096-row prefill at window 128: 8-11 ms on the CPU box); every
     other tensor is on the host."""
     W, ring_rows, B = shape.window, shape.ring_rows, shape.block_size
     _check_page_tables(segments, page_tables, B)

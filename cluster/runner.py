@@ -515,7 +515,8 @@ class ModelRunner:
         page_tables = self.requests.page_tables(segments, self.shape.block_size)
         device = self.pools.device
         # On a GPU the window's [rows, window] addresses are expanded there: numpy
-        # took 8-10 ms of host time for a 4,096-token prefill at window 128 (CPU box).
+        # took 8-11 ms of host time for a 4,096-token prefill at window 128 (CPU box,
+        # bench.step_plan).
         expand_on = None if device.type == "cpu" else device
         plan = move_tensors(build_step_addresses(specs, page_tables, self.shape, device=expand_on), device)
         if not self.decoder_replay:
