@@ -543,7 +543,7 @@ def gemm_benchmark(config: V41Config, ceil: dict) -> list[dict]:
             row["cublas_bf16_rate_frac"] = flops / (times["cublas_bf16_ms"] * 1e-3) / ceil["bf16_flop_per_s"]
             row["decode_cublas_fp8_rate_frac"] = flops / (times["decode_cublas_ms"] * 1e-3) / fp8_rate
             row["fp8_activations_fp8_rate_frac"] = flops / (times["fp8_activations_ms"] * 1e-3) / fp8_rate
-            row["fp8_activations_bw_frac"] = (stored.nbytes + m * k + 2 * m * n) / (times["fp8_activations_ms"] * 1e-3) / copy
+            row["fp8_activations_bw_frac"] = (stored.nbytes + io) / (times["fp8_activations_ms"] * 1e-3) / copy
             row["fp8_activations_max_rel_diff"] = fp8_activations_error
             rows.append(row)
             print(

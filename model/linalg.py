@@ -47,8 +47,8 @@ multiplied as those values: the fake-quantised rows (formats.round_fp8, exact in
 compute dtype; bf16 rows on a GPU in one launch, ``GpuKernels.round_fp8``) times the
 weight as its plain input would be, so a row's activations are the same values
 whichever GEMM runs it (not an FP8 x FP8 GEMM: kernels/triton/fp8_rows.py says why).
-The reference model keeps its inputs unquantised: MODEL_FACTS has a quantised GEMM's difference from it measured, never
-assumed (bench/stored_parity.py --fp8-activations).
+The reference model keeps its inputs unquantised: MODEL_FACTS has a quantised GEMM's
+difference from it measured, never assumed (bench/stored_parity.py --fp8-activations).
 
 Must not import: cache, cluster, actors, deploy, ray, triton, model.kernels (they
 import this module).

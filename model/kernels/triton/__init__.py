@@ -52,15 +52,12 @@ from dsv41.model.kernels.triton.mhc import fused_collapse_norm, fused_expand, fu
 from dsv41.model.kernels.triton.moe import TritonExpertBank, build_expert_bank, grouped_expert_slots
 from dsv41.model.kernels.triton.reduce import row_sum
 from dsv41.model.kernels.triton.route import fused_moe_output, fused_route, fused_shared_expert
-from dsv41.model.kernels.triton.store import FORMAT_CODES, store_rows
+from dsv41.model.kernels.triton.store import FORMAT_CODES, VALUES_PER_PROGRAM, store_rows
 from dsv41.model.linalg import GpuKernels, batch_invariant_enabled, register_gpu_kernels
 from dsv41.model.mhc import HcMix, HcSite
 from dsv41.model.moe import ExpertWeights, Routing
 
 DEFAULT_LOGITS_BUDGET_BYTES = 2048 << 20
-# Values one compression-path program moves: a 512-channel row alone is too little work
-# for a GPU program, and under the interpreter fewer, larger programs run faster.
-VALUES_PER_PROGRAM = 4096
 
 logger = logging.getLogger(__name__)
 register_gpu_kernels(

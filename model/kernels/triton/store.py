@@ -23,9 +23,10 @@ from dsv41.model.kernels.triton.decode import e2m1_to_f32, e4m3_to_f32
 
 # The plane formats' codes in the kernels (decode.load_decoded's).
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
-# Values one store_rows program moves: a 512-channel row alone is too little work for
-# a GPU program, and under the interpreter fewer, larger programs run faster.
-STORE_VALUES_PER_PROGRAM = 4096
+# Values one program of a row-wise store moves (store_rows, and the compression path's
+# kernels): a 512-channel row alone is too little work for a GPU program, and under the
+# interpreter fewer, larger programs run faster.
+VALUES_PER_PROGRAM = 4096
 
 
 @triton.jit
@@ -198,7 +199,7 @@ def store_rows(
     plane's are never read) at ``flat_rows`` (unit * rows a unit + row; NO_ROW skipped),
     in groups of ``block`` channels, formats as the kernel's codes."""
     count, width = rows.shape
-    rows_per_program = max(1, STORE_VALUES_PER_PROGRAM // triton.next_power_of_2(width))
+    rows_per_program = max(1, VALUES_PER_PROGRAM // triton.next_power_of_2(width))
     store_rows_kernel[(triton.cdiv(count, rows_per_program),)](
         rows,
         flat_rows,
