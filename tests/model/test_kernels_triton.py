@@ -190,6 +190,23 @@ def test_mla_attention_matches_torch(tiny_alt_dir: Path, ring_kv: str, main_kv: 
     _assert_attention_matches(args, MLA_TILINGS[tiling])
 
 
+@pytest.mark.parametrize("tiling", ["unsplit", "split-per-tile", "all-heads", "groups-qk-spans-split"])
+def test_absent_entry_tiles_change_no_bit(tiny_dir: Path, tiny_alt_dir: Path, tiling: str) -> None:
+    """A prefill row's selection holds fewer than K entries, padded with absent ones: the
+    output of each row is bit for bit the one of its selection cut to its first 16
+    entries, whatever whole tiles of absent entries follow (the kernels skip them) or
+    how the rows' counts differ (one row has none at all)."""
+    mla = tiling in MLA_TILINGS
+    config = V41Config.from_pretrained(tiny_alt_dir if mla else tiny_dir)
+    store = _store(config, "fp4", "fp8", seed=18, block_size=64 if mla else 32)
+    args = _attention_case(config, store, store, rows=4, heads=20, topk=16, dtype=torch.float32, seed=19)
+    kernels = TritonKernels(attention_tiling=MLA_TILINGS[tiling] if mla else ATTENTION_TILINGS[tiling])
+    cut = kernels.attend(*args)
+    entry_rows = args[6]
+    padded = torch.cat((entry_rows, entry_rows.new_full((entry_rows.shape[0], 48), -1)), dim=1)
+    assert torch.equal(kernels.attend(*args[:6], padded, *args[7:]), cut)
+
+
 def test_mla_attention_without_main_keys(tiny_alt_dir: Path) -> None:
     """A window-only layer through every cut of the all-heads kernel: the torch
     backend's output."""

@@ -16,7 +16,10 @@ of values), and a second kernel merges a row's partials with the sink. Otherwise
 program folds all W + K keys and writes the output itself. The zero-value sink key
 starts the online softmax: running max = sink logit (finite, so no fully masked tile
 makes exp(-inf + inf)), running sum = 1 (its own weight) when the program writes the
-output, 0 when the merge adds it.
+output, 0 when the merge adds it. A tile of main entries none of which is present (a
+prefill row's selection holds fewer than K, padded with -1) is skipped: its logits
+would all be -inf, so folding it would leave the max, the sum and the values as they
+were.
 
 Two kernels compute that function: sparse_attention_kernel (AttentionTiling: a group
 of 16 heads a program, so a row's 64 heads read each key tile four times) and
@@ -329,22 +332,27 @@ def sparse_attention_kernel(
         keys = start + tl.arange(0, BLOCK_N)
         entry = tl.load(entry_rows_ptr + row * topk + keys, mask=keys < main_hi, other=-1)
         present = entry >= 0
-        k = load_rows(
-            main_values,
-            main_scales,
-            entry,
-            present,
-            MAIN_ROWS,
-            main_values_stride_unit,
-            main_values_stride_row,
-            main_scales_stride_unit,
-            main_scales_stride_row,
-            HEAD_DIM,
-            MAIN_FMT,
-            MAIN_GROUP,
-            dot_dtype,
-        )
-        running_max, running_sum, acc = _fold_tile(q, k, present, running_max, running_sum, acc, logit_scale, DOT_BF16)
+        # Selections are padded with absent entries; a tile of none adds nothing (its
+        # logits are all -inf), so it is not folded.
+        if tl.max(entry, 0) >= 0:
+            k = load_rows(
+                main_values,
+                main_scales,
+                entry,
+                present,
+                MAIN_ROWS,
+                main_values_stride_unit,
+                main_values_stride_row,
+                main_scales_stride_unit,
+                main_scales_stride_row,
+                HEAD_DIM,
+                MAIN_FMT,
+                MAIN_GROUP,
+                dot_dtype,
+            )
+            running_max, running_sum, acc = _fold_tile(
+                q, k, present, running_max, running_sum, acc, logit_scale, DOT_BF16
+            )
 
     if SPLIT:
         # Partials [rows, splits, heads, dim] and stats [rows, splits, 2, heads].
@@ -660,27 +668,30 @@ def mla_attention_kernel(
         keys = start + tl.arange(0, BLOCK_N)
         entry = tl.load(entry_rows_ptr + row * topk + keys, mask=keys < main_hi, other=-1)
         present = entry >= 0
-        if QK_CHUNK == HEAD_DIM:
-            k = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS, main_values_stride_unit,
-                              main_values_stride_row, main_scales_stride_unit, main_scales_stride_row, 0, HEAD_DIM,
-                              MAIN_FMT, MAIN_GROUP, dot_dtype)
-            logits = _logits(q, k, DOT_BF16)
-        else:
-            logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-            for first in tl.static_range(0, HEAD_DIM, QK_CHUNK):
-                q_span = _q_span(q_rows, first, QK_CHUNK, head_mask, dot_dtype, Q_RELOAD)
-                k_span = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS, main_values_stride_unit,
-                                       main_values_stride_row, main_scales_stride_unit, main_scales_stride_row, first,
-                                       QK_CHUNK, MAIN_FMT, MAIN_GROUP, dot_dtype)
-                logits += _logits(q_span, k_span, DOT_BF16)
-        if ONE_READ:
-            v = k
-        else:
-            v = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS, main_values_stride_unit,
-                              main_values_stride_row, main_scales_stride_unit, main_scales_stride_row, value_first,
-                              VALUE_DIM, MAIN_FMT, MAIN_GROUP, dot_dtype)
-        running_max, running_sum, acc = _fold_logits(logits, v, present, running_max, running_sum, acc, logit_scale,
-                                                     DOT_BF16)
+        # Selections are padded with absent entries; a tile of none adds nothing (its
+        # logits are all -inf), so it is not folded.
+        if tl.max(entry, 0) >= 0:
+            if QK_CHUNK == HEAD_DIM:
+                k = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS, main_values_stride_unit,
+                                  main_values_stride_row, main_scales_stride_unit, main_scales_stride_row, 0, HEAD_DIM,
+                                  MAIN_FMT, MAIN_GROUP, dot_dtype)
+                logits = _logits(q, k, DOT_BF16)
+            else:
+                logits = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+                for first in tl.static_range(0, HEAD_DIM, QK_CHUNK):
+                    q_span = _q_span(q_rows, first, QK_CHUNK, head_mask, dot_dtype, Q_RELOAD)
+                    k_span = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS,
+                                           main_values_stride_unit, main_values_stride_row, main_scales_stride_unit,
+                                           main_scales_stride_row, first, QK_CHUNK, MAIN_FMT, MAIN_GROUP, dot_dtype)
+                    logits += _logits(q_span, k_span, DOT_BF16)
+            if ONE_READ:
+                v = k
+            else:
+                v = load_row_span(main_values, main_scales, entry, present, MAIN_ROWS, main_values_stride_unit,
+                                  main_values_stride_row, main_scales_stride_unit, main_scales_stride_row, value_first,
+                                  VALUE_DIM, MAIN_FMT, MAIN_GROUP, dot_dtype)
+            running_max, running_sum, acc = _fold_logits(logits, v, present, running_max, running_sum, acc, logit_scale,
+                                                         DOT_BF16)
 
     if SPLIT:
         # sparse_attention_kernel's partials; every value span writes its channels, the
