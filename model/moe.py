@@ -46,8 +46,17 @@ class MoEWeights:
 
 @dataclass(frozen=True)
 class Routing:
+    """Each row's top-k experts and their weights, from a router of ``num_experts``
+    experts: every id lies in [0, num_experts), so a rank holding that many holds every
+    pair's expert."""
+
     weights: torch.Tensor  # [T, k] fp32, already scaled by routed_scaling_factor
     expert_ids: torch.Tensor  # [T, k] int64
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"Routing.num_experts: {self.num_experts} (allowed: >= 1, the router's experts)")
 
 
 def check_gate(gate: torch.Tensor, name: str = "gate") -> None:
@@ -68,7 +77,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
     chosen = torch.topk(scores + bias.float(), top_k, dim=-1).indices
     picked = torch.gather(scores, 1, chosen)
     weights = picked / (small_sum(picked, -1) + 1e-20) * scaling
-    return Routing(weights=weights, expert_ids=chosen)
+    return Routing(weights=weights, expert_ids=chosen, num_experts=gate.shape[0])
 
 
 def expert_ffn(x: torch.Tensor, w: ExpertWeights, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -49,6 +49,7 @@ from dsv41.model.kernels.triton.moe import (  # noqa: E402
     expert_down,
     expert_tiling,
     grouped_expert_slots,
+    holds_every_expert,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,10 +68,11 @@ def _experts(
     return {e: ExpertWeights(w1=weight(inter, hidden), w2=weight(hidden, inter), w3=weight(inter, hidden)) for e in ids}
 
 
-def _routing(rows: int, top_k: int, routed_to: list[int], seed: int) -> Routing:
+def _routing(rows: int, top_k: int, routed_to: list[int], seed: int, num_experts: int | None = None) -> Routing:
     """Each row picks top_k distinct experts of ``routed_to``; slot 0 always picks the
     first of them, so that expert gets a pair from every row (more than the 16 rows of
-    a decode-sized block once there are more than 16 rows)."""
+    a decode-sized block once there are more than 16 rows). The router has
+    ``num_experts`` (default: one past the largest id routed to)."""
     g = torch.Generator().manual_seed(seed)
     pool = torch.tensor(routed_to)
     picks = [
@@ -78,7 +80,8 @@ def _routing(rows: int, top_k: int, routed_to: list[int], seed: int) -> Routing:
         for _ in range(rows)
     ]
     weights = torch.rand(rows, top_k, generator=g) + 0.1
-    return Routing(weights=weights.to(DEVICE), expert_ids=torch.stack(picks).to(DEVICE))
+    num_experts = max(routed_to) + 1 if num_experts is None else num_experts
+    return Routing(weights=weights.to(DEVICE), expert_ids=torch.stack(picks).to(DEVICE), num_experts=num_experts)
 
 
 def _assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -102,6 +105,7 @@ def test_grouped_gemm_equals_routed_expert_slots(dtype: torch.dtype, fmt: str) -
     kernels = TritonKernels()
     bank = kernels.expert_bank(experts, fmt)
     assert isinstance(bank, TritonExpertBank) and bank.weight_format == fmt
+    assert holds_every_expert(bank, routing)  # so no output row starts zeroed
     _assert_matches(
         kernels.routed_expert_slots(x, routing, bank, LIMIT), routed_expert_slots(x, routing, experts, LIMIT), dtype
     )
@@ -347,13 +351,15 @@ def test_rows_without_held_experts_get_exact_zeros() -> None:
     routing = Routing(
         weights=torch.rand(3, 2, generator=torch.Generator().manual_seed(9)).to(DEVICE),
         expert_ids=torch.tensor([[0, 1], [4, 2], [3, 6]], device=DEVICE),
+        num_experts=7,
     )
+    assert not holds_every_expert(bank, routing)
     got = kernels.routed_expert_slots(x, routing, bank, LIMIT)
     assert torch.equal(got[[0, 2]], torch.zeros(2, 2, 64, device=DEVICE))
     assert torch.equal(got[1, 1], torch.zeros(64, device=DEVICE))
     _assert_matches(got, routed_expert_slots(x, routing, experts, LIMIT), torch.float32)
     assert got[1, 0].abs().sum() > 0
-    empty = Routing(weights=routing.weights[:0], expert_ids=routing.expert_ids[:0])
+    empty = Routing(weights=routing.weights[:0], expert_ids=routing.expert_ids[:0], num_experts=7)
     assert kernels.routed_expert_slots(x[:0], empty, bank, LIMIT).shape == (0, 2, 64)
 
 

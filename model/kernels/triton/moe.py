@@ -818,6 +818,12 @@ def expert_down(
     )
 
 
+def holds_every_expert(bank: TritonExpertBank, routing: Routing) -> bool:
+    """Whether every routed pair's expert is one ``bank`` holds: the bank holds all of
+    the router's ``num_experts`` ids (its ids are distinct and ascending)."""
+    return len(bank.expert_ids) == routing.num_experts and bank.expert_ids[-1] == routing.num_experts - 1
+
+
 def grouped_expert_slots(
     x: torch.Tensor,
     routing: Routing,
@@ -860,8 +866,14 @@ def grouped_expert_slots(
     blocks = align_pairs(routing.expert_ids, bank.held_ids, block_m)
     h = torch.empty(blocks.num_blocks * blocks.block_m, bank.intermediate, dtype=x.dtype, device=x.device)
     # fp32, as the slots are returned: the kernel widens its rounded values itself
-    # instead of a copy of every pair row after it.
-    pair_out = torch.zeros(num_pairs, bank.hidden, dtype=torch.float32, device=x.device)
+    # instead of a copy of every pair row after it. The down kernel writes the rows of
+    # the held experts' pairs; only where the router has experts this bank does not hold
+    # (EP) must the other rows start at zero (a prefill's zeroing took 1.2 ms of an
+    # H100's device time, BENCHMARKS.md).
+    if holds_every_expert(bank, routing):
+        pair_out = torch.empty(num_pairs, bank.hidden, dtype=torch.float32, device=x.device)
+    else:
+        pair_out = torch.zeros(num_pairs, bank.hidden, dtype=torch.float32, device=x.device)
     weights = routing.weights.reshape(-1).float().contiguous()
     expert_gate_up_kernel[(blocks.num_blocks, triton.cdiv(bank.intermediate, tiling.block_n))](
         x,

@@ -151,7 +151,7 @@ def fused_route(
             LIBDEVICE=x.device.type == "cuda",
             enable_fp_fusion=False,
         )
-    return Routing(weights=weights, expert_ids=expert_ids)
+    return Routing(weights=weights, expert_ids=expert_ids, num_experts=experts)
 
 
 @triton.jit
