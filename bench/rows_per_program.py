@@ -77,7 +77,9 @@ def kernel_calls(config: V41Config, tokens: int, device: str) -> dict[str, Calla
         "epilogue q_latent": lambda rows: fused_epilogue(
             latent, Epilogue(torch.bfloat16, norm=latent_norm, eps=EPS), None, block_r=rows
         ),
-        "epilogue query": lambda rows: fused_epilogue(query, Epilogue(torch.bfloat16, rope=rope), positions, block_r=rows),
+        "epilogue query": lambda rows: fused_epilogue(
+            query, Epilogue(torch.bfloat16, rope=rope), positions, block_r=rows
+        ),
     }
 
 
@@ -95,8 +97,13 @@ def measure(config: V41Config, tokens: int, device: str) -> list[dict[str, objec
                 if device == "cuda"
                 else 0.0
             )
-            rows.append({"kernel": name, "tokens": tokens, "rows_per_program": per_program, "ms": ms, "same_bits": same})
-            print(f"{name:20s} T={tokens:5d} rows/program {per_program:2d} {ms * 1e3:9.1f} us  same bits: {same}", flush=True)
+            rows.append(
+                {"kernel": name, "tokens": tokens, "rows_per_program": per_program, "ms": ms, "same_bits": same}
+            )
+            print(
+                f"{name:20s} T={tokens:5d} rows/program {per_program:2d} {ms * 1e3:9.1f} us  same bits: {same}",
+                flush=True,
+            )
     return rows
 
 

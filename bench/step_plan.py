@@ -1,11 +1,12 @@
 """Host time of a step plan (cache/addressing.build_step_addresses) for one prefill.
 
 One segment of ``--tokens`` rows from position 0 at the V4.1-Flash pools' geometry
-(block 128, the config's sliding window and ratios, as many ring rows as the window), built the three ways the runner
-can: the window's [rows, window] sources expanded with numpy on the host (a CPU
-engine), by torch on the CPU, and on a GPU where there is one (what the runner asks
-for there; the time includes its launches and the one copy of the per-row columns,
-synchronised); and, for scale, with a 1-key window (everything else the plan holds).
+(block 128, the config's sliding window and ratios, as many ring rows as the window),
+built the three ways the runner can: the window's [rows, window] sources expanded with
+numpy on the host (a CPU engine), by torch on the CPU, and on a GPU where there is one
+(what the runner asks for there; the time includes its launches and the one copy of
+the per-row columns, synchronised); and, for scale, with a 1-key window (everything
+else the plan holds).
 Median of ``--repeats`` after one warm-up. Prints a table and writes JSON.
 
     python3 -m bench.step_plan [--tokens 4096] [--out bench/results/step_plan.json]
