@@ -43,7 +43,7 @@ DEAD: int = -1  # a history slot before the sequence start (the STATE cursor's s
 _SINGLE_SPACE_PLACEHOLDER = "\ue000"
 _REPLACEMENT_CHARACTER = "\ufffd"
 _MULTIPLIER_SEED_STRIDE = 10007
-_GATE_DOT_FLOOR = 1e-6
+GATE_DOT_FLOOR = 1e-6
 
 # Witnesses that make Miller-Rabin exact for every n < 3.3e24 (far past int64).
 _MILLER_RABIN_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
@@ -608,9 +608,9 @@ class EngramTable:
 
 
 class EngramKernels(Protocol):
-    """How a kernels backend reads an Engram table's rows. ``engram_on_device``: the
-    row ids it takes live on the forward's device (the tables mapped for it), else on
-    the host."""
+    """How a kernels backend reads an Engram table's rows and applies them.
+    ``engram_on_device``: the row ids it takes live on the forward's device (the tables
+    mapped for it), else on the host."""
 
     engram_on_device: bool
 
@@ -619,15 +619,47 @@ class EngramKernels(Protocol):
         device."""
         ...
 
+    def engram_gated_add(
+        self, streams: torch.Tensor, projected: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``gated_add(streams, projected, q_weight, k_weight, eps)``."""
+        ...
+
+
+def gated_add(
+    streams: torch.Tensor, projected: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``h_s + gate_s * value`` per stream s, from ``projected [T, (hc + 1) * hidden]``
+    (the looked-up rows through wkv: hc keys then one value, in the compute dtype), in
+    fp32; the result has ``streams.dtype``."""
+    tokens, hc, hidden = streams.shape
+    projected = projected.float()
+    keys = projected[:, : hc * hidden].reshape(tokens, hc, hidden)
+    value = projected[:, hc * hidden :].unsqueeze(1)
+    h = streams.float()
+    dot = row_sum(h * q_weight.float() * k_weight.float() * keys)
+    dot = dot * torch.rsqrt(row_mean(h.square()) + eps) * torch.rsqrt(row_mean(keys.square()) + eps)
+    dot = dot / math.sqrt(hidden)
+    gate = pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(GATE_DOT_FLOOR)))
+    return (h + gate.unsqueeze(-1) * value).to(streams.dtype)
+
 
 class HostEngram:
-    """``EngramKernels`` as the host lookup: the rows gathered and dequantised on the
-    CPU, moved to the streams' device by their reader."""
+    """``EngramKernels`` as the host lookup (the rows gathered and dequantised on the
+    CPU, moved to the streams' device by their reader) and this module's gated add."""
 
     engram_on_device = False
 
     def engram_rows(self, table: EngramTable, row_ids: torch.Tensor) -> torch.Tensor:
         return table.lookup(row_ids)
+
+    def engram_gated_add(
+        self, streams: torch.Tensor, projected: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return gated_add(streams, projected, q_weight, k_weight, eps)
+
+
+HOST_ENGRAM = HostEngram()
 
 
 # -- gated update ------------------------------------------------------------------------
@@ -640,13 +672,15 @@ def engram_update(
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
     eps: float,
+    kernels: EngramKernels = HOST_ENGRAM,
 ) -> torch.Tensor:
     """The streams after Engram: ``h_s + gate_s * value`` per stream s.
 
     ``streams [T, hc, hidden]``; ``embeddings [T, input_dim]`` (looked-up rows);
     ``wkv [(hc + 1) * hidden, input_dim]`` in the compute dtype or as stored, giving hc keys then one
     value; ``q_weight``, ``k_weight [hc, hidden]``. The projection runs in the compute
-    dtype, the gate and the add in fp32; the result has ``streams.dtype``.
+    dtype, the gate and the add (``kernels.engram_gated_add``) in fp32; the result has
+    ``streams.dtype``.
     """
     if streams.dim() != 3:
         raise ValueError(f"streams: shape {tuple(streams.shape)} (allowed: [T, hc, hidden])")
@@ -660,12 +694,5 @@ def engram_update(
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(weight.shape) != (hc, hidden):
             raise ValueError(f"{name}: shape {tuple(weight.shape)} (allowed: [{hc}, {hidden}])")
-    projected = linear(embeddings.to(wkv.dtype), wkv).float()
-    keys = projected[:, : hc * hidden].reshape(tokens, hc, hidden)
-    value = projected[:, hc * hidden :].unsqueeze(1)
-    h = streams.float()
-    dot = row_sum(h * q_weight.float() * k_weight.float() * keys)
-    dot = dot * torch.rsqrt(row_mean(h.square()) + eps) * torch.rsqrt(row_mean(keys.square()) + eps)
-    dot = dot / math.sqrt(hidden)
-    gate = pointwise(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(_GATE_DOT_FLOOR)))
-    return (h + gate.unsqueeze(-1) * value).to(streams.dtype)
+    projected = linear(embeddings.to(wkv.dtype), wkv)
+    return kernels.engram_gated_add(streams, projected, q_weight, k_weight, eps)

@@ -20,7 +20,7 @@ from dsv41.model.attention import AttentionWeights
 from dsv41.model.compressor import CompressorWeights
 from dsv41.model.config import LayerMode, LayerTopology, V41Config
 from dsv41.model.device import move_tensors
-from dsv41.model.engram import EngramHashing, EngramTable, engram_update
+from dsv41.model.engram import HOST_ENGRAM, EngramHashing, EngramKernels, EngramTable, engram_update
 from dsv41.model.indexer import IndexerWeights
 from dsv41.model.loader import ExpertShard, LoadedCheckpoint, LoadProgress, load_checkpoint
 from dsv41.model.mhc import HcSite
@@ -49,10 +49,13 @@ class EngramParams:
         CPU and only the gathered embeddings move to the streams' device."""
         return self.table.lookup(hashing.row_ids(layer_id, ngrams.cpu()))
 
-    def update(self, streams: torch.Tensor, embeddings: torch.Tensor, eps: float) -> torch.Tensor:
-        """The gated update of the streams with each row's looked-up rows."""
+    def update(
+        self, streams: torch.Tensor, embeddings: torch.Tensor, eps: float, kernels: EngramKernels = HOST_ENGRAM
+    ) -> torch.Tensor:
+        """The gated update of the streams with each row's looked-up rows (the gated
+        add by ``kernels``)."""
         embeddings = embeddings.to(device=streams.device, dtype=streams.dtype)
-        return engram_update(streams, embeddings, self.wkv, self.q_weight, self.k_weight, eps)
+        return engram_update(streams, embeddings, self.wkv, self.q_weight, self.k_weight, eps, kernels)
 
 
 @dataclass(frozen=True)

@@ -523,7 +523,7 @@ class PagedRuntime:
             table_rows = None if layer.engram is None else engram.embeddings(layer, engram_rows)
             if queries is not None and layer.layer_id == last:
                 if table_rows is not None:
-                    streams = layer.engram.update(streams, table_rows, cfg.rms_norm_eps)
+                    streams = layer.engram.update(streams, table_rows, cfg.rms_norm_eps, self.kernels)
                 streams, pre = yield from self._last_layer(layer, streams, pre, stage, queries, store, state, moe)
                 continue
 
@@ -552,7 +552,7 @@ class PagedRuntime:
         the rows' Engram table rows; None at a layer without Engram), then the
         attention site's mix and input. Returns the streams, the mix and the input."""
         if table_rows is not None:
-            streams = layer.engram.update(streams, table_rows, self.config.rms_norm_eps)
+            streams = layer.engram.update(streams, table_rows, self.config.rms_norm_eps, self.kernels)
         mix, h = open_site(streams, pre, layer.hc_attn, layer.attn_norm, self.config, self.kernels)
         return streams, mix, h
 

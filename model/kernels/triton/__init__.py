@@ -11,7 +11,8 @@ launches (pair pooling and tail stores, quantised row stores) are in their own b
 the mHC site steps are model/kernels/triton/mhc.py's fused launches, a projection's
 epilogue (RMSNorm, RoPE, rounding) is model/kernels/triton/epilogue.py's, and the MoE
 steps around the routed experts (router, shared SwiGLU, output) are route.py's; an
-Engram table's rows are gathered on the device from the host table (engram.py).
+Engram table's rows are gathered on the device from the host table and added to the
+streams through their gate in one launch (engram.py).
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -43,7 +44,7 @@ from dsv41.model.kernels.triton.attention import (
 )
 from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_kernel
 from dsv41.model.kernels.triton.decode import INTERPRETED
-from dsv41.model.kernels.triton.engram import engram_rows
+from dsv41.model.kernels.triton.engram import engram_gated_add, engram_rows
 from dsv41.model.kernels.triton.epilogue import fused_epilogue
 from dsv41.model.kernels.triton.fp8_rows import round_fp8_rows
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
@@ -373,10 +374,15 @@ class TritonKernels:
     def moe_output(self, slots: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         return fused_moe_output(slots, shared, dtype)
 
-    # -- Engram rows (engram.py) ----------------------------------------------------------
+    # -- Engram rows and gated add (engram.py) --------------------------------------------
 
     def engram_rows(self, table: EngramTable, row_ids: torch.Tensor) -> torch.Tensor:
         return engram_rows(table, row_ids)
+
+    def engram_gated_add(
+        self, streams: torch.Tensor, projected: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return engram_gated_add(streams, projected, q_weight, k_weight, eps)
 
     # -- the mHC site steps (mhc.py) ----------------------------------------------------
 

@@ -1,14 +1,15 @@
 """The mHC site steps (model/mhc.py) as fused Triton kernels, one launch each.
 
-Owns three kernels and their launches: the site mix after its projection (the RMS
-scale of the flattened streams, the pre and post sigmoids, the Sinkhorn of the comb
-logits: ``hc_mix_kernel``), the collapse of the streams with the previous site's pre
-followed by the RMSNorm (``collapse_norm_kernel``: a site's sublayer input, the final
-hidden), and the expansion of a sublayer output back into the streams
-(``expand_kernel``). Unfused, a site is about 160 torch ops, each a launch on a GPU
-(the Sinkhorn's normalisations alone 117); fused it is five launches: the streams'
-fp32 copy, the projection (model/linalg.linear, the torch path's own call), and these
-three.
+Owns four kernels and their launches: the site mix's projection of the flattened
+streams and their sum of squares, read in the streams' own dtype and summed in fp32
+over fixed column splits (``hc_mix_projection_kernel``: no fp32 copy of the streams is
+made, and a decode step's few rows still spread over the SMs), the rest of the mix
+(the splits summed first to last, the RMS scale, the pre and post sigmoids, the
+Sinkhorn of the comb logits: ``hc_mix_kernel``), the collapse of the streams with the
+previous site's pre followed by the RMSNorm (``collapse_norm_kernel``: a site's
+sublayer input, the final hidden), and the expansion of a sublayer output back into
+the streams (``expand_kernel``). Unfused, a site is about 160 torch ops, each a launch
+on a GPU (the Sinkhorn's normalisations alone 117); fused it is these four.
 
 model/mhc.py defines the arithmetic; the kernels follow its operation order in float32:
 every product, quotient and sum of hc terms rounds where torch's ops do (hc terms added
@@ -19,8 +20,10 @@ interpreter they are the CPU torch path bit for bit where no exp and no long red
 enters, at the configs' hc of 3 and 4 (tests/model/test_kernels_mhc.py). They differ
 in the last bits through exp (numpy's in the interpreter; torch's CPU exp is its own),
 the softmax's sum of hc terms (first to last here; torch's softmax sums in its
-kernel's order) and the long row reductions (the mean of squares over hc * hidden or
-hidden: BLOCK columns folded at a time, then one tree). Compiled, exp and rsqrt are
+kernel's order) and the long row reductions (the projection and the mean of squares
+over hc * hidden: each split's columns folded a tile at a time, then the splits first
+to last; the mean of squares over hidden: BLOCK columns folded at a time, then one
+tree). Compiled, exp and rsqrt are
 libdevice's expf and rsqrtf, the functions torch's CUDA ops call; equality with the
 torch path on a GPU is not measured.
 A program reads and writes its own token rows only, and its shape is fixed by the
@@ -38,7 +41,6 @@ from triton.language.extra import libdevice
 
 from dsv41.model.config import V41Config
 from dsv41.model.kernels.triton.store import f32_to_bf16_bits
-from dsv41.model.linalg import linear
 from dsv41.model.mhc import HcMix, HcSite
 
 # Columns a row reduction folds per step.
@@ -55,6 +57,20 @@ INTERPRETED_ROWS = 256
 # 1.05 to 0.59 ms and a 128-token one from 95 to 58 us, same bits (four, eight and
 # sixteen rows no faster; H100, 2026-12-07, BENCHMARKS.md).
 HC_MIX_GPU_ROWS = 2
+# The mix projection's program on a GPU: token rows (a tl.dot's M, at least 16), the
+# columns of one tl.dot (its K), and the columns of one split (a multiple of the
+# tile). The splits, not the rows, fill the SMs at decode widths; each split's partial
+# sums go to memory and hc_mix_kernel adds them first to last, so a row's bits are
+# fixed by these constants, never by the call. Swept on an H100 (2026-12-07, the Flash
+# widths, bf16 streams, both launches of the mix): 64 / 64 / 1024 took 24 us at 1, 32
+# and 128 rows and 117 us at 4,096 rows, where the fp32 copy and cuBLAS fp32 GEMM
+# alone took 14 / 26 / 40 / 450 us; 16 rows a program 268 us at 4,096 rows.
+MIX_PROJECTION_GPU_ROWS = 64
+MIX_PROJECTION_GPU_TILE = 64
+MIX_PROJECTION_GPU_SPLIT = 1024
+# Under the interpreter one split and one tile of at most this many columns: its cost
+# is per operation, and the CPU configs' hc * hidden is a few hundred.
+MIX_PROJECTION_INTERPRETED_TILE = 4096
 
 
 @triton.jit
@@ -88,7 +104,7 @@ def rsqrt_as_torch(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid(x, LIBDEVICE: tl.constexpr):
+def sigmoid_as_torch(x, LIBDEVICE: tl.constexpr):
     """1 / (1 + exp(-x)), rounded step by step as torch's sigmoid."""
     return tl.math.div_rn(1.0, 1.0 + _exp(-x, LIBDEVICE))
 
@@ -127,54 +143,117 @@ def _ordered_sum(m, AXIS: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, P: tl
 
 
 @triton.jit
-def hc_mix_kernel(
-    flat_ptr,
+def hc_mix_projection_kernel(
+    streams_ptr,
+    fn_ptr,
     m_ptr,
+    sq_ptr,
+    tokens,
+    stride_row,
+    COLS: tl.constexpr,
+    N: tl.constexpr,
+    N_P: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BF16_DOTS: tl.constexpr,
+):
+    """BLOCK_T token rows, the SPLIT columns of split ``program_id(1)`` of the flattened
+    streams [COLS] in their dtype: that split's part of ``m`` = flat @ fn.T [N] and of
+    sum(flat ** 2), in fp32 (fn [N, COLS] fp32), stored at [split, row].
+
+    BF16_DOTS (bf16 streams, compiled): each fn tile is split exactly into three bf16
+    parts (fp32 has 24 significant bits, bf16 8, and a part's exponent range is fp32's),
+    so the products with the bf16 streams are exact and three bf16 tensor-core dots sum
+    them in fp32, each part in its own accumulator. Otherwise one fp32 FMA dot, as the
+    interpreter runs bf16 too: its dot multiplies bf16 operands as their bit patterns."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    live = t < tokens
+    n = tl.arange(0, N_P)
+    acc_m = tl.zeros((BLOCK_T, N_P), dtype=tl.float32)
+    acc_mid = tl.zeros((BLOCK_T, N_P), dtype=tl.float32)
+    acc_lo = tl.zeros((BLOCK_T, N_P), dtype=tl.float32)
+    acc_sq = tl.zeros((BLOCK_T, TILE), dtype=tl.float32)
+    for c0 in range(0, SPLIT, TILE):
+        cols = split * SPLIT + c0 + tl.arange(0, TILE)
+        in_row = cols < COLS
+        x = tl.load(
+            streams_ptr + t[:, None] * stride_row + cols[None, :], mask=live[:, None] & in_row[None, :], other=0.0
+        )
+        w = tl.load(fn_ptr + n[None, :] * COLS + cols[:, None], mask=in_row[:, None] & (n < N)[None, :], other=0.0)
+        if BF16_DOTS:
+            hi = w.to(tl.bfloat16)
+            rest = w - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            acc_m = tl.dot(x, hi, acc_m)
+            acc_mid = tl.dot(x, mid, acc_mid)
+            acc_lo = tl.dot(x, (rest - mid.to(tl.float32)).to(tl.bfloat16), acc_lo)
+            x = x.to(tl.float32)
+        else:
+            x = x.to(tl.float32)
+            acc_m = tl.dot(x, w, acc_m, input_precision="ieee")
+        acc_sq += x * x
+    if BF16_DOTS:
+        acc_m = (acc_m + acc_mid) + acc_lo
+    at = split * tokens + t
+    tl.store(m_ptr + at[:, None] * N_P + n[None, :], acc_m, mask=live[:, None])
+    tl.store(sq_ptr + at, tl.sum(acc_sq, axis=1), mask=live)
+
+
+@triton.jit
+def _splits_summed(ptr, offsets, mask, split_stride, SPLITS: tl.constexpr):
+    """sum over s of ptr[s * split_stride + offsets], s first to last."""
+    total = tl.load(ptr + offsets, mask=mask, other=0.0)
+    for s in range(1, SPLITS):
+        total = total + tl.load(ptr + s * split_stride + offsets, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def hc_mix_kernel(
+    m_ptr,
+    sq_ptr,
     base_ptr,
     scale_ptr,
     pre_ptr,
     post_ptr,
     comb_ptr,
     tokens,
-    stride_flat,
-    stride_m,
     hc_eps,
     norm_eps,
     COLS: tl.constexpr,
+    N_P: tl.constexpr,
+    SPLITS: tl.constexpr,
     HC: tl.constexpr,
     HC_P: tl.constexpr,
     LOG2_HC_P: tl.constexpr,
     ITERS: tl.constexpr,
-    BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    """BLOCK_T token rows: ``m`` = linear(flat, fn) [(2 + HC) * HC] and the flattened
-    streams ``flat`` [COLS] fp32 -> pre [HC], post [HC], comb [HC, HC] (model/mhc.hc_mix
-    after its projection)."""
+    """BLOCK_T token rows: the projection's split sums (``m`` [SPLITS, tokens, N_P], the
+    sums of squares ``sq`` [SPLITS, tokens]: hc_mix_projection_kernel's) -> pre [HC],
+    post [HC], comb [HC, HC] (model/mhc.hc_mix after its projection)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = t < tokens
-    acc = tl.zeros((BLOCK_T, BLOCK), dtype=tl.float32)
-    for c0 in range(0, COLS, BLOCK):
-        offsets = c0 + tl.arange(0, BLOCK)
-        mask = live[:, None] & (offsets < COLS)[None, :]
-        x = tl.load(flat_ptr + t[:, None] * stride_flat + offsets[None, :], mask=mask, other=0.0)
-        acc += x * x
-    inv_rms = rsqrt_as_torch(mean_as_torch(tl.sum(acc, axis=1), COLS, LIBDEVICE) + norm_eps, LIBDEVICE)[:, None]
+    m_split = tokens * N_P
+    total = _splits_summed(sq_ptr, t, live, tokens, SPLITS)
+    inv_rms = rsqrt_as_torch(mean_as_torch(total, COLS, LIBDEVICE) + norm_eps, LIBDEVICE)[:, None]
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
     k = tl.arange(0, HC_P)[None, :]
     kmask = live[:, None] & (k < HC)
-    m_rows = m_ptr + t[:, None] * stride_m
+    m_rows = t[:, None] * N_P
     pre_logits = tl.load(base_ptr + k, mask=k < HC, other=0.0) + (
-        tl.load(m_rows + k, mask=kmask, other=0.0) * inv_rms
+        _splits_summed(m_ptr, m_rows + k, kmask, m_split, SPLITS) * inv_rms
     ) * s0
     post_logits = tl.load(base_ptr + HC + k, mask=k < HC, other=0.0) + (
-        tl.load(m_rows + HC + k, mask=kmask, other=0.0) * inv_rms
+        _splits_summed(m_ptr, m_rows + HC + k, kmask, m_split, SPLITS) * inv_rms
     ) * s1
-    tl.store(pre_ptr + t[:, None] * HC + k, _sigmoid(pre_logits, LIBDEVICE) + hc_eps, mask=kmask)
-    tl.store(post_ptr + t[:, None] * HC + k, 2.0 * _sigmoid(post_logits, LIBDEVICE), mask=kmask)
+    tl.store(pre_ptr + t[:, None] * HC + k, sigmoid_as_torch(pre_logits, LIBDEVICE) + hc_eps, mask=kmask)
+    tl.store(post_ptr + t[:, None] * HC + k, 2.0 * sigmoid_as_torch(post_logits, LIBDEVICE), mask=kmask)
 
     t3 = t[:, None, None]
     rows = tl.arange(0, HC_P)[None, :, None]
@@ -183,7 +262,7 @@ def hc_mix_kernel(
     valid = (t3 < tokens) & entry
     offsets = 2 * HC + rows * HC + cols
     logits = tl.load(base_ptr + offsets, mask=entry, other=0.0) + (
-        tl.load(m_ptr + t3 * stride_m + offsets, mask=valid, other=0.0) * inv_rms[:, :, None]
+        _splits_summed(m_ptr, t3 * N_P + offsets, valid, m_split, SPLITS) * inv_rms[:, :, None]
     ) * s2
     # The softmax over each row's HC columns, + eps. Padding entries hold 0 from here
     # on and padding rows sum to 1, so nothing divides by zero.
@@ -315,37 +394,67 @@ def out_rows(out: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
 
 
+def mix_projection_tiling(device: torch.device, cols: int) -> tuple[int, int, int]:
+    """(rows, tile, split) of hc_mix_projection_kernel's programs on ``device`` for
+    ``cols`` = hc * hidden columns: the MIX_PROJECTION_GPU_* constants on a GPU; under
+    the interpreter INTERPRETED_ROWS rows and one split, one tile wide where it fits."""
+    if device.type == "cuda":
+        return MIX_PROJECTION_GPU_ROWS, MIX_PROJECTION_GPU_TILE, MIX_PROJECTION_GPU_SPLIT
+    tile = min(MIX_PROJECTION_INTERPRETED_TILE, triton.next_power_of_2(cols))
+    return INTERPRETED_ROWS, tile, triton.cdiv(cols, tile) * tile
+
+
 def fused_hc_mix(streams: torch.Tensor, site: HcSite, config: V41Config, block_t: int | None = None) -> HcMix:
-    """model/mhc.hc_mix: the projection through model/linalg.linear (the torch path's
-    own call, so its bits), then one launch for the rest. ``block_t``: rows per
-    program (default ``rows_per_program`` with HC_MIX_GPU_ROWS)."""
+    """model/mhc.hc_mix in two launches: the projection and sum of squares over column
+    splits (``mix_projection_tiling``), then the rest. ``block_t``: rows per
+    hc_mix_kernel program (default ``rows_per_program`` with HC_MIX_GPU_ROWS)."""
     tokens, hc, hidden = streams.shape
-    flat = streams.reshape(tokens, -1).float().contiguous()
-    m = linear(flat, site.fn.float()).contiguous()
+    cols, n = hc * hidden, (2 + hc) * hc
+    n_p = max(16, triton.next_power_of_2(n))
+    rows, tile, split = mix_projection_tiling(streams.device, cols)
+    splits = triton.cdiv(cols, split)
+    streams = streams.contiguous()
+    m = torch.empty(splits, tokens, n_p, dtype=torch.float32, device=streams.device)
+    sq = torch.empty(splits, tokens, dtype=torch.float32, device=streams.device)
     pre = torch.empty(tokens, hc, dtype=torch.float32, device=streams.device)
     post = torch.empty_like(pre)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
     block_t = block_t or rows_per_program(streams.device, HC_MIX_GPU_ROWS)
     if tokens:
-        hc_mix_kernel[(triton.cdiv(tokens, block_t),)](
-            flat,
+        hc_mix_projection_kernel[(triton.cdiv(tokens, rows), splits)](
+            streams,
+            site.fn.float().contiguous(),
             m,
+            sq,
+            tokens,
+            streams.stride(0),
+            COLS=cols,
+            N=n,
+            N_P=n_p,
+            SPLIT=split,
+            TILE=tile,
+            BLOCK_T=rows,
+            BF16_DOTS=streams.dtype == torch.bfloat16 and streams.device.type == "cuda",
+            enable_fp_fusion=False,
+        )
+        hc_mix_kernel[(triton.cdiv(tokens, block_t),)](
+            m,
+            sq,
             site.base.float().contiguous(),
             site.scale.float().contiguous(),
             pre,
             post,
             comb,
             tokens,
-            flat.stride(0),
-            m.stride(0),
             config.hc_eps,
             config.rms_norm_eps,
-            COLS=hc * hidden,
+            COLS=cols,
+            N_P=n_p,
+            SPLITS=splits,
             HC=hc,
             HC_P=triton.next_power_of_2(hc),
             LOG2_HC_P=(triton.next_power_of_2(hc) - 1).bit_length(),
             ITERS=config.hc_sinkhorn_iters,
-            BLOCK=min(BLOCK, triton.next_power_of_2(hc * hidden)),
             BLOCK_T=block_t,
             LIBDEVICE=uses_libdevice(streams.device),
             enable_fp_fusion=False,
