@@ -39,21 +39,90 @@ from dsv41.model.tiny import TINY_ALT, TRAINED_TINY_DIR, make_tiny
 # oversubscribed when tests start worker processes.
 torch.set_num_threads(1)
 
-# The pytest-xdist group (`--dist loadgroup`, set in pyproject.toml) of the modules that
-# serve on tests/deploy's shared Serve cluster: one worker runs them one after another,
-# so the cluster starts once and the tiny application is deployed once, as in a run in
-# one process. Every other module is a group of its own, so its module fixtures start once.
+# The pytest-xdist groups (`--dist loadgroup`, set in pyproject.toml) of the modules that
+# share a Ray cluster: one worker runs a group's modules one after another, so its
+# cluster starts once, as in a run in one process. SHARED_SERVE_GROUP: the modules that
+# serve on tests/deploy's shared Serve cluster (the tiny application is deployed once);
+# SHARED_RAY_GROUP: the modules on tests/actors' one Ray cluster (its ``ray_cluster``
+# fixture; apart, each module's worker started and stopped a Ray of its own, ~6 s each
+# on the 2-core box). Every other module is a group of its own, so its module fixtures
+# start once.
 SHARED_SERVE_GROUP = "deploy-shared-serve-cluster"
+SHARED_RAY_GROUP = "actors-shared-ray-cluster"
+
+# The longest groups' seconds in a parallel run of the suite on the 2-core box (the
+# mean of two runs on 2026-12-07, `--durations=0` summed per group), longest first.
+# xdist hands a free worker the next group in the order the workers collected them
+# (`--no-loadscope-reorder` in pyproject.toml: its default order is by number of
+# tests, which hands out last the modules of one test that takes a minute, such as
+# tests/deploy/test_handles.py), so the workers take these first, the many short
+# groups fill in at the end, and the two finish together. Groups not named here keep their collection order after
+# these. The figures only order the queue: a stale one costs balance, never a test.
+GROUP_SECONDS = {
+    SHARED_SERVE_GROUP: 420,
+    SHARED_RAY_GROUP: 171,
+    "tests/cluster/test_cuda_graphs.py": 97,
+    "tests/cluster/test_validate_runtime.py": 77,
+    "tests/cluster/test_liveness.py": 56,
+    "tests/model/test_kernels_triton.py": 54,
+    "tests/deploy/test_handles.py": 52,
+    "tests/cluster/test_runtime_parity.py": 46,
+    "tests/deploy/test_serve_cli.py": 39,
+    "tests/cluster/test_speculative.py": 38,
+    "tests/deploy/test_metrics_replicas.py": 36,
+    "tests/cluster/test_isa_parity.py": 35,
+    "tests/deploy/test_metrics.py": 33,
+    "tests/cluster/test_async_scheduling.py": 32,
+    "tests/cluster/test_structured_output.py": 31,
+    "tests/model/test_kernels_mhc.py": 30,
+    "tests/cluster/test_tbo.py": 24,
+    "tests/deploy/test_cli.py": 23,
+    "tests/deploy/test_engine_process.py": 20,
+    "tests/model/test_kernels_moe.py": 20,
+    "tests/cluster/test_decoder_replay.py": 15,
+    "tests/cluster/test_persistent_batch.py": 14,
+    "tests/cluster/test_offload_restore.py": 10,
+}
+
+
+def _group(item: pytest.Item, serving: set[Path], on_ray: set[Path]) -> str:
+    """The xdist group of ``item``: a shared cluster's, if its module is among
+    ``serving`` or ``on_ray``, else its file's."""
+    if item.path in serving:
+        return SHARED_SERVE_GROUP
+    if item.path in on_ray:
+        return SHARED_RAY_GROUP
+    return item.nodeid.partition("::")[0]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks each test with its xdist group (SHARED_SERVE_GROUP or its file), before
-    xdist reads the marks."""
+    """Marks each test with its xdist group (SHARED_SERVE_GROUP, SHARED_RAY_GROUP or its
+    file), before xdist reads the marks."""
     serving = {item.path for item in items if "serve_app" in item.fixturenames}
+    on_ray = {item.path for item in items if "ray_cluster" in item.fixturenames}
     for item in items:
-        module = item.nodeid.partition("::")[0]
-        item.add_marker(pytest.mark.xdist_group(SHARED_SERVE_GROUP if item.path in serving else module))
+        item.add_marker(pytest.mark.xdist_group(_group(item, serving, on_ray)))
+
+
+class _LongestGroupsFirst:
+    """Puts the groups of GROUP_SECONDS first, longest first, each group's tests in the
+    order they had; last among the hooks, after tests/deploy's own ordering."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        def seconds(item: pytest.Item) -> int:
+            mark = item.get_closest_marker("xdist_group")
+            return GROUP_SECONDS.get(mark.args[0], 0) if mark is not None else 0
+
+        items.sort(key=lambda item: -seconds(item))  # stable: a group's order is kept
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker (the workers' collection order is the queue's), registers
+    _LongestGroupsFirst; a run in one process keeps the collection order."""
+    if hasattr(config, "workerinput"):
+        config.pluginmanager.register(_LongestGroupsFirst(), "dsv41-longest-groups-first")
 
 
 @pytest.fixture(scope="session")
