@@ -36,9 +36,12 @@ SERVE_CLUSTER_CPUS = 2
 APP_START_TIMEOUT_S = 120
 # A withdrawn application's replicas and placement groups are gone well within this.
 APP_WITHDRAW_TIMEOUT_S = 60
-# The tiny application of TINY_APP_MODULES' kind: the tiny model served as "tiny" by one
+# The tiny application (the tiny_app fixture): the tiny model served as "tiny" by one
 # one-CPU replica, with room for a prompt that declares tools (the tools section alone is
-# ~750 tiny-tokenizer tokens).
+# ~750 tiny-tokenizer tokens), and the ingress's gRPC listener on a port of its own. The
+# modules that need nothing else of an application serve on it alike, so the shared
+# cluster deploys it once for all of them (an application deployed again cost 15-35 s
+# of a run on the 2-core box).
 TINY_APP_ENGINE = {"block_size": 32, "max_model_len": 2048, "cache_memory_bytes": 64 << 20}
 
 
@@ -322,13 +325,23 @@ def tiny_app_engine() -> Mapping[str, Any]:
     return TINY_APP_ENGINE
 
 
+@pytest.fixture(scope="package")
+def tiny_app_grpc_port() -> int:
+    """The port of the tiny application's gRPC listener: one for the package, so that
+    every module asks for the same application."""
+    return _free_port()
+
+
 @pytest.fixture(scope="module")
-def tiny_app(tiny_dir: Path, tiny_app_engine: Mapping[str, Any], serve_app: Callable[..., str]) -> str:
-    """The HTTP base URL of the tiny application, deployed once for the modules that use
-    it (they run one after another). Its counters count every such module's requests:
-    compare them before and after."""
+def tiny_app(
+    tiny_dir: Path, tiny_app_engine: Mapping[str, Any], tiny_app_grpc_port: int, serve_app: Callable[..., str]
+) -> str:
+    """The HTTP base URL of the tiny application (named "tiny"; its gRPC listener on
+    ``tiny_app_grpc_port``), deployed once for the modules that use it (they run one
+    after another). Its counters count every such module's requests: compare them before
+    and after."""
     args = {"model": str(tiny_dir), "served_model_name": "tiny", "engine": tiny_app_engine, "ray_actor_options": {"num_cpus": 1}}
-    return serve_app(args, name="tiny")
+    return serve_app(args, name="tiny", grpc_port=tiny_app_grpc_port)
 
 
 @pytest.fixture(name="local_serve", scope="session")

@@ -1,6 +1,6 @@
-"""The client helpers end to end: one live local Serve app on the tiny model (started
-once for the module, on the package's shared cluster; every call goes through a
-DeploymentHandle, none through the HTTP proxy), driven by ``deploy.client``'s
+"""The client helpers end to end: the package's tiny application (tests/deploy/conftest.py,
+deployed once for the modules on the package's shared cluster; every call here goes
+through a DeploymentHandle, none through the HTTP proxy), driven by ``deploy.client``'s
 ``generate``, ``stream`` and the Ray Data ``complete_dataset``."""
 
 from __future__ import annotations
@@ -19,18 +19,12 @@ from dsv41.deploy.client import complete_dataset, generate, llm_handle, stream
 from dsv41.deploy.openai_errors import OpenAIError
 
 ROOT = Path(__file__).resolve().parents[2]
-APP_NAME = "batch"
+# The name the tiny_app fixture runs the tiny application under.
+APP_NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
-def handle(tiny_dir: Path, serve_app: Callable[..., str]) -> DeploymentHandle:
-    args = {
-        "model": str(tiny_dir),
-        "served_model_name": "tiny",
-        "engine": {"block_size": 32, "max_model_len": 256, "cache_memory_bytes": 64 << 20},
-        "ray_actor_options": {"num_cpus": 1},
-    }
-    serve_app(args, name=APP_NAME)
+def handle(tiny_app: str) -> DeploymentHandle:
     ray.data.DataContext.get_current().enable_progress_bars = False
     return llm_handle(APP_NAME)
 

@@ -1,13 +1,13 @@
-"""The gRPC ingress end to end: one live local Serve app on the tiny model with both an
-HTTP and a gRPC proxy (started once for the module), called with the generated stub."""
+"""The gRPC ingress end to end: the package's tiny application (tests/deploy/conftest.py,
+deployed once for the modules on it), with both an HTTP proxy and the ingress's gRPC
+listener, called with the generated stub."""
 
 from __future__ import annotations
 
 import io
 import json
 import urllib.request
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator, Mapping
 
 import grpc
 import pytest
@@ -27,20 +27,11 @@ from dsv41.deploy.openai_errors import (
 from dsv41.deploy.proto.generate_pb2 import GenerateRequest, GenerateResponse, TokenIds
 from dsv41.deploy.proto.generate_pb2_grpc import GenerateServiceStub
 
-MAX_MODEL_LEN = 256
-
 
 @pytest.fixture(scope="module")
-def addresses(tiny_dir: Path, free_port: Callable[[], int], serve_app: Callable[..., str]) -> tuple[str, str]:
+def addresses(tiny_app: str, tiny_app_grpc_port: int) -> tuple[str, str]:
     """(HTTP base URL, gRPC address) of the running app."""
-    grpc_port = free_port()
-    args = {
-        "model": str(tiny_dir),
-        "served_model_name": "tiny",
-        "engine": {"block_size": 32, "max_model_len": MAX_MODEL_LEN, "cache_memory_bytes": 64 << 20},
-        "ray_actor_options": {"num_cpus": 1},
-    }
-    return serve_app(args, name="grpc", grpc_port=grpc_port), f"127.0.0.1:{grpc_port}"
+    return tiny_app, f"127.0.0.1:{tiny_app_grpc_port}"
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +161,7 @@ def test_stream_joins_to_the_http_completion(addresses: tuple[str, str], stub: G
     )
 
 
-def test_refusals_map_to_grpc_status_codes(stub: GenerateServiceStub) -> None:
+def test_refusals_map_to_grpc_status_codes(stub: GenerateServiceStub, tiny_app_engine: Mapping[str, Any]) -> None:
     """A request the HTTP API answers 400 ends with INVALID_ARGUMENT and the message
     naming the field (negative max_tokens, top_p out of range, no prompt, a prompt over
     the context limit); an unknown model ends with NOT_FOUND."""
@@ -178,7 +169,7 @@ def test_refusals_map_to_grpc_status_codes(stub: GenerateServiceStub) -> None:
         (GenerateRequest(text="x", max_tokens=-1), "max_tokens"),
         (GenerateRequest(text="x", max_tokens=4, top_p=2.0), "top_p"),
         (GenerateRequest(max_tokens=4), "prompt"),
-        (GenerateRequest(token_ids=TokenIds(ids=[5] * MAX_MODEL_LEN), max_tokens=4), "max_model_len"),
+        (GenerateRequest(token_ids=TokenIds(ids=[5] * tiny_app_engine["max_model_len"]), max_tokens=4), "max_model_len"),
     ]
     for request, named in cases:
         error = _refusal(stub, request)
