@@ -59,8 +59,11 @@ def test_parity_is_exact_under_each_instruction_set(isa: str) -> None:
         env=env, capture_output=True, text=True, timeout=120, check=True,
     ).stdout.strip()
     assert used.lower() == aten, f"ATen ran {used!r} with ATEN_CPU_CAPABILITY={aten}"
+    # `-n 0`: the two tests in the child's own process, not in xdist workers that the
+    # suite's addopts would start for them (two more torch imports and collections,
+    # ~6 s of CPU a setting on the 2-core box, for one module's tests).
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", *TESTS, "-q", "-x", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", *TESTS, "-q", "-x", "-p", "no:cacheprovider", "-n", "0"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
