@@ -22,7 +22,8 @@ duration) each computes a row in an order fixed by the row alone:
   ATen never hands it to the plain GEMM;
 - on a CUDA device the projections and the per-row products run a fixed-tile Triton
   GEMM (no split over K, no autotuning, each batch item its own programs:
-  model/kernels/triton/gemm.py) and the row reductions a one-program-per-row Triton
+  model/kernels/triton/gemm.py; an fp32 projection the split GEMM below, at one row
+  block) and the row reductions a one-program-per-row Triton
   reduction, because cuBLAS and torch's CUDA reductions choose their algorithm and
   splits from the problem size (a batched GEMM's from its batch count too). The Triton
   backend registers both here when it is imported (``register_gpu_kernels``; an
@@ -38,6 +39,14 @@ over a copy padded to whole vector steps. With several intra-op threads each thr
 range has such an end too, so the CPU mode runs on one thread (``cpu_threads``).
 Reductions over a handful of elements (the hc streams, a row's top-k slots) are
 explicit sums in a fixed order (``ordered_sum``).
+
+On a CUDA device an fp32 projection of at most ``SPLIT_FP32_ROWS`` rows (a decode
+step's LM head, router gate and compressor; any row count in the batch-invariant mode)
+runs the registered split GEMM (``GpuKernels.fp32_matmul``,
+model/kernels/triton/fp32_gemm.py): both operands split exactly into bf16 parts on
+tensor cores, at fp32 accuracy, where cuBLAS's fp32 GEMM is bound by the FP32 FMA
+units (the head of a 128-row decode step, 3.4 ms against its 0.9 ms of weight bytes on
+an H100, BENCHMARKS.md).
 
 The FP8-activation mode (``fp8_activations(True)``, entered by a forward whose
 engine asks for it) changes the arithmetic of every projection through an FP8 weight:
@@ -80,6 +89,9 @@ KEY_TILE = 32
 # FP8 bytes is faster on most shapes; from 256 rows the decode and cuBLAS are, about
 # 2x at 4096 rows).
 DECODED_GEMM_ROWS = 256
+# Rows up to which an fp32 projection on a GPU, outside the batch-invariant mode, runs
+# the split GEMM rather than cuBLAS (BENCHMARKS.md, "The fp32 head").
+SPLIT_FP32_ROWS = 256
 
 # Elements per pointwise call: a multiple of every CPU vector loop's step (two 512-bit
 # vectors of bf16 is 64 elements; of fp32, 32; of fp64, 16).
@@ -93,12 +105,15 @@ class GpuKernels:
     """The batch-invariant mode's GPU implementations: ``matmul(a [M, K], b [N, K])`` ->
     a @ b.T, or ``matmul(a [B, M, K], b [B, N, K])`` -> each item's a[i] @ b[i].T, with
     one tile walk per output tile (``row_invariant=False``: a row's sum order may depend
-    on M, for FP8 weights outside the mode); ``row_sum(x [..., C])`` -> [...] fp32 with
+    on M, for FP8 weights outside the mode); ``fp32_matmul(a [M, K], b [N, K])`` -> a @ b.T
+    for fp32 operands at fp32 accuracy on tensor cores (``row_invariant=False``: the
+    row block follows M); ``row_sum(x [..., C])`` -> [...] fp32 with
     one order per row; ``decode_fp8(w)`` -> an FP8 weight's exact decode in its compute
     dtype, in one pass; ``round_fp8(x [M, K])`` -> bf16 rows on that FP8 grid
     (formats.round_fp8's bits, K a multiple of 32) in one launch."""
 
     matmul: Callable[..., torch.Tensor]
+    fp32_matmul: Callable[..., torch.Tensor]
     row_sum: Callable[[torch.Tensor], torch.Tensor]
     decode_fp8: Callable[[Fp8Weight], torch.Tensor]
     round_fp8: Callable[[torch.Tensor], torch.Tensor]
@@ -227,10 +242,13 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
             # more than the transient decode costs (BENCHMARKS.md, "FP8 projections").
             out = rows @ _gpu().decode_fp8(weight).t()
         return out.reshape(*lead, weight.shape[0])
-    if not batch_invariant_enabled():
-        return x @ weight.t()
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
+    invariant = batch_invariant_enabled()
+    if x.is_cuda and x.dtype == torch.float32 and (invariant or rows.shape[0] <= SPLIT_FP32_ROWS):
+        return _gpu().fp32_matmul(rows, weight, row_invariant=invariant).reshape(*lead, weight.shape[0])
+    if not invariant:
+        return x @ weight.t()
     if x.is_cuda:
         out = _gpu().matmul(rows, weight)
     else:

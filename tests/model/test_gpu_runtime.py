@@ -83,6 +83,48 @@ def test_fixed_tile_gemm_rows_do_not_depend_on_the_call(dtype: torch.dtype) -> N
     assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_split_fp32_gemm_rows_do_not_depend_on_the_call_and_keep_fp32_accuracy() -> None:
+    """The split fp32 GEMM on tensor cores (the head's shape cut to 3,000 vocabulary
+    rows): in the batch-invariant mode a row of a call of any size, at any position,
+    equals that row alone; every element is within the fp32 bound of a K-term sum of
+    the float64 product, and the whole is no further from it in norm than cuBLAS's
+    FP32 GEMM, times 1.5."""
+    from dsv41.model.kernels.triton.fp32_gemm import split_fp32_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    k = 5120
+    weight = torch.randn(3000, k, generator=g, device="cuda") * k**-0.5
+    rows = torch.randn(300, k, generator=g, device="cuda")
+    alone = torch.cat([split_fp32_matmul(rows[i : i + 1], weight) for i in range(40)])
+    for count, start in ((1, 0), (3, 0), (40, 0), (129, 1), (300, 0)):
+        got = split_fp32_matmul(rows[start : start + count], weight)
+        keep = min(count, 40 - start)
+        assert torch.equal(got[:keep], alone[start : start + keep]), (count, start)
+    exact = rows.double() @ weight.double().t()
+    bound = (k + 2) * 2.0**-24 * (rows.double().abs() @ weight.double().abs().t())
+    for row_invariant in (True, False):
+        got = split_fp32_matmul(rows, weight, row_invariant=row_invariant).double()
+        assert bool(((got - exact).abs() <= bound).all())
+        assert float((got - exact).norm()) <= 1.5 * float(((rows @ weight.t()).double() - exact).norm())
+
+
+def test_an_fp32_projection_runs_the_split_gemm_up_to_its_rows() -> None:
+    """linear() on the GPU: an fp32 projection of at most SPLIT_FP32_ROWS rows is the
+    split GEMM's (row block by the rows), one of more rows cuBLAS's, and in the
+    batch-invariant mode the split GEMM's at its fixed row block whatever the rows."""
+    from dsv41.model.kernels.triton.fp32_gemm import split_fp32_matmul
+    from dsv41.model.linalg import SPLIT_FP32_ROWS, batch_invariant, linear
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    weight = torch.randn(700, 1024, generator=g, device="cuda")
+    rows = torch.randn(SPLIT_FP32_ROWS + 1, 1024, generator=g, device="cuda")
+    few = rows[:SPLIT_FP32_ROWS]
+    assert torch.equal(linear(few, weight), split_fp32_matmul(few, weight, row_invariant=False))
+    assert torch.equal(linear(rows, weight), rows @ weight.t())
+    with batch_invariant(True):
+        assert torch.equal(linear(rows, weight), split_fp32_matmul(rows, weight, row_invariant=True))
+
+
 def test_batched_fixed_tile_gemm_items_do_not_depend_on_the_batch() -> None:
     """The per-row products of the mode on the GPU (attention at Flash widths: 64 heads
     x 512 dims against 640 keys, then the probabilities against the values as a

@@ -46,6 +46,7 @@ from dsv41.model.kernels.triton.compress import pool_pairs_kernel, store_tails_k
 from dsv41.model.kernels.triton.decode import INTERPRETED
 from dsv41.model.kernels.triton.engram import engram_gated_add, engram_rows
 from dsv41.model.kernels.triton.epilogue import fused_epilogue
+from dsv41.model.kernels.triton.fp32_gemm import split_fp32_matmul
 from dsv41.model.kernels.triton.fp8_rows import round_fp8_rows
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling, index_score_kernel, plan_entry_span
@@ -64,6 +65,7 @@ logger = logging.getLogger(__name__)
 register_gpu_kernels(
     GpuKernels(
         matmul=fixed_tile_matmul,
+        fp32_matmul=split_fp32_matmul,
         row_sum=row_sum,
         decode_fp8=decode_fp8_weight,
         round_fp8=round_fp8_rows,

@@ -11,8 +11,9 @@ keys: attention, index scores) gets each item's ``a[i] @ b[i].T`` from that item
 programs, K in one walk: the items fill the GPU, and an item's value does not depend on
 how many share the call. cuBLAS instead picks its algorithm, and possibly a split of K,
 from M (a batched GEMM's from the batch count too), which is why model/linalg.py routes
-the projections and the per-row products here in that mode. fp32 operands use IEEE
-products (no TF32), as torch's fp32 matmul.
+the projections and the per-row products here in that mode (an fp32 projection goes to
+fp32_gemm.py's split GEMM instead). fp32 operands use IEEE products (no TF32), as
+torch's fp32 matmul.
 
 The weight may be an FP8 weight as the checkpoint stores it (model/stored_weights.py
 ``Fp8Weight``: E4M3 values, one E8M0 scale per 32x32 tile): each weight tile is read

@@ -1,0 +1,151 @@
+"""fp32 projections on bf16 tensor cores: ``split_fp32_matmul``.
+
+Owns the GEMM of an fp32 row block by an fp32 weight (the LM head, DSpark's heads, the
+router's gate, the compressor's projections: MODEL_FACTS keeps them fp32) at fp32
+accuracy without the FP32 FMA units. Both operands are split exactly into three bf16
+parts in registers (``split3``: v == hi + mid + lo, each part the rounding of what the
+earlier ones leave), and the six products whose weight is at least 2^-16 of the
+leading one go through bf16 tensor-core dots accumulated in fp32: hi * hi into one
+accumulator, the five smaller into another, added at the end. A bf16 x bf16 product is
+exact in fp32, so what is dropped is the three products of weight 2^-24 and below
+(at most about 2^-25 of |w x| each element) and what is lost is the fp32 accumulation,
+as in an FMA GEMM; the tests measure both paths against float64.
+
+The weight's rows are the dots' M and the block's rows their N: the weight is read
+once per program from HBM, split once, and a decode step's few rows pad only the
+narrow side (a dot's N may be 16). A program walks all of K in ``BLOCK_K`` steps, no
+split of K and nothing chosen from the data, so a row's value follows from the tile
+shape alone; ``row_invariant=True`` (the batch-invariant mode) fixes that shape, and
+otherwise the row block's width follows the row count (``ROW_BLOCKS``).
+
+Under the interpreter (its dot multiplies bf16 operands as bit patterns) the parts are
+widened back to fp32 and multiplied by an IEEE dot: the products are the same exact
+values, summed in the interpreter's order.
+Must not import: cache, cluster, actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv41.model.kernels.triton.decode import INTERPRETED
+
+# Weight rows per program, K per step, and warps and pipeline stages.
+WEIGHT_ROWS = 128
+BLOCK_K = 64
+NUM_WARPS = 8
+NUM_STAGES = 3
+# The row block of the batch-invariant mode, and outside it the narrowest block that
+# holds a call's rows (one dot's N: at least 16).
+INVARIANT_ROWS = 64
+ROW_BLOCKS = (16, 32, 64, 128)
+
+
+@triton.jit
+def split3(v):
+    """v (fp32) as three bf16 parts, hi + mid + lo == v exactly (bf16 keeps fp32's
+    exponent range): each part rounds what the parts before it leave."""
+    hi = v.to(tl.bfloat16)
+    rest = v - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _dot(w, x, acc, TENSOR_CORES: tl.constexpr):
+    if TENSOR_CORES:
+        return tl.dot(w, x, acc)
+    return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def split_fp32_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    TENSOR_CORES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[m, n] = sum_k x[m, k] w[n, k] for one tile: weight rows (program_id 0) by
+    block rows (program_id 1), K in one walk."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_mask = cols < N
+    row_mask = rows < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_small = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        w = tl.load(
+            w_ptr + cols[:, None] * stride_wn + ks[None, :] * stride_wk,
+            mask=col_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        x = tl.load(
+            x_ptr + rows[None, :] * stride_xm + ks[:, None] * stride_xk,
+            mask=row_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )
+        w_hi, w_mid, w_lo = split3(w)
+        x_hi, x_mid, x_lo = split3(x)
+        acc = _dot(w_hi, x_hi, acc, TENSOR_CORES)
+        acc_small = _dot(w_hi, x_mid, acc_small, TENSOR_CORES)
+        acc_small = _dot(w_mid, x_hi, acc_small, TENSOR_CORES)
+        acc_small = _dot(w_hi, x_lo, acc_small, TENSOR_CORES)
+        acc_small = _dot(w_mid, x_mid, acc_small, TENSOR_CORES)
+        acc_small = _dot(w_lo, x_hi, acc_small, TENSOR_CORES)
+    tl.store(
+        out_ptr + rows[None, :] * stride_om + cols[:, None] * stride_on,
+        acc + acc_small,
+        mask=col_mask[:, None] & row_mask[None, :],
+    )
+
+
+def row_block(m: int, row_invariant: bool) -> int:
+    """The row block a call of ``m`` rows runs with: INVARIANT_ROWS in the
+    batch-invariant mode, else the narrowest of ROW_BLOCKS holding the rows (the widest
+    past them)."""
+    if row_invariant:
+        return INVARIANT_ROWS
+    return next((block for block in ROW_BLOCKS if block >= m), ROW_BLOCKS[-1])
+
+
+def split_fp32_matmul(a: torch.Tensor, b: torch.Tensor, *, row_invariant: bool = True) -> torch.Tensor:
+    """``a @ b.T`` for fp32 a [M, K] and b [N, K] (any strides) -> [M, N] fp32 at fp32
+    accuracy on bf16 tensor cores (the module docstring). ``row_invariant`` fixes the
+    row block, so a row's value does not depend on M."""
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        raise ValueError(f"a, b: {a.dtype}, {b.dtype} (allowed: both torch.float32)")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"a, b: shapes {tuple(a.shape)}, {tuple(b.shape)} (allowed: [M, K] and [N, K])")
+    m, k = a.shape
+    n = b.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    block_m = row_block(m, row_invariant)
+    split_fp32_matmul_kernel[(triton.cdiv(n, WEIGHT_ROWS), triton.cdiv(m, block_m))](
+        a, b, out, m, n, k, *a.stride(), *b.stride(), *out.stride(),
+        TENSOR_CORES=not INTERPRETED,
+        BLOCK_N=WEIGHT_ROWS,
+        BLOCK_M=block_m,
+        BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    return out
