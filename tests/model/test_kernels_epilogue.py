@@ -31,7 +31,7 @@ from dsv41.model.rope import Rope
 
 pytest.importorskip("triton")
 
-from dsv41.model.kernels.triton.epilogue import fused_epilogue  # noqa: E402  (needs triton)
+from dsv41.model.kernels.triton.epilogue import MIN_PROGRAMS, ROW_BLOCK_CHOICES, fused_epilogue, row_blocks  # noqa: E402  (needs triton)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLASH = V41Config.from_pretrained(FLASH_CONFIG_DIR, text_only=True)
@@ -256,6 +256,31 @@ def test_a_rows_fused_epilogue_does_not_depend_on_the_call() -> None:
             for block_r in (None, 1):
                 part = _fused(x[pick], spec, positions[pick], block_r=block_r)
                 _assert_same_bits(part, whole[pick.to(whole.device)])
+
+
+def test_a_program_taking_several_heads_of_a_token_gives_each_row_its_bits() -> None:
+    """The sites with heads (8 here): programs of 2, 4 and 8 one-row blocks of one
+    token, whose cos and sin are computed once, give every row the bits of one row a
+    program; blocks that would cross a token are refused. ``row_blocks`` takes them
+    only with a rope, within a token's heads, and while the launch keeps MIN_PROGRAMS."""
+    g = torch.Generator().manual_seed(4)
+    for site in ("query", "output", "index_query"):
+        shape, make = SITES[site]
+        spec = make(_rope("compressed", shape[-1]), torch.ones(shape[-1]))
+        x = _random_rows((ROWS, *shape), g).to(torch.bfloat16)
+        positions = _positions(ROWS, g)
+        one = fused_epilogue(x.to(DEVICE), _spec_on(spec, DEVICE), _on(positions), block_r=1, blocks=1)
+        for blocks in (2, 4, 8):
+            got = fused_epilogue(x.to(DEVICE), _spec_on(spec, DEVICE), _on(positions), block_r=1, blocks=blocks)
+            _assert_same_bits(got, one)
+        with pytest.raises(ValueError, match="a divisor of the 8 heads"):
+            fused_epilogue(x.to(DEVICE), _spec_on(spec, DEVICE), _on(positions), block_r=1, blocks=3)
+    assert row_blocks(4096 * 64, 64, 1, rope=True) == ROW_BLOCK_CHOICES[0]
+    assert row_blocks(128 * 64, 64, 1, rope=True) == 8
+    assert row_blocks(64, 64, 1, rope=True) == 1
+    assert row_blocks(4096 * 64, 64, 1, rope=False) == 1
+    assert row_blocks(4096 * 6, 6, 1, rope=True) == 2
+    assert row_blocks(MIN_PROGRAMS * 16, 1, 1, rope=True) == 1
 
 
 def test_an_epilogue_refuses_what_no_backend_computes_alike() -> None:

@@ -53,6 +53,10 @@ from dsv41.model.kernels.triton.store import f32_to_e2m1, f32_to_e4m3, pow2_expo
 
 # Pairs of channels in one scale block of 32 channels (FP8's and MXFP4's alike).
 BLOCK_PAIRS = tl.constexpr(FP8_BLOCK // 2)
+# Row blocks a program may take in turn (largest first), and the programs a launch keeps
+# at least when it takes more than one (about eight per SM of an H100 or H200).
+ROW_BLOCK_CHOICES = (16, 8, 4, 2)
+MIN_PROGRAMS = 1024
 
 
 @triton.jit
@@ -97,69 +101,96 @@ def epilogue_kernel(
     MXFP4: tl.constexpr,
     OUT_BF16: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_FLOOR: tl.constexpr,
     GRID_MAX: tl.constexpr,
     MXFP4_FLOOR: tl.constexpr,
 ):
-    """BLOCK_R rows of WIDTH channels (PAIRS: WIDTH / 2 padded to a power of two): the
-    RMSNorm (NORM), the rotation of the last ROPE_PAIRS pairs at row r's position
-    ``positions[r // heads]`` (ROPE; INVERSE: conjugate), the FP8 or MXFP4 rounding,
-    then the output dtype (OUT_BF16: bf16 bit patterns, nearest even)."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = r < rows
+    """ROW_BLOCKS blocks of BLOCK_R rows of WIDTH channels (PAIRS: WIDTH / 2 padded to a
+    power of two), one block after another: the RMSNorm (NORM), the rotation of the last
+    ROPE_PAIRS pairs at row r's position ``positions[r // heads]`` (ROPE; INVERSE:
+    conjugate), the FP8 or MXFP4 rounding, then the output dtype (OUT_BF16: bf16 bit
+    patterns, nearest even). With ROW_BLOCKS > 1 the program's rows are heads of one
+    token (the host's ``row_blocks``), so the float64 cos and sin are computed once for
+    all of them; every block's arithmetic is the first block's, so a row's bits do not
+    depend on ROW_BLOCKS."""
+    first = tl.program_id(0).to(tl.int64) * (BLOCK_R * ROW_BLOCKS)
     p = tl.arange(0, PAIRS)[None, :]
     channel = p < WIDTH // 2
-    mask = live[:, None] & channel
-    even_at = x_ptr + r[:, None] * stride_x + 2 * p
-    even = tl.load(even_at, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(even_at + 1, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        mean = mean_as_torch(tl.sum(even * even + odd * odd, axis=1), WIDTH, LIBDEVICE)
-        inv_rms = rsqrt_as_torch(mean + eps, LIBDEVICE)[:, None]
-        even = (even * inv_rms) * tl.load(norm_ptr + 2 * p, mask=channel, other=0.0).to(tl.float32)
-        odd = (odd * inv_rms) * tl.load(norm_ptr + 2 * p + 1, mask=channel, other=0.0).to(tl.float32)
     if ROPE:
+        r = first + tl.arange(0, BLOCK_R)
         freq_index = p - (WIDTH // 2 - ROPE_PAIRS)
         rotated = (freq_index >= 0) & channel
-        position = tl.load(positions_ptr + r // heads, mask=live, other=0).to(tl.float64)
+        position = tl.load(positions_ptr + r // heads, mask=r < rows, other=0).to(tl.float64)
         freq = tl.load(inv_freq_ptr + freq_index, mask=rotated, other=0.0)
         cos, sin = _cos_sin(position[:, None] * freq, LIBDEVICE)
-        if INVERSE:
-            # rope.apply's rotation by -sin, written without negating sin: Triton's
-            # -x is 0 - x, which turns sin = +0 into +0, not -0 (a zero's sign then
-            # differs from torch's at position 0).
-            even, odd = (
-                tl.where(rotated, even * cos + odd * sin, even),
-                tl.where(rotated, odd * cos - even * sin, odd),
-            )
-        else:
-            even, odd = (
-                tl.where(rotated, even * cos - odd * sin, even),
-                tl.where(rotated, even * sin + odd * cos, odd),
-            )
-    if FP8 or MXFP4:
-        even3 = tl.reshape(even, (BLOCK_R, PAIRS // BLOCK_PAIRS, BLOCK_PAIRS))
-        odd3 = tl.reshape(odd, (BLOCK_R, PAIRS // BLOCK_PAIRS, BLOCK_PAIRS))
-        amax = tl.maximum(tl.max(tl.abs(even3), axis=2), tl.max(tl.abs(odd3), axis=2))
-        if FP8:
-            exponent = pow2_exponent(amax, FP8_MAX, FP8_FLOOR)
-        else:
-            exponent = pow2_exponent(amax, GRID_MAX, MXFP4_FLOOR)
-        scale = pow2_from_exponent(exponent)[:, :, None]
-        even = tl.reshape(_round_to_grid(even3, scale, FP8), (BLOCK_R, PAIRS))
-        odd = tl.reshape(_round_to_grid(odd3, scale, FP8), (BLOCK_R, PAIRS))
-    out_at = out_ptr + r[:, None] * stride_out + 2 * p
-    store_rounded(out_at, even, mask, OUT_BF16)
-    store_rounded(out_at + 1, odd, mask, OUT_BF16)
+    for block in range(ROW_BLOCKS):
+        r = first + block * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = r < rows
+        mask = live[:, None] & channel
+        even_at = x_ptr + r[:, None] * stride_x + 2 * p
+        even = tl.load(even_at, mask=mask, other=0.0).to(tl.float32)
+        odd = tl.load(even_at + 1, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            mean = mean_as_torch(tl.sum(even * even + odd * odd, axis=1), WIDTH, LIBDEVICE)
+            inv_rms = rsqrt_as_torch(mean + eps, LIBDEVICE)[:, None]
+            even = (even * inv_rms) * tl.load(norm_ptr + 2 * p, mask=channel, other=0.0).to(tl.float32)
+            odd = (odd * inv_rms) * tl.load(norm_ptr + 2 * p + 1, mask=channel, other=0.0).to(tl.float32)
+        if ROPE:
+            if INVERSE:
+                # rope.apply's rotation by -sin, written without negating sin: Triton's
+                # -x is 0 - x, which turns sin = +0 into +0, not -0 (a zero's sign then
+                # differs from torch's at position 0).
+                even, odd = (
+                    tl.where(rotated, even * cos + odd * sin, even),
+                    tl.where(rotated, odd * cos - even * sin, odd),
+                )
+            else:
+                even, odd = (
+                    tl.where(rotated, even * cos - odd * sin, even),
+                    tl.where(rotated, even * sin + odd * cos, odd),
+                )
+        if FP8 or MXFP4:
+            even3 = tl.reshape(even, (BLOCK_R, PAIRS // BLOCK_PAIRS, BLOCK_PAIRS))
+            odd3 = tl.reshape(odd, (BLOCK_R, PAIRS // BLOCK_PAIRS, BLOCK_PAIRS))
+            amax = tl.maximum(tl.max(tl.abs(even3), axis=2), tl.max(tl.abs(odd3), axis=2))
+            if FP8:
+                exponent = pow2_exponent(amax, FP8_MAX, FP8_FLOOR)
+            else:
+                exponent = pow2_exponent(amax, GRID_MAX, MXFP4_FLOOR)
+            scale = pow2_from_exponent(exponent)[:, :, None]
+            even = tl.reshape(_round_to_grid(even3, scale, FP8), (BLOCK_R, PAIRS))
+            odd = tl.reshape(_round_to_grid(odd3, scale, FP8), (BLOCK_R, PAIRS))
+        out_at = out_ptr + r[:, None] * stride_out + 2 * p
+        store_rounded(out_at, even, mask, OUT_BF16)
+        store_rounded(out_at + 1, odd, mask, OUT_BF16)
+
+
+def row_blocks(rows: int, heads: int, block_r: int, rope: bool) -> int:
+    """Row blocks one program takes (``epilogue_kernel``'s ROW_BLOCKS): with a rope,
+    the most of ROW_BLOCK_CHOICES that keep a program within one token's heads and the
+    launch at MIN_PROGRAMS programs or more, so the float64 cos and sin (most of a
+    rotated head's time: a prefill's query and output epilogues were bound by them) are
+    computed once per program; else one. A row's bits are the same for every choice."""
+    if rope:
+        for blocks in ROW_BLOCK_CHOICES:
+            if heads % (block_r * blocks) == 0 and rows // (block_r * blocks) >= MIN_PROGRAMS:
+                return blocks
+    return 1
 
 
 def fused_epilogue(
-    x: torch.Tensor, spec: Epilogue, positions: torch.Tensor | None = None, block_r: int | None = None
+    x: torch.Tensor,
+    spec: Epilogue,
+    positions: torch.Tensor | None = None,
+    block_r: int | None = None,
+    blocks: int | None = None,
 ) -> torch.Tensor:
-    """model/epilogue.apply_epilogue in one launch. ``block_r``: rows per program
-    (default mhc.rows_per_program: one on a GPU)."""
+    """model/epilogue.apply_epilogue in one launch. ``block_r``: rows per block
+    (default mhc.rows_per_program: one on a GPU); ``blocks``: row blocks per program
+    (default ``row_blocks``; it must keep a program within one token's heads)."""
     check_epilogue(x, spec, positions)
     width = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -177,7 +208,10 @@ def fused_epilogue(
     else:
         positions_arg, inv_freq = flat, flat  # never read
     block_r = block_r or rows_per_program(x.device)
-    epilogue_kernel[(triton.cdiv(rows, block_r),)](
+    blocks = blocks or row_blocks(rows, heads, block_r, rope is not None)
+    if heads % (block_r * blocks) != 0 and blocks > 1:
+        raise ValueError(f"blocks: {blocks} of {block_r} rows (allowed: a divisor of the {heads} heads of a token)")
+    epilogue_kernel[(triton.cdiv(rows, block_r * blocks),)](
         flat,
         stored,
         norm,
@@ -198,6 +232,7 @@ def fused_epilogue(
         MXFP4=spec.round_to == "mxfp4",
         OUT_BF16=spec.out_dtype == torch.bfloat16,
         BLOCK_R=block_r,
+        ROW_BLOCKS=blocks,
         LIBDEVICE=uses_libdevice(x.device),
         FP8_MAX=FP8_E4M3_MAX,
         FP8_FLOOR=FP8_AMAX_FLOOR,
