@@ -3,9 +3,11 @@
 Properties: the three-way bf16 split is exact (a product with one-hot rows returns the
 other operand's fp32 values bit for bit, through both accumulators); the product is the
 float64 one within fp32's rounding bound for a K-term sum, at edge shapes and strided
-operands; the row block follows the batch-invariant mode. On the GPU (tensor-core dots)
-tests/model/test_gpu_runtime.py checks a row's independence of the call and the
-accuracy against cuBLAS's fp32 GEMM.
+operands; a row's bits do not depend on the call at the mode's fixed row block (the
+interpreted dot sums each output's products in K order: dots.ieee_dot); the row block
+follows the batch-invariant mode. On the GPU (tensor-core dots)
+tests/model/test_gpu_runtime.py checks the same independence and the accuracy against
+cuBLAS's fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ def test_the_product_is_float64s_within_fp32_rounding(m: int, n: int, k: int) ->
     assert bool(((got.double() - exact).abs() <= bound).all())
     torch_error = float(((x @ w.t()).double() - exact).norm())
     assert float((got.double() - exact).norm()) <= 2 * torch_error + 1e-30
+
+
+def test_a_rows_product_does_not_depend_on_the_call() -> None:
+    """At the mode's row block a row's bits are the same alone, among 3 rows and among
+    100 (two row blocks), at any position."""
+    w = torch.randn(150, 96, generator=_generator(7))
+    x = torch.randn(100, 96, generator=_generator(8))
+    whole = split_fp32_matmul(x, w)
+    for pick in (torch.tensor([5]), torch.tensor([99, 0, 64]), torch.arange(37, 100)):
+        assert torch.equal(split_fp32_matmul(x[pick], w), whole[pick])
 
 
 def test_strided_operands_are_read_as_their_values() -> None:

@@ -19,8 +19,8 @@ shape alone; ``row_invariant=True`` (the batch-invariant mode) fixes that shape,
 otherwise the row block's width follows the row count (``ROW_BLOCKS``).
 
 Under the interpreter (its dot multiplies bf16 operands as bit patterns) the parts are
-widened back to fp32 and multiplied by an IEEE dot: the products are the same exact
-values, summed in the interpreter's order.
+widened back to fp32 and go through dots.ieee_dot: the products are the same exact
+values, summed over K in order, so a row's bits do not depend on the call there either.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from dsv41.model.kernels.triton.decode import INTERPRETED
+from dsv41.model.kernels.triton.dots import ieee_dot
 
 # Weight rows per program, K per step, and warps and pipeline stages.
 WEIGHT_ROWS = 128
@@ -58,7 +59,7 @@ def split3(v):
 def _dot(w, x, acc, TENSOR_CORES: tl.constexpr):
     if TENSOR_CORES:
         return tl.dot(w, x, acc)
-    return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+    return ieee_dot(w.to(tl.float32), x.to(tl.float32), acc)
 
 
 @triton.jit

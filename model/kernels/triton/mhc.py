@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv41.model.config import V41Config
+from dsv41.model.kernels.triton.dots import INTERPRETED_DOT_ELEMENTS, ieee_dot
 from dsv41.model.kernels.triton.store import f32_to_bf16_bits
 from dsv41.model.mhc import HcMix, HcSite
 
@@ -68,9 +69,6 @@ HC_MIX_GPU_ROWS = 2
 MIX_PROJECTION_GPU_ROWS = 64
 MIX_PROJECTION_GPU_TILE = 64
 MIX_PROJECTION_GPU_SPLIT = 1024
-# Under the interpreter one split and one tile of at most this many columns: its cost
-# is per operation, and the CPU configs' hc * hidden is a few hundred.
-MIX_PROJECTION_INTERPRETED_TILE = 4096
 
 
 @triton.jit
@@ -165,7 +163,7 @@ def hc_mix_projection_kernel(
     BF16_DOTS (bf16 streams, compiled): each fn tile is split exactly into three bf16
     parts (fp32 has 24 significant bits, bf16 8, and a part's exponent range is fp32's),
     so the products with the bf16 streams are exact and three bf16 tensor-core dots sum
-    them in fp32, each part in its own accumulator. Otherwise one fp32 FMA dot, as the
+    them in fp32, each part in its own accumulator. Otherwise one fp32 dot (dots.ieee_dot), as the
     interpreter runs bf16 too: its dot multiplies bf16 operands as their bit patterns."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
@@ -192,7 +190,7 @@ def hc_mix_projection_kernel(
             x = x.to(tl.float32)
         else:
             x = x.to(tl.float32)
-            acc_m = tl.dot(x, w, acc_m, input_precision="ieee")
+            acc_m = ieee_dot(x, w, acc_m)
         acc_sq += x * x
     if BF16_DOTS:
         acc_m = (acc_m + acc_mid) + acc_lo
@@ -394,13 +392,16 @@ def out_rows(out: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
 
 
-def mix_projection_tiling(device: torch.device, cols: int) -> tuple[int, int, int]:
+def mix_projection_tiling(device: torch.device, cols: int, n_p: int) -> tuple[int, int, int]:
     """(rows, tile, split) of hc_mix_projection_kernel's programs on ``device`` for
-    ``cols`` = hc * hidden columns: the MIX_PROJECTION_GPU_* constants on a GPU; under
-    the interpreter INTERPRETED_ROWS rows and one split, one tile wide where it fits."""
+    ``cols`` = hc * hidden columns and ``n_p`` padded outputs: the MIX_PROJECTION_GPU_*
+    constants on a GPU; under the interpreter INTERPRETED_ROWS rows and one split, in
+    the widest tiles whose product block (dots.ieee_dot's [rows, tile, n_p]) the
+    interpreter holds (its cost is per operation, and the CPU configs' hc * hidden is a
+    few hundred)."""
     if device.type == "cuda":
         return MIX_PROJECTION_GPU_ROWS, MIX_PROJECTION_GPU_TILE, MIX_PROJECTION_GPU_SPLIT
-    tile = min(MIX_PROJECTION_INTERPRETED_TILE, triton.next_power_of_2(cols))
+    tile = min(triton.next_power_of_2(cols), INTERPRETED_DOT_ELEMENTS // (INTERPRETED_ROWS * n_p))
     return INTERPRETED_ROWS, tile, triton.cdiv(cols, tile) * tile
 
 
@@ -411,7 +412,7 @@ def fused_hc_mix(streams: torch.Tensor, site: HcSite, config: V41Config, block_t
     tokens, hc, hidden = streams.shape
     cols, n = hc * hidden, (2 + hc) * hc
     n_p = max(16, triton.next_power_of_2(n))
-    rows, tile, split = mix_projection_tiling(streams.device, cols)
+    rows, tile, split = mix_projection_tiling(streams.device, cols, n_p)
     splits = triton.cdiv(cols, split)
     streams = streams.contiguous()
     m = torch.empty(splits, tokens, n_p, dtype=torch.float32, device=streams.device)

@@ -1,0 +1,33 @@
+"""The fp32 dot of the kernels' IEEE paths, the same function compiled and interpreted.
+
+Owns ``ieee_dot(a [M, K], b [K, N], acc)``: compiled, ``tl.dot`` with IEEE fp32
+products (FMA units, K in one fixed order per output); under Triton's interpreter, the
+products and a sum over K, because the interpreter's ``tl.dot`` calls numpy's matmul,
+whose BLAS gives a row other bits at another place in the operand (numpy 2.4.6's
+OpenBLAS 0.3.31 on the AVX512 dev box, 2026-12-07: a row alone against the same row
+at offset 32 of a [256, 256] x [256, 32] product), so a row's result would depend on
+the other rows of the call. numpy's sum over a non-last axis adds the products in K
+order for every output alike; its [M, K, N] products must fit INTERPRETED_DOT_ELEMENTS.
+Must not import: cache, cluster, actors, deploy, ray.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsv41.model.kernels.triton.decode import INTERPRETED
+
+_INTERPRETED = tl.constexpr(INTERPRETED)
+# The most elements of a tensor the interpreter holds (triton's TRITON_MAX_TENSOR_NUMEL):
+# an interpreted ieee_dot's [M, K, N] products must fit.
+INTERPRETED_DOT_ELEMENTS = 1 << 20
+
+
+@triton.jit
+def ieee_dot(a, b, acc):
+    """acc + a @ b in fp32 (a [M, K], b [K, N] fp32)."""
+    if _INTERPRETED:
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
