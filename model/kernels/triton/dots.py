@@ -1,6 +1,9 @@
-"""The fp32 dot of the kernels' IEEE paths, the same function compiled and interpreted.
+"""The fp32 dots of the kernels: IEEE products, and exact bf16 splits for tensor cores.
 
-Owns ``ieee_dot(a [M, K], b [K, N], acc)``: compiled, ``tl.dot`` with IEEE fp32
+Owns ``split3(v)``, an fp32 tile as three bf16 parts that sum to it exactly (the mHC
+mix's weight, both operands of the split fp32 GEMM: a bf16 x bf16 product is exact in
+fp32, so tensor-core dots of the parts keep fp32 accuracy), and
+``ieee_dot(a [M, K], b [K, N], acc)``: compiled, ``tl.dot`` with IEEE fp32
 products (FMA units, K in one fixed order per output); under Triton's interpreter, the
 products and a sum over K, because the interpreter's ``tl.dot`` calls numpy's matmul,
 whose BLAS gives a row other bits at another place in the operand (numpy 2.4.6's
@@ -22,6 +25,17 @@ _INTERPRETED = tl.constexpr(INTERPRETED)
 # The most elements of a tensor the interpreter holds (triton's TRITON_MAX_TENSOR_NUMEL):
 # an interpreted ieee_dot's [M, K, N] products must fit.
 INTERPRETED_DOT_ELEMENTS = 1 << 20
+
+
+@triton.jit
+def split3(v):
+    """v (fp32) as three bf16 parts, hi + mid + lo == v exactly (bf16 keeps fp32's
+    exponent range): each part rounds what the parts before it leave."""
+    hi = v.to(tl.bfloat16)
+    rest = v - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 Owns the GEMM of an fp32 row block by an fp32 weight (the LM head, DSpark's heads, the
 router's gate, the compressor's projections: MODEL_FACTS keeps them fp32) at fp32
 accuracy without the FP32 FMA units. Both operands are split exactly into three bf16
-parts in registers (``split3``: v == hi + mid + lo, each part the rounding of what the
+parts in registers (dots.split3: v == hi + mid + lo, each part the rounding of what the
 earlier ones leave), and the six products whose weight is at least 2^-16 of the
 leading one go through bf16 tensor-core dots accumulated in fp32: hi * hi into one
 accumulator, the five smaller into another, added at the end. A bf16 x bf16 product is
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from dsv41.model.kernels.triton.decode import INTERPRETED
-from dsv41.model.kernels.triton.dots import ieee_dot
+from dsv41.model.kernels.triton.dots import ieee_dot, split3
 
 # Weight rows per program, K per step, and warps and pipeline stages.
 WEIGHT_ROWS = 128
@@ -42,17 +42,6 @@ NUM_STAGES = 3
 # holds a call's rows (one dot's N: at least 16).
 INVARIANT_ROWS = 64
 ROW_BLOCKS = (16, 32, 64, 128)
-
-
-@triton.jit
-def split3(v):
-    """v (fp32) as three bf16 parts, hi + mid + lo == v exactly (bf16 keeps fp32's
-    exponent range): each part rounds what the parts before it leave."""
-    hi = v.to(tl.bfloat16)
-    rest = v - hi.to(tl.float32)
-    mid = rest.to(tl.bfloat16)
-    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
 
 
 @triton.jit

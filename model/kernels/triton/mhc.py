@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv41.model.config import V41Config
-from dsv41.model.kernels.triton.dots import INTERPRETED_DOT_ELEMENTS, ieee_dot
+from dsv41.model.kernels.triton.dots import INTERPRETED_DOT_ELEMENTS, ieee_dot, split3
 from dsv41.model.kernels.triton.store import f32_to_bf16_bits
 from dsv41.model.mhc import HcMix, HcSite
 
@@ -181,12 +181,10 @@ def hc_mix_projection_kernel(
         )
         w = tl.load(fn_ptr + n[None, :] * COLS + cols[:, None], mask=in_row[:, None] & (n < N)[None, :], other=0.0)
         if BF16_DOTS:
-            hi = w.to(tl.bfloat16)
-            rest = w - hi.to(tl.float32)
-            mid = rest.to(tl.bfloat16)
+            hi, mid, lo = split3(w)
             acc_m = tl.dot(x, hi, acc_m)
             acc_mid = tl.dot(x, mid, acc_mid)
-            acc_lo = tl.dot(x, (rest - mid.to(tl.float32)).to(tl.bfloat16), acc_lo)
+            acc_lo = tl.dot(x, lo, acc_lo)
             x = x.to(tl.float32)
         else:
             x = x.to(tl.float32)
