@@ -22,8 +22,8 @@ duration) each computes a row in an order fixed by the row alone:
   ATen never hands it to the plain GEMM;
 - on a CUDA device the projections and the per-row products run a fixed-tile Triton
   GEMM (no split over K, no autotuning, each batch item its own programs:
-  model/kernels/triton/gemm.py; an fp32 projection the split GEMM below, at one row
-  block) and the row reductions a one-program-per-row Triton
+  model/kernels/triton/gemm.py; an fp32 projection through a wide weight the split
+  GEMM below, at one row block) and the row reductions a one-program-per-row Triton
   reduction, because cuBLAS and torch's CUDA reductions choose their algorithm and
   splits from the problem size (a batched GEMM's from its batch count too). The Triton
   backend registers both here when it is imported (``register_gpu_kernels``; an
@@ -40,13 +40,15 @@ range has such an end too, so the CPU mode runs on one thread (``cpu_threads``).
 Reductions over a handful of elements (the hc streams, a row's top-k slots) are
 explicit sums in a fixed order (``ordered_sum``).
 
-On a CUDA device an fp32 projection of at most ``SPLIT_FP32_ROWS`` rows (a decode
-step's LM head, router gate and compressor; any row count in the batch-invariant mode)
-runs the registered split GEMM (``GpuKernels.fp32_matmul``,
+On a CUDA device an fp32 projection through a weight of at least
+``SPLIT_FP32_MIN_WEIGHT_ROWS`` rows (the LM head, DSpark's heads) with at most
+``SPLIT_FP32_ROWS`` rows of input (a decode step; any row count in the batch-invariant
+mode) runs the registered split GEMM (``GpuKernels.fp32_matmul``,
 model/kernels/triton/fp32_gemm.py): both operands split exactly into bf16 parts on
 tensor cores, at fp32 accuracy, where cuBLAS's fp32 GEMM is bound by the FP32 FMA
 units (the head of a 128-row decode step, 3.4 ms against its 0.9 ms of weight bytes on
-an H100, BENCHMARKS.md).
+an H100, BENCHMARKS.md). A narrower weight (the router's gate, the compressor) would
+give that GEMM, which walks all of K in each program, too few programs to fill a GPU.
 
 The FP8-activation mode (``fp8_activations(True)``, entered by a forward whose
 engine asks for it) changes the arithmetic of every projection through an FP8 weight:
@@ -90,8 +92,11 @@ KEY_TILE = 32
 # 2x at 4096 rows).
 DECODED_GEMM_ROWS = 256
 # Rows up to which an fp32 projection on a GPU, outside the batch-invariant mode, runs
-# the split GEMM rather than cuBLAS (BENCHMARKS.md, "The fp32 head").
+# the split GEMM rather than cuBLAS (BENCHMARKS.md, "The fp32 head and the rotated
+# epilogues"), and the weight rows from which it does: 128 programs of the split
+# GEMM's 128 weight rows, about one per SM.
 SPLIT_FP32_ROWS = 256
+SPLIT_FP32_MIN_WEIGHT_ROWS = 16384
 
 # Elements per pointwise call: a multiple of every CPU vector loop's step (two 512-bit
 # vectors of bf16 is 64 elements; of fp32, 32; of fp64, 16).
@@ -245,7 +250,8 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     invariant = batch_invariant_enabled()
-    if x.is_cuda and x.dtype == torch.float32 and (invariant or rows.shape[0] <= SPLIT_FP32_ROWS):
+    wide = weight.shape[0] >= SPLIT_FP32_MIN_WEIGHT_ROWS
+    if x.is_cuda and x.dtype == torch.float32 and wide and (invariant or rows.shape[0] <= SPLIT_FP32_ROWS):
         return _gpu().fp32_matmul(rows, weight, row_invariant=invariant).reshape(*lead, weight.shape[0])
     if not invariant:
         return x @ weight.t()

@@ -108,21 +108,27 @@ def test_split_fp32_gemm_rows_do_not_depend_on_the_call_and_keep_fp32_accuracy()
         assert float((got - exact).norm()) <= 1.5 * float(((rows @ weight.t()).double() - exact).norm())
 
 
-def test_an_fp32_projection_runs_the_split_gemm_up_to_its_rows() -> None:
-    """linear() on the GPU: an fp32 projection of at most SPLIT_FP32_ROWS rows is the
-    split GEMM's (row block by the rows), one of more rows cuBLAS's, and in the
-    batch-invariant mode the split GEMM's at its fixed row block whatever the rows."""
+def test_an_fp32_projection_runs_the_split_gemm_through_a_wide_weight_up_to_its_rows() -> None:
+    """linear() on the GPU: an fp32 projection through a weight of
+    SPLIT_FP32_MIN_WEIGHT_ROWS rows is the split GEMM's up to SPLIT_FP32_ROWS rows (row
+    block by the rows) and cuBLAS's beyond, and in the batch-invariant mode the split
+    GEMM's at its fixed row block whatever the rows; through a narrower weight it is
+    cuBLAS's, and in the mode the fixed-tile GEMM's."""
     from dsv41.model.kernels.triton.fp32_gemm import split_fp32_matmul
-    from dsv41.model.linalg import SPLIT_FP32_ROWS, batch_invariant, linear
+    from dsv41.model.kernels.triton.gemm import fixed_tile_matmul
+    from dsv41.model.linalg import SPLIT_FP32_MIN_WEIGHT_ROWS, SPLIT_FP32_ROWS, batch_invariant, linear
 
     g = torch.Generator(device="cuda").manual_seed(4)
-    weight = torch.randn(700, 1024, generator=g, device="cuda")
-    rows = torch.randn(SPLIT_FP32_ROWS + 1, 1024, generator=g, device="cuda")
+    wide = torch.randn(SPLIT_FP32_MIN_WEIGHT_ROWS, 256, generator=g, device="cuda")
+    narrow = wide[: SPLIT_FP32_MIN_WEIGHT_ROWS - 1]
+    rows = torch.randn(SPLIT_FP32_ROWS + 1, 256, generator=g, device="cuda")
     few = rows[:SPLIT_FP32_ROWS]
-    assert torch.equal(linear(few, weight), split_fp32_matmul(few, weight, row_invariant=False))
-    assert torch.equal(linear(rows, weight), rows @ weight.t())
+    assert torch.equal(linear(few, wide), split_fp32_matmul(few, wide, row_invariant=False))
+    assert torch.equal(linear(rows, wide), rows @ wide.t())
+    assert torch.equal(linear(few, narrow), few @ narrow.t())
     with batch_invariant(True):
-        assert torch.equal(linear(rows, weight), split_fp32_matmul(rows, weight, row_invariant=True))
+        assert torch.equal(linear(rows, wide), split_fp32_matmul(rows, wide, row_invariant=True))
+        assert torch.equal(linear(few, narrow), fixed_tile_matmul(few, narrow))
 
 
 def test_batched_fixed_tile_gemm_items_do_not_depend_on_the_batch() -> None:
