@@ -93,7 +93,5 @@ def test_the_row_block_is_fixed_in_the_mode_and_follows_the_rows_outside_it() ->
     """In the batch-invariant mode every call runs INVARIANT_ROWS-row blocks; outside
     it, the narrowest block holding the rows (the widest beyond)."""
     assert {row_block(m, True) for m in (1, 16, 17, 128, 4096)} == {INVARIANT_ROWS}
-    assert [row_block(m, False) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 4096)] == [
-        16, 16, 32, 32, 64, 64, 128, 128, 128, 128
-    ]
+    assert [row_block(m, False) for m in (1, 16, 17, 32, 33, 64, 65, 128, 4096)] == [16, 16, 32, 32, 64, 64, 64, 64, 64]
     assert ROW_BLOCKS == tuple(sorted(ROW_BLOCKS)) and ROW_BLOCKS[0] >= 16

@@ -39,9 +39,11 @@ BLOCK_K = 64
 NUM_WARPS = 8
 NUM_STAGES = 3
 # The row block of the batch-invariant mode, and outside it the narrowest block that
-# holds a call's rows (one dot's N: at least 16).
+# holds a call's rows (one dot's N: at least 16). At most 64: the two [128, block]
+# fp32 accumulators of 256 threads take 2 * block registers a thread, and the split
+# parts of both tiles need room beside them.
 INVARIANT_ROWS = 64
-ROW_BLOCKS = (16, 32, 64, 128)
+ROW_BLOCKS = (16, 32, 64)
 
 
 @triton.jit
