@@ -2,7 +2,9 @@
 
 Owns ``split3(v)``, an fp32 tile as three bf16 parts that sum to it exactly (the mHC
 mix's weight, both operands of the split fp32 GEMM: a bf16 x bf16 product is exact in
-fp32, so tensor-core dots of the parts keep fp32 accuracy), and
+fp32, so tensor-core dots of the parts keep fp32 accuracy), ``parts_dot``, the bf16
+tensor-core dot of such parts (under the interpreter, whose dot multiplies bf16
+operands as bit patterns, the parts widened to fp32 through ``ieee_dot``), and
 ``ieee_dot(a [M, K], b [K, N], acc)``: compiled, ``tl.dot`` with IEEE fp32
 products (FMA units, K in one fixed order per output); under Triton's interpreter, the
 products and a sum over K, because the interpreter's ``tl.dot`` calls numpy's matmul,
@@ -45,3 +47,13 @@ def ieee_dot(a, b, acc):
         return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     else:
         return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def parts_dot(a, b, acc):
+    """acc + a @ b in fp32 for bf16 parts a [M, K], b [K, N]: their products are exact
+    in fp32, so the interpreter's widened IEEE dot multiplies the same values."""
+    if _INTERPRETED:
+        return ieee_dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)

@@ -208,8 +208,9 @@ def fused_epilogue(
     else:
         positions_arg, inv_freq = flat, flat  # never read
     block_r = block_r or rows_per_program(x.device)
-    blocks = blocks or row_blocks(rows, heads, block_r, rope is not None)
-    if heads % (block_r * blocks) != 0 and blocks > 1:
+    if blocks is None:
+        blocks = row_blocks(rows, heads, block_r, rope is not None)
+    elif blocks > 1 and heads % (block_r * blocks) != 0:
         raise ValueError(f"blocks: {blocks} of {block_r} rows (allowed: a divisor of the {heads} heads of a token)")
     epilogue_kernel[(triton.cdiv(rows, block_r * blocks),)](
         flat,

@@ -1,8 +1,8 @@
 """fp32 projections on bf16 tensor cores: ``split_fp32_matmul``.
 
-Owns the GEMM of an fp32 row block by an fp32 weight (the LM head, DSpark's heads, the
-router's gate, the compressor's projections: MODEL_FACTS keeps them fp32) at fp32
-accuracy without the FP32 FMA units. Both operands are split exactly into three bf16
+Owns the GEMM of an fp32 row block by a wide fp32 weight (the LM head and DSpark's
+heads, which MODEL_FACTS keeps fp32; model/linalg.py routes only such weights here) at
+fp32 accuracy without the FP32 FMA units. Both operands are split exactly into three bf16
 parts in registers (dots.split3: v == hi + mid + lo, each part the rounding of what the
 earlier ones leave), and the six products whose weight is at least 2^-16 of the
 leading one go through bf16 tensor-core dots accumulated in fp32: hi * hi into one
@@ -18,9 +18,10 @@ split of K and nothing chosen from the data, so a row's value follows from the t
 shape alone; ``row_invariant=True`` (the batch-invariant mode) fixes that shape, and
 otherwise the row block's width follows the row count (``ROW_BLOCKS``).
 
-Under the interpreter (its dot multiplies bf16 operands as bit patterns) the parts are
-widened back to fp32 and go through dots.ieee_dot: the products are the same exact
-values, summed over K in order, so a row's bits do not depend on the call there either.
+The dots are dots.parts_dot: under the interpreter (its dot multiplies bf16 operands as
+bit patterns) the parts are widened back to fp32 and go through dots.ieee_dot, the same
+exact products summed over K in order, so a row's bits do not depend on the call there
+either.
 Must not import: cache, cluster, actors, deploy, ray.
 """
 
@@ -30,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.kernels.triton.decode import INTERPRETED
-from dsv41.model.kernels.triton.dots import ieee_dot, split3
+from dsv41.model.kernels.triton.dots import parts_dot, split3
 
 # Weight rows per program, K per step, and warps and pipeline stages.
 WEIGHT_ROWS = 128
@@ -44,13 +44,6 @@ NUM_STAGES = 3
 # parts of both tiles need room beside them.
 INVARIANT_ROWS = 64
 ROW_BLOCKS = (16, 32, 64)
-
-
-@triton.jit
-def _dot(w, x, acc, TENSOR_CORES: tl.constexpr):
-    if TENSOR_CORES:
-        return tl.dot(w, x, acc)
-    return ieee_dot(w.to(tl.float32), x.to(tl.float32), acc)
 
 
 @triton.jit
@@ -67,7 +60,6 @@ def split_fp32_matmul_kernel(
     stride_wk,
     stride_om,
     stride_on,
-    TENSOR_CORES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -95,12 +87,12 @@ def split_fp32_matmul_kernel(
         )
         w_hi, w_mid, w_lo = split3(w)
         x_hi, x_mid, x_lo = split3(x)
-        acc = _dot(w_hi, x_hi, acc, TENSOR_CORES)
-        acc_small = _dot(w_hi, x_mid, acc_small, TENSOR_CORES)
-        acc_small = _dot(w_mid, x_hi, acc_small, TENSOR_CORES)
-        acc_small = _dot(w_hi, x_lo, acc_small, TENSOR_CORES)
-        acc_small = _dot(w_mid, x_mid, acc_small, TENSOR_CORES)
-        acc_small = _dot(w_lo, x_hi, acc_small, TENSOR_CORES)
+        acc = parts_dot(w_hi, x_hi, acc)
+        acc_small = parts_dot(w_hi, x_mid, acc_small)
+        acc_small = parts_dot(w_mid, x_hi, acc_small)
+        acc_small = parts_dot(w_hi, x_lo, acc_small)
+        acc_small = parts_dot(w_mid, x_mid, acc_small)
+        acc_small = parts_dot(w_lo, x_hi, acc_small)
     tl.store(
         out_ptr + rows[None, :] * stride_om + cols[:, None] * stride_on,
         acc + acc_small,
@@ -133,7 +125,6 @@ def split_fp32_matmul(a: torch.Tensor, b: torch.Tensor, *, row_invariant: bool =
     block_m = row_block(m, row_invariant)
     split_fp32_matmul_kernel[(triton.cdiv(n, WEIGHT_ROWS), triton.cdiv(m, block_m))](
         a, b, out, m, n, k, *a.stride(), *b.stride(), *out.stride(),
-        TENSOR_CORES=not INTERPRETED,
         BLOCK_N=WEIGHT_ROWS,
         BLOCK_M=block_m,
         BLOCK_K=BLOCK_K,

@@ -163,8 +163,9 @@ def hc_mix_projection_kernel(
     BF16_DOTS (bf16 streams, compiled): each fn tile is split exactly into three bf16
     parts (fp32 has 24 significant bits, bf16 8, and a part's exponent range is fp32's),
     so the products with the bf16 streams are exact and three bf16 tensor-core dots sum
-    them in fp32, each part in its own accumulator. Otherwise one fp32 dot (dots.ieee_dot), as the
-    interpreter runs bf16 too: its dot multiplies bf16 operands as their bit patterns."""
+    them in fp32, each part in its own accumulator. Otherwise one fp32 dot
+    (dots.ieee_dot), as the interpreter runs bf16 too: its dot multiplies bf16 operands
+    as their bit patterns."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     live = t < tokens
