@@ -137,23 +137,31 @@ def test_the_mode_is_per_thread_and_restored() -> None:
     assert ROW_TILE > 3, "MKL's 1-3-row kernels must never see a tile"
 
 
-def test_triton_fixed_tile_gemm_is_the_matmul() -> None:
+def test_triton_fixed_tile_gemm_is_the_matmul_and_a_rows_bits_are_its_own() -> None:
     """The GPU mode's GEMM, run here by Triton's interpreter, is the matmul to fp32
-    rounding at edge shapes, in one walk over K or cut into splits. (Its rows' independence of the call is a property of the
-    GPU's dot instructions, not of the interpreter's numpy dots: tests/model/
-    test_gpu_runtime.py checks it on a GPU.)"""
+    rounding at edge shapes, in one walk over K or cut into splits; and a row's bits are
+    the same alone as at any place in a call of up to 70 rows (the interpreted dots sum
+    each output in K order, dots.ieee_dot, so this holds whatever BLAS numpy has; on a
+    GPU tests/model/test_gpu_runtime.py checks it of the tensor-core dots), for fp32
+    and bf16 operands."""
     pytest.importorskip("triton")
     from dsv41.model.kernels.triton.gemm import fixed_tile_matmul, plan_k_splits
 
     weight = torch.randn(70, 200, generator=_generator(10))
-    rows = torch.randn(40, 200, generator=_generator(11))
+    rows = torch.randn(70, 200, generator=_generator(11))
     # programs 1: K in one walk; 4 and 16: cut into 2 and 7 splits (plan_k_splits),
     # summed in split order.
     for programs, splits in ((1, 1), (4, 2), (16, 7)):
         assert plan_k_splits(70, 200, torch.float32, programs) == splits
-        for count in (1, 33, 40):
+        alone = torch.cat([fixed_tile_matmul(rows[i : i + 1], weight, programs=programs) for i in range(70)])
+        for count in (1, 33, 70):
             got = fixed_tile_matmul(rows[:count], weight, programs=programs)
             torch.testing.assert_close(got, rows[:count] @ weight.t(), rtol=1e-5, atol=1e-5)
+            assert torch.equal(got, alone[:count])
+        assert torch.equal(fixed_tile_matmul(rows[37:70], weight, programs=programs), alone[37:70])
+    half_rows, half_weight = rows.bfloat16(), weight.bfloat16()
+    alone = torch.cat([fixed_tile_matmul(half_rows[i : i + 1], half_weight) for i in range(70)])
+    assert torch.equal(fixed_tile_matmul(half_rows, half_weight), alone)
     assert fixed_tile_matmul(rows[:0], weight).shape == (0, 70)
 
 

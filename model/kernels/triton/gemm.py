@@ -13,7 +13,9 @@ how many share the call. cuBLAS instead picks its algorithm, and possibly a spli
 from M (a batched GEMM's from the batch count too), which is why model/linalg.py routes
 the projections and the per-row products here in that mode (an fp32 projection goes to
 fp32_gemm.py's split GEMM instead). fp32 operands use IEEE products (no TF32), as
-torch's fp32 matmul.
+torch's fp32 matmul, through dots.ieee_dot: under Triton's interpreter (which runs bf16
+operands as fp32 here too) each output's products are summed in K order, so a row's
+bits do not depend on the call on a CPU either (numpy's BLAS would make them).
 
 The weight may be an FP8 weight as the checkpoint stores it (model/stored_weights.py
 ``Fp8Weight``: E4M3 values, one E8M0 scale per 32x32 tile): each weight tile is read
@@ -35,6 +37,7 @@ import triton
 import triton.language as tl
 
 from dsv41.model.kernels.triton.decode import INTERPRETED, e4m3_to_f32, e8m0_to_f32
+from dsv41.model.kernels.triton.dots import ieee_dot
 from dsv41.model.kernels.triton.moe import TL_DTYPES
 from dsv41.model.stored_weights import FP8_TILE, Fp8Weight
 
@@ -123,7 +126,7 @@ def fixed_tile_matmul_kernel(
                 scale = tl.where((tl.arange(0, BLOCK_K) // TILE == g)[None, :], block[:, None], scale)
             b = (b.to(tl.float32) * scale).to(a.dtype)
         if IEEE:
-            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+            acc = ieee_dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
         else:
             acc += tl.dot(a, tl.trans(b))
     tl.store(
