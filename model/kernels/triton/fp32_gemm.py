@@ -5,11 +5,15 @@ heads, which MODEL_FACTS keeps fp32; model/linalg.py routes only such weights he
 fp32 accuracy without the FP32 FMA units. Both operands are split exactly into three bf16
 parts in registers (dots.split3: v == hi + mid + lo, each part the rounding of what the
 earlier ones leave), and the six products whose weight is at least 2^-16 of the
-leading one go through bf16 tensor-core dots accumulated in fp32: hi * hi into one
-accumulator, the five smaller into another, added at the end. A bf16 x bf16 product is
-exact in fp32, so what is dropped is the three products of weight 2^-24 and below
-(at most about 2^-25 of |w x| each element) and what is lost is the fp32 accumulation,
-as in an FMA GEMM; the tests measure both paths against float64.
+leading one go through bf16 tensor-core dots accumulated in fp32. A bf16 x bf16
+product is exact in fp32, so what is dropped is the three products of weight 2^-24 and
+below (at most about 2^-25 of |w x| each element) and what is lost is the fp32
+accumulation. The tensor cores add with truncation, so each ``BLOCK_K`` step's six
+dots (the five small ones first, then hi * hi) start from zero and the step joins the
+running sum in an fp32 add, as DeepGEMM promotes its FP8 partial sums: over all of K
+the truncation's bias would otherwise add up (an H100, 2026-12-07: one accumulator
+chained over K = 5,120 was further from float64 than cuBLAS's FP32 FMA GEMM). The tests
+measure both paths against float64.
 
 The weight's rows are the dots' M and the block's rows their N: the weight is read
 once per program from HBM, split once, and a decode step's few rows pad only the
@@ -39,9 +43,9 @@ BLOCK_K = 64
 NUM_WARPS = 8
 NUM_STAGES = 3
 # The row block of the batch-invariant mode, and outside it the narrowest block that
-# holds a call's rows (one dot's N: at least 16). At most 64: the two [128, block]
-# fp32 accumulators of 256 threads take 2 * block registers a thread, and the split
-# parts of both tiles need room beside them.
+# holds a call's rows (one dot's N: at least 16). At most 64: the running sum and the
+# step's, [128, block] fp32 each over 256 threads, take 2 * block registers a thread,
+# and the split parts of both tiles need room beside them.
 INVARIANT_ROWS = 64
 ROW_BLOCKS = (16, 32, 64)
 
@@ -71,7 +75,6 @@ def split_fp32_matmul_kernel(
     col_mask = cols < N
     row_mask = rows < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_small = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
@@ -87,15 +90,21 @@ def split_fp32_matmul_kernel(
         )
         w_hi, w_mid, w_lo = split3(w)
         x_hi, x_mid, x_lo = split3(x)
-        acc = parts_dot(w_hi, x_hi, acc)
-        acc_small = parts_dot(w_hi, x_mid, acc_small)
-        acc_small = parts_dot(w_mid, x_hi, acc_small)
-        acc_small = parts_dot(w_hi, x_lo, acc_small)
-        acc_small = parts_dot(w_mid, x_mid, acc_small)
-        acc_small = parts_dot(w_lo, x_hi, acc_small)
+        # The step's sum starts from zero, the small products first, and joins the
+        # running sum in an fp32 add (rounded to nearest): the tensor cores' own adds
+        # truncate, which over all of K would bias the sum (the GPU test saw it lose
+        # to cuBLAS's FMA GEMM).
+        step = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        step = parts_dot(w_hi, x_mid, step)
+        step = parts_dot(w_mid, x_hi, step)
+        step = parts_dot(w_hi, x_lo, step)
+        step = parts_dot(w_mid, x_mid, step)
+        step = parts_dot(w_lo, x_hi, step)
+        step = parts_dot(w_hi, x_hi, step)
+        acc += step
     tl.store(
         out_ptr + rows[None, :] * stride_om + cols[:, None] * stride_on,
-        acc + acc_small,
+        acc,
         mask=col_mask[:, None] & row_mask[None, :],
     )
 
