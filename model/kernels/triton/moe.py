@@ -59,9 +59,11 @@ MAX_BLOCK_M = 64
 # is one tile of two warpgroups' wgmma.
 MAX_TILING_BLOCK_M = 128
 # Blocks of pairs whose down programs run side by side over each column tile of w2
-# (expert_down_kernel). With every block of a column tile side by side instead, each
-# block's h rows were read again for every column tile: a 4,096-token prefill's 132 MB
-# of h, 20 times (2.05 ms a layer on an H100, 283 TFLOP/s, against 490 for gate/up).
+# (expert_down_kernel). With every block of a column tile side by side, each block's h
+# rows are read again for every column tile: at a 4,096-token prefill 132 MB of h, more
+# than L2, 20 times a layer. That order ran the down launch at 283 TFLOP/s against 490
+# for gate/up (2.05 ms a layer, H100, 2026-12-07, BENCHMARKS.md); this one is not yet
+# timed on a card.
 DOWN_BLOCK_GROUP = 8
 
 
