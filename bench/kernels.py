@@ -22,8 +22,11 @@ pool formats; no scorer sweep, MoE, GEMM or compression):
 (most of its time is compiling the sweep's variants, each split and unsplit on both
 formats; --attention-variants names the ones to time).
 The MoE section alone, with its tiling sweeps of the MXFP4 and bf16 kernels (--no-sweep
-skips them; --moe-sweep-formats plain sweeps the bf16 kernels alone):
+skips them and the down launch's program orders; --moe-sweep-formats plain sweeps the
+bf16 kernels alone; --moe-down-groups names the orders):
     python3 -m bench.kernels --moe-only --out moe.json
+The down launch's program orders alone (each output checked for the first order's bits):
+    python3 -m bench.kernels --moe-down-only --out moe_down.json
 The dense projections alone (each FP8-stored shape of a Flash layer at 1..4096 rows:
 the fixed-tile GEMM over the FP8 bytes, over their bf16 decode, and cuBLAS bf16,
 against copy bandwidth and the bf16 and FP8 matmul rates measured in the run):
@@ -63,7 +66,15 @@ from dsv41.model.kernels.triton import TritonKernels
 from dsv41.model.kernels.triton.attention import DEFAULT_ATTENTION_TILING, AttentionTiling, MlaTiling
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling
-from dsv41.model.kernels.triton.moe import ExpertTiling, PairBlocks, expert_down, expert_tiling, grouped_expert_slots
+from dsv41.model.kernels.triton.moe import (
+    ExpertTiling,
+    PairBlocks,
+    align_pairs,
+    block_rows,
+    expert_down,
+    expert_tiling,
+    grouped_expert_slots,
+)
 from dsv41.model.linalg import fp8_activations, linear
 from dsv41.model.moe import ExpertWeights, route, routed_expert_slots
 from dsv41.model.stored_weights import Fp8Weight
@@ -113,6 +124,12 @@ PLAIN_MOE_SWEEP = (
     ExpertTiling(block_n=128, block_k=64, num_warps=8, num_stages=4, block_m=128),
 )
 MOE_SWEEPS = {"mxfp4": MOE_SWEEP, "plain": PLAIN_MOE_SWEEP}
+# The down launch's program orders (expert_down's block_group), on 64 held experts at two
+# decode widths and a prefill: 0 stands for every block of a column tile side by side
+# (the order before moe.DOWN_BLOCK_GROUP), as a group wider than any step's blocks.
+MOE_DOWN_GROUPS = (0, 1, 4, 8, 16)
+MOE_DOWN_SHAPES = ((64, 32), (64, 128), (64, 4096))
+EVERY_BLOCK = 1 << 16
 COMPRESSION_PREFILL_ROWS = 4096
 # The dense projections' rows: decode batches and one 4096-token prefill.
 GEMM_ROWS = (1, 8, 32, 128, 256, 1024, 4096)
@@ -398,6 +415,60 @@ def _format_moe_sweep(config: V41Config, ceil: dict, fmt: str) -> list[dict]:
                 print(
                     f"moe sweep {fmt} E={num_experts:<3d} T={tokens:<5d} {tiling} {ms:8.3f} ms "
                     f"({rows[-1]['bw_frac']:.0%} bw, {rows[-1]['flop_per_s'] / 1e12:.1f} TFLOP/s)",
+                    flush=True,
+                )
+        del bank
+        torch.cuda.empty_cache()
+    return rows
+
+
+def moe_down_order(config: V41Config, ceil: dict, groups: tuple[int, ...]) -> list[dict]:
+    """The down launch alone under each program order of ``groups`` (MOE_DOWN_GROUPS),
+    both expert formats, MOE_DOWN_SHAPES: ms, TFLOP/s and the fraction of the copy
+    bandwidth of its bytes (w2 of the experts hit, h read once, the fp32 pair rows
+    written), and whether its output has the first order's bits (the order must change
+    no value)."""
+    hidden, inter, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
+    rows = []
+    for fmt in ("plain", "mxfp4"):
+        held = max(e for e, _ in MOE_DOWN_SHAPES)
+        experts = moe_experts(config, held, fmt)
+        bank = TritonKernels().expert_bank(experts, fmt)
+        del experts
+        gate = torch.randn(held, hidden, device="cuda") * hidden**-0.5
+        bias = torch.zeros(held, device="cuda")
+        for _, tokens in MOE_DOWN_SHAPES:
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            routing = route(x, gate, bias, top_k, config.routed_scaling_factor)
+            hit = routing.expert_ids.unique().numel()
+            block_m = block_rows(tokens * top_k, held)
+            blocks = align_pairs(routing.expert_ids, bank.held_ids, block_m)
+            h = torch.randn(blocks.num_blocks * block_m, inter, device="cuda").to(torch.bfloat16)
+            out = torch.empty(tokens * top_k, hidden, device="cuda")
+            tiling = expert_tiling(fmt, block_m)
+            moved = hit * hidden * inter * (2 if fmt == "plain" else 0.5 + 1 / 32) + h.numel() * 2 + out.numel() * 4
+            flops = 2 * tokens * top_k * hidden * inter
+            first = None
+            for group in groups:
+
+                def down(group: int = group or EVERY_BLOCK) -> None:
+                    expert_down(h, out, blocks, bank, tiling, bf16_dot=True, block_group=group)
+
+                down()
+                first = out.clone() if first is None else first
+                ms = median_ms(down)
+                rows.append(
+                    {
+                        "format": fmt, "experts": held, "tokens": tokens, "blocks": blocks.num_blocks,
+                        "block_group": group or "every block", "ms": ms, "flop_per_s": flops / (ms * 1e-3),
+                        "bw_frac": moved / (ms * 1e-3) / ceil["copy_bytes_per_s"], "same_bits": bool(torch.equal(out, first)),
+                    }
+                )
+                r = rows[-1]
+                print(
+                    f"moe down {fmt} T={tokens:<5d} blocks={blocks.num_blocks:<4d} group={r['block_group']!s:<11} "
+                    f"{ms:8.3f} ms ({r['flop_per_s'] / 1e12:.0f} TFLOP/s, {r['bw_frac']:.0%} bw)"
+                    + ("" if r["same_bits"] else " OTHER BITS"),
                     flush=True,
                 )
         del bank
@@ -701,6 +772,17 @@ def main() -> None:
         default=list(MOE_SWEEPS),
         help="the expert formats whose MoE tilings the sweep times (default: both)",
     )
+    parser.add_argument(
+        "--moe-down-groups",
+        type=int,
+        nargs="+",
+        default=list(MOE_DOWN_GROUPS),
+        help="the down launch's program orders the MoE section times (expert_down's block_group; 0: every block "
+        "of a column tile side by side)",
+    )
+    parser.add_argument(
+        "--moe-down-only", action="store_true", help="the down launch's program orders alone (--moe-down-groups)"
+    )
     parser.add_argument("--gemm-only", action="store_true", help="the dense FP8 projections' GEMM section alone")
     parser.add_argument(
         "--attention-only",
@@ -731,6 +813,10 @@ def main() -> None:
         parser.error("no CUDA device: on a CPU, run the --small smoke mode with TRITON_INTERPRET=1 set")
     if args.attention_only and (args.moe_only or args.gemm_only):
         parser.error("--attention-only excludes --moe-only and --gemm-only")
+    if args.moe_down_only and (args.attention_only or args.moe_only or args.gemm_only or args.small):
+        parser.error("--moe-down-only excludes --attention-only, --moe-only, --gemm-only and --small")
+    if any(group < 0 for group in args.moe_down_groups):
+        parser.error(f"--moe-down-groups: {args.moe_down_groups} (allowed: 0, every block, or a group of >= 1 blocks)")
     batches, contexts = (SMALL_BATCHES, SMALL_CONTEXTS) if args.small else (BATCHES, CONTEXTS)
     batches, contexts = tuple(args.batches or batches), tuple(args.contexts or contexts)
     config = V41Config.from_pretrained(FLASH, text_only=True)
@@ -743,7 +829,7 @@ def main() -> None:
     rows = []
     checks = []
     sweep_rows: list[dict] = []
-    only = args.moe_only or args.gemm_only
+    only = args.moe_only or args.gemm_only or args.moe_down_only
     for kv, index in () if only else (("bf16", "fp8"), ("fp4", "fp4")):
         geometry = pool_geometry(config, block_size=128, kv_cache_dtype=kv, index_cache_dtype=index)
         for context in contexts:
@@ -818,10 +904,12 @@ def main() -> None:
                 del pools, store, att, sc
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    no_moe = args.small or args.gemm_only or args.attention_only
+    no_moe = args.small or args.gemm_only or args.attention_only or args.moe_down_only
     moe_sweep_rows = [] if no_moe or args.no_sweep else moe_sweep(config, ceil, tuple(args.moe_sweep_formats))
+    down_orders = args.moe_down_only or not (no_moe or args.no_sweep)
+    moe_down_rows = moe_down_order(config, ceil, tuple(args.moe_down_groups)) if down_orders else []
     moe_rows, moe_checks = ([], []) if no_moe else moe_benchmark(config, ceil)
-    gemm_rows = [] if args.small or args.moe_only or args.attention_only else gemm_benchmark(config, ceil)
+    gemm_rows = [] if args.small or args.moe_only or args.attention_only or args.moe_down_only else gemm_benchmark(config, ceil)
     compression_rows, compression_checks = (
         ([], []) if only or args.attention_only else compression_benchmark(config, ceil, device, args.small)
     )
@@ -839,6 +927,7 @@ def main() -> None:
         "sweep_rows": sweep_rows,
         "moe_checks": moe_checks,
         "moe_sweep_rows": moe_sweep_rows,
+        "moe_down_rows": moe_down_rows,
         "moe_rows": moe_rows,
         "gemm_rows": gemm_rows,
         "compression_checks": compression_checks,
@@ -878,6 +967,13 @@ def main() -> None:
         else:
             timing = f"{r['ms']:.3f} | {100 * r['bw_frac']:.0f}% | {r['flop_per_s'] / 1e12:.1f}"
         print(f"| {r['experts']} | {r['tokens']} | {r['tiling']} | {timing} |")
+    print("| experts format | held | tokens | blocks | down block group | ms | TFLOP/s | % copy bw | same bits |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---|")
+    for r in moe_down_rows:
+        print(
+            f"| {r['format']} | {r['experts']} | {r['tokens']} | {r['blocks']} | {r['block_group']} | {r['ms']:.3f} | "
+            f"{r['flop_per_s'] / 1e12:.0f} | {100 * r['bw_frac']:.0f}% | {'yes' if r['same_bits'] else 'NO'} |"
+        )
     print("| experts format | held | tokens | experts hit | ms | torch loop ms | TFLOP/s | % bf16 matmul | TB/s | % copy bw |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in moe_rows:

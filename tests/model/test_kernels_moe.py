@@ -222,6 +222,31 @@ def test_the_scaled_the_decoded_and_the_bit_mxfp4_dots_agree_bit_for_bit() -> No
         assert torch.equal(grouped_expert_slots(x, routing, bank, LIMIT, bf16_dot=bf16_dot, tiling=tiling), got)
 
 
+@pytest.mark.parametrize("fmt", ["plain", "mxfp4"])
+def test_the_down_launchs_program_order_changes_no_value(fmt: str) -> None:
+    """expert_down's block_group only orders its programs: with 80 rows routed to 4 of 5
+    experts in 16-row blocks (more used blocks than a group of 7, and a count neither 4
+    nor 7 divides) over 3 column tiles, groups of 1, 4, 7 and every block give the same
+    bits; a group below one block is refused."""
+    hidden, inter, top_k, rows = 96, 64, 2, 80
+    experts = _experts(range(5), hidden, inter, torch.float32, fmt, seed=51)
+    bank = build_expert_bank(experts, fmt)
+    routing = _routing(rows, top_k, [4, 0, 2, 3], seed=52)
+    blocks = align_pairs(routing.expert_ids, bank.held_ids, 16)
+    h = torch.randn(blocks.num_blocks * 16, inter, generator=torch.Generator().manual_seed(53)).to(DEVICE)
+    tiling = ExpertTiling(block_n=32, block_k=32)
+    outputs = []
+    for group in (1, 4, 7, blocks.num_blocks):
+        out = torch.zeros(rows * top_k, hidden, device=DEVICE)
+        expert_down(h, out, blocks, bank, tiling, bf16_dot=False, block_group=group)
+        outputs.append(out)
+    assert int(blocks.block_experts.ge(0).sum()) > 7 and blocks.num_blocks % 4 and blocks.num_blocks % 7
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+    assert outputs[0].abs().sum(1).gt(0).sum() == rows * top_k
+    with pytest.raises(ValueError, match="block_group: 0"):
+        expert_down(h, outputs[0], blocks, bank, tiling, bf16_dot=False, block_group=0)
+
+
 @triton.jit
 def _decode_pairs_kernel(packed_ptr, scale_ptr, out_ptr, ROWS: tl.constexpr, PAIRS: tl.constexpr):
     rows = tl.arange(0, ROWS)

@@ -814,10 +814,15 @@ def expert_down(
     tiling: ExpertTiling,
     *,
     bf16_dot: bool,
+    block_group: int = DOWN_BLOCK_GROUP,
 ) -> None:
     """The w2 launch: ``out`` [P, hidden] (pair rows, the activations' dtype or fp32)
     gets w2 times each block row of ``h`` [num_blocks * block_m, inter] whose pair is
-    present, rounded to the activations' dtype."""
+    present, rounded to the activations' dtype. ``block_group``: the blocks whose
+    programs run side by side over each column tile (at least the number of blocks:
+    every block of a column tile); it orders the programs and changes no value."""
+    if block_group < 1:
+        raise ValueError(f"block_group: {block_group} (allowed: >= 1)")
     expert_down_kernel[(blocks.num_blocks * triton.cdiv(bank.hidden, tiling.block_n),)](
         h,
         out,
@@ -832,7 +837,7 @@ def expert_down(
         h.stride(0),
         out.stride(0),
         blocks.num_blocks,
-        BLOCK_GROUP=DOWN_BLOCK_GROUP,
+        BLOCK_GROUP=block_group,
         **_launch_constants(bank, h.dtype, blocks.block_m, tiling, bf16_dot),
     )
 
