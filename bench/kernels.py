@@ -67,6 +67,7 @@ from dsv41.model.kernels.triton.attention import DEFAULT_ATTENTION_TILING, Atten
 from dsv41.model.kernels.triton.gemm import decode_fp8_weight, fixed_tile_matmul
 from dsv41.model.kernels.triton.index_scorer import ScorerTiling
 from dsv41.model.kernels.triton.moe import (
+    EVERY_BLOCK,
     ExpertTiling,
     PairBlocks,
     align_pairs,
@@ -126,10 +127,9 @@ PLAIN_MOE_SWEEP = (
 MOE_SWEEPS = {"mxfp4": MOE_SWEEP, "plain": PLAIN_MOE_SWEEP}
 # The down launch's program orders (expert_down's block_group), on 64 held experts at two
 # decode widths and a prefill: 0 stands for every block of a column tile side by side
-# (the order before moe.DOWN_BLOCK_GROUP), as a group wider than any step's blocks.
+# (moe.EVERY_BLOCK: decode heights' order, and a prefill's before moe.DOWN_BLOCK_GROUP).
 MOE_DOWN_GROUPS = (0, 1, 4, 8, 16)
 MOE_DOWN_SHAPES = ((64, 32), (64, 128), (64, 4096))
-EVERY_BLOCK = 1 << 16
 COMPRESSION_PREFILL_ROWS = 4096
 # The dense projections' rows: decode batches and one 4096-token prefill.
 GEMM_ROWS = (1, 8, 32, 128, 256, 1024, 4096)

@@ -226,8 +226,8 @@ def test_the_scaled_the_decoded_and_the_bit_mxfp4_dots_agree_bit_for_bit() -> No
 def test_the_down_launchs_program_order_changes_no_value(fmt: str) -> None:
     """expert_down's block_group only orders its programs: with 80 rows routed to 4 of 5
     experts in 16-row blocks (more used blocks than a group of 7, and a count neither 4
-    nor 7 divides) over 3 column tiles, groups of 1, 4, 7 and every block give the same
-    bits; a group below one block is refused."""
+    nor 7 divides) over 3 column tiles, groups of 1, 4, 7, every block and the default
+    give the same bits; a group below one block is refused."""
     hidden, inter, top_k, rows = 96, 64, 2, 80
     experts = _experts(range(5), hidden, inter, torch.float32, fmt, seed=51)
     bank = build_expert_bank(experts, fmt)
@@ -236,7 +236,7 @@ def test_the_down_launchs_program_order_changes_no_value(fmt: str) -> None:
     h = torch.randn(blocks.num_blocks * 16, inter, generator=torch.Generator().manual_seed(53)).to(DEVICE)
     tiling = ExpertTiling(block_n=32, block_k=32)
     outputs = []
-    for group in (1, 4, 7, blocks.num_blocks):
+    for group in (1, 4, 7, blocks.num_blocks, None):
         out = torch.zeros(rows * top_k, hidden, device=DEVICE)
         expert_down(h, out, blocks, bank, tiling, bf16_dot=False, block_group=group)
         outputs.append(out)

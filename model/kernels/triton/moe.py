@@ -59,12 +59,16 @@ MAX_BLOCK_M = 64
 # is one tile of two warpgroups' wgmma.
 MAX_TILING_BLOCK_M = 128
 # Blocks of pairs whose down programs run side by side over each column tile of w2
-# (expert_down_kernel). With every block of a column tile side by side, each block's h
-# rows are read again for every column tile: at a 4,096-token prefill 132 MB of h, more
-# than L2, 20 times a layer. That order ran the down launch at 283 TFLOP/s against 490
-# for gate/up (2.05 ms a layer, H100, 2026-12-07, BENCHMARKS.md); this one is not yet
-# timed on a card.
+# (expert_down_kernel), for blocks of a prefill's height. With every block of a column
+# tile side by side, each block's h rows are read again for every column tile: at a
+# 4,096-token prefill 132 MB of h, more than L2, 20 times a layer. That order ran the
+# down launch at 283 TFLOP/s against 490 for gate/up (2.05 ms a layer, H100,
+# 2026-12-07, BENCHMARKS.md); this one is not yet timed on a card. Decode-height blocks
+# keep every block of a column tile side by side (EVERY_BLOCK), the order the decode
+# steps were measured with: their h is small, their w2 tiles are what is read.
 DOWN_BLOCK_GROUP = 8
+# A group wider than any step's blocks: one group, every block of a column tile side by side.
+EVERY_BLOCK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -814,15 +818,18 @@ def expert_down(
     tiling: ExpertTiling,
     *,
     bf16_dot: bool,
-    block_group: int = DOWN_BLOCK_GROUP,
+    block_group: int | None = None,
 ) -> None:
     """The w2 launch: ``out`` [P, hidden] (pair rows, the activations' dtype or fp32)
     gets w2 times each block row of ``h`` [num_blocks * block_m, inter] whose pair is
     present, rounded to the activations' dtype. ``block_group``: the blocks whose
     programs run side by side over each column tile (at least the number of blocks:
-    every block of a column tile); it orders the programs and changes no value."""
+    every block of a column tile; None: DOWN_BLOCK_GROUP for blocks of MAX_BLOCK_M rows
+    or more, else EVERY_BLOCK); it orders the programs and changes no value."""
+    if block_group is None:
+        block_group = DOWN_BLOCK_GROUP if blocks.block_m >= MAX_BLOCK_M else EVERY_BLOCK
     if block_group < 1:
-        raise ValueError(f"block_group: {block_group} (allowed: >= 1)")
+        raise ValueError(f"block_group: {block_group} (allowed: >= 1, or None)")
     expert_down_kernel[(blocks.num_blocks * triton.cdiv(bank.hidden, tiling.block_n),)](
         h,
         out,
