@@ -45,6 +45,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -70,6 +71,7 @@ from dsv41.model.kernels.triton.moe import (
     EVERY_BLOCK,
     ExpertTiling,
     PairBlocks,
+    TritonExpertBank,
     align_pairs,
     block_rows,
     expert_down,
@@ -77,7 +79,7 @@ from dsv41.model.kernels.triton.moe import (
     grouped_expert_slots,
 )
 from dsv41.model.linalg import fp8_activations, linear
-from dsv41.model.moe import ExpertWeights, route, routed_expert_slots
+from dsv41.model.moe import ExpertWeights, Routing, route, routed_expert_slots
 from dsv41.model.stored_weights import Fp8Weight
 from dsv41.model.weights import TensorKind, checkpoint_tensors
 
@@ -372,6 +374,26 @@ def mxfp4_decode_check(bank, w2: torch.Tensor) -> dict:
     return {"check": "w2 decode exact", "equal": bool(torch.equal(out, want)), "mismatches": int((out != want).sum())}
 
 
+def _bank_and_router(
+    config: V41Config, num_experts: int, fmt: str
+) -> tuple[TritonExpertBank, Callable[[int], tuple[torch.Tensor, Routing]]]:
+    """A Triton bank of ``num_experts`` random experts in ``fmt`` (moe_experts; the
+    unpacked weights freed once banked) and a function of a token count giving random
+    bf16 rows and their routing by a random router over those experts."""
+    experts = moe_experts(config, num_experts, fmt)
+    bank = TritonKernels().expert_bank(experts, fmt)
+    del experts
+    hidden = config.hidden_size
+    gate = torch.randn(num_experts, hidden, device="cuda") * hidden**-0.5
+    bias = torch.zeros(num_experts, device="cuda")
+
+    def router(tokens: int) -> tuple[torch.Tensor, Routing]:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        return x, route(x, gate, bias, config.num_experts_per_tok, config.routed_scaling_factor)
+
+    return bank, router
+
+
 def moe_sweep(config: V41Config, ceil: dict, formats: tuple[str, ...]) -> list[dict]:
     """Kernel ms and fraction of the copy bandwidth of each MOE_SWEEPS tiling of the
     grouped expert kernels of each of ``formats`` on the MOE_SWEEP_SHAPES (the data to
@@ -383,16 +405,11 @@ def _format_moe_sweep(config: V41Config, ceil: dict, fmt: str) -> list[dict]:
     hidden, top_k = config.hidden_size, config.num_experts_per_tok
     rows = []
     for num_experts in sorted({e for e, _ in MOE_SWEEP_SHAPES}):
-        experts = moe_experts(config, num_experts, fmt)
-        bank = TritonKernels().expert_bank(experts, fmt)
-        del experts
-        gate = torch.randn(num_experts, hidden, device="cuda") * hidden**-0.5
-        bias = torch.zeros(num_experts, device="cuda")
+        bank, router = _bank_and_router(config, num_experts, fmt)
         for held, tokens in MOE_SWEEP_SHAPES:
             if held != num_experts:
                 continue
-            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-            routing = route(x, gate, bias, top_k, config.routed_scaling_factor)
+            x, routing = router(tokens)
             hit = routing.expert_ids.unique().numel()
             moved = moe_bytes(config, fmt, tokens, hit)
             flops = 2 * tokens * top_k * 3 * hidden * config.moe_intermediate_size
@@ -432,14 +449,9 @@ def moe_down_order(config: V41Config, ceil: dict, groups: tuple[int, ...]) -> li
     rows = []
     for fmt in ("plain", "mxfp4"):
         held = max(e for e, _ in MOE_DOWN_SHAPES)
-        experts = moe_experts(config, held, fmt)
-        bank = TritonKernels().expert_bank(experts, fmt)
-        del experts
-        gate = torch.randn(held, hidden, device="cuda") * hidden**-0.5
-        bias = torch.zeros(held, device="cuda")
+        bank, router = _bank_and_router(config, held, fmt)
         for _, tokens in MOE_DOWN_SHAPES:
-            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-            routing = route(x, gate, bias, top_k, config.routed_scaling_factor)
+            _, routing = router(tokens)
             hit = routing.expert_ids.unique().numel()
             block_m = block_rows(tokens * top_k, held)
             blocks = align_pairs(routing.expert_ids, bank.held_ids, block_m)
