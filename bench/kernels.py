@@ -446,9 +446,9 @@ def moe_down_order(config: V41Config, ceil: dict, groups: tuple[int, ...]) -> li
     written), and whether its output has the first order's bits (the order must change
     no value)."""
     hidden, inter, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
+    held = max(e for e, _ in MOE_DOWN_SHAPES)
     rows = []
     for fmt in ("plain", "mxfp4"):
-        held = max(e for e, _ in MOE_DOWN_SHAPES)
         bank, router = _bank_and_router(config, held, fmt)
         for _, tokens in MOE_DOWN_SHAPES:
             _, routing = router(tokens)

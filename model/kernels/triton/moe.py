@@ -67,7 +67,8 @@ MAX_TILING_BLOCK_M = 128
 # keep every block of a column tile side by side (EVERY_BLOCK), the order the decode
 # steps were measured with: their h is small, their w2 tiles are what is read.
 DOWN_BLOCK_GROUP = 8
-# A group wider than any step's blocks: one group, every block of a column tile side by side.
+# A group wider than a step's blocks (one group: every block of a column tile side by
+# side); a step of more blocks would run in groups of this many, with the same values.
 EVERY_BLOCK = 1 << 16
 
 
@@ -753,14 +754,15 @@ def expert_down_kernel(
     per_group = BLOCK_GROUP * column_tiles
     first = (pid // per_group) * BLOCK_GROUP
     group_blocks = tl.minimum(num_blocks - first, BLOCK_GROUP)
-    block = first + (pid % per_group) % group_blocks
+    in_group = pid % per_group
+    block = first + in_group % group_blocks
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
     slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(slot_pair_ptr + slots)
     present = pair >= 0
-    cols = ((pid % per_group) // group_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (in_group // group_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden
     w2 = tl.multiple_of(tl.load(w2_values + expert).to(tl.pointer_type(W_ELEM)), 16)
     s2 = tl.multiple_of(tl.load(w2_scales + expert).to(tl.pointer_type(tl.uint8)), 16)
