@@ -6,8 +6,10 @@ before an H200 run times it (a spilling cut, one over the SM's 227 KB of shared 
 
 The arguments are specialised as Triton's launcher would (16-byte aligned pointers and
 multiples of 16 marked divisible), so the counts are a build's, not a guess; they are
-the installed triton's, which may differ from the GPU machine's. Usage (any machine
-with triton, no TRITON_INTERPRET):
+the installed triton's, which may differ from the GPU machine's; that machine's
+version builds here from its PyPI wheel, unpacked and put first on PYTHONPATH (its
+bundled ptxas needs the executable bit). Usage (any machine with triton, no
+TRITON_INTERPRET):
     python3 -m bench.sm90_build
     python3 -m bench.sm90_build --variants default mla
 """

@@ -440,7 +440,7 @@ class MlaTiling:
     replication (warps [8, 1] over 64 rows), so each computes all of them: q . k work
     doubles, and doubles again at dim_split 2. Turning the dots around (logits^T = K . q^T,
     keys on M, q^T held in shared memory) ends the replication at 128-key tiles, but no
-    such cut builds without spills (sm_90, triton 3.9.0, 2026-12-08, BENCHMARKS.md): the
+    such cut builds without spills (sm_90, triton 3.9.0 and 3.6.0, 2026-12-08, BENCHMARKS.md): the
     decoded tile passes through registers on its way to shared memory.
     ``programs_per_wave``, ``merge_block_h``, ``num_warps`` and ``num_stages`` are
     AttentionTiling's.
