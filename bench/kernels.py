@@ -160,6 +160,15 @@ ATTENTION_SWEEP = {
     "mla q_reload num_stages=1": MlaTiling(q_reload=True, num_stages=1),
     "mla row/program q_reload block_n=16": MlaTiling(block_n=16, q_reload=True, dim_split=1),
     "mla no key split": MlaTiling(programs_per_wave=1),
+    # One warpgroup a program, half the latent each: its [64, keys] logits need no
+    # replication, and with q re-read and one stage it builds without spills at 231-252
+    # registers (16-key tiles; triton 3.6.0 and 3.9.0, 2026-12-08; 32-key tiles spill
+    # 16-44 bytes in some builds), so two programs share an SM and one's loads can
+    # overlap the other's dots (the default runs one a SM).
+    "mla 4 warps dim_split=2 q_reload num_stages=1 block_n=16": MlaTiling(
+        block_n=16, q_reload=True, dim_split=2, num_warps=4, num_stages=1
+    ),
+    "mla 4 warps dim_split=2 q_reload num_stages=1": MlaTiling(q_reload=True, dim_split=2, num_warps=4, num_stages=1),
 }
 # A sweep variant's output against the torch backend's counts as correct within the
 # tests' bf16 tolerance (tests/model/test_kernels_triton.py: bf16 dots, bf16 probabilities).

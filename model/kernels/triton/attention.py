@@ -453,8 +453,10 @@ class MlaTiling:
     at 8 warps with q held (176-672 bytes, every qk_chunk and block_n tried) and at 16
     warps (128 registers a thread at most), and holds with q_reload: 16-key tiles, 2
     stages, 238-255 registers, 197-213 KB; 32-key tiles, 1 stage, 244-255 registers,
-    32-131 KB. 4 warps spill at dim_split 2 and 4. q_reload with dim_split 2 needs
-    more than an SM's 227 KB of shared memory at 2 stages (246 KB: the reloads are
+    32-131 KB. 4 warps spill at dim_split 2 and 4 with q held; with q_reload, one stage
+    and 16-key tiles they build without spills (2026-12-08, 3.9.0 and 3.6.0, 231-252
+    registers: two programs an SM; bench/kernels.py ATTENTION_SWEEP). q_reload with
+    dim_split 2 needs more than an SM's 227 KB of shared memory at 2 stages (246 KB: the reloads are
     pipelined too), and 16-65 KB at 1. AttentionTiling at block_h 64 needs 263 KB (bf16) and
     spills. Which cut is fastest is for the sweep of bench/kernels.py (ATTENTION_SWEEP)
     to say; DEFAULT_ATTENTION_TILING is what it chose."""
