@@ -354,12 +354,18 @@ def moe_experts(config: V41Config, num_experts: int, fmt: str) -> dict[int, Expe
     }
 
 
+def expert_bytes_per_weight(fmt: str) -> float:
+    """Bytes a bank of ``fmt`` holds per expert weight value: bf16, or an E2M1 nibble plus
+    one E8M0 byte per 32."""
+    return 2 if fmt == "plain" else 0.5 + 1 / 32
+
+
 def moe_bytes(config: V41Config, fmt: str, tokens: int, experts_hit: int) -> float:
     """Bytes a grouped-GEMM step must move: the weights of the distinct experts it routes
-    to (bf16 values, or E2M1 nibbles plus one E8M0 byte per 32), x, the intermediate h
-    (written and read), the per-pair outputs (written and read) and the fp32 sums."""
+    to (expert_bytes_per_weight), x, the intermediate h (written and read), the per-pair
+    outputs (written and read) and the fp32 sums."""
     hidden, inter, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
-    expert_bytes = 3 * hidden * inter * (2 if fmt == "plain" else 0.5 + 1 / 32)
+    expert_bytes = 3 * hidden * inter * expert_bytes_per_weight(fmt)
     pairs = tokens * top_k
     return experts_hit * expert_bytes + tokens * hidden * 2 + pairs * (inter + hidden) * 2 * 2 + pairs * hidden * 4
 
@@ -467,7 +473,7 @@ def moe_down_order(config: V41Config, ceil: dict, groups: tuple[int, ...]) -> li
             h = torch.randn(blocks.num_blocks * block_m, inter, device="cuda").to(torch.bfloat16)
             out = torch.empty(tokens * top_k, hidden, device="cuda")
             tiling = expert_tiling(fmt, block_m)
-            moved = hit * hidden * inter * (2 if fmt == "plain" else 0.5 + 1 / 32) + h.numel() * 2 + out.numel() * 4
+            moved = hit * hidden * inter * expert_bytes_per_weight(fmt) + h.numel() * 2 + out.numel() * 4
             flops = 2 * tokens * top_k * hidden * inter
             first = None
             for group in groups:
